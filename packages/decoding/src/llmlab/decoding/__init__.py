@@ -1,0 +1,1 @@
+"""llmlab.decoding."""
