@@ -1,0 +1,394 @@
+"""A GPT (decoder-only transformer) that is plain PyTorch and ready to be split and sharded.
+
+Three contracts from DESIGN §3 shape this module:
+
+* **Pipeline**: ``GPT.pipeline_layers()`` is ``[embed, *blocks, head]``; each maps one tensor to
+  one tensor (ids -> hidden -> hidden -> logits), and their composition is ``GPT.forward``.
+* **Tensor parallel**: ``GPT.tensor_parallel_plan()`` names the layers to shard. The fused qkv
+  projection stores its output rows head by head (``[q_h, k_h, v_h]`` for each head ``h``), as
+  Megatron-LM does, so a contiguous column shard holds whole heads; attention reads its local
+  head count from the (possibly sharded) weight, never from ``config.n_head``.
+* **Decoding**: ``forward(input_ids, cache=None, positions=None, attention_mask=None)`` with a
+  preallocated ``KVCache`` from ``new_cache(batch_size, max_len)``; positions follow the
+  attention mask for left-padded batches, as HF does.
+
+The layer layout mirrors GPT-2 so that ``GPT.from_hf_gpt2`` is a renaming (plus the qkv
+reordering above) and logits match ``transformers.GPT2LMHeadModel``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llmlab.models.kv_cache import KVCache
+from llmlab.models.ops import Ops, get_ops
+
+if TYPE_CHECKING:  # transformers is an optional, test-time dependency
+    from transformers import GPT2LMHeadModel
+
+KERNEL_BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class GPTConfig:
+    """Hyper-parameters of the GPT. ``validate()`` is called on construction of a ``GPT``."""
+
+    vocab_size: int = 256
+    block_size: int = 256  # the longest sequence the position table covers
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    layer_norm_eps: float = 1e-5
+    kernels: str = "torch"  # "torch" (PyTorch ops) or "triton" (llmlab.kernels)
+
+    def validate(self) -> None:
+        """Fail early, naming the bad value and what would be valid."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
+            near = sorted(divisors, key=lambda h: abs(h - self.n_head))[:4]
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"valid n_head values near it: {sorted(near)}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"GPTConfig.kernels={self.kernels!r} is not one of {list(KERNEL_BACKENDS)}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias, computed by the configured op backend."""
+
+    def __init__(self, dim: int, bias: bool, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused, head-interleaved qkv projection."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int, ops: Ops) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.layer_idx = layer_idx
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.ops = ops
+
+    @property
+    def local_heads(self) -> int:
+        """Heads held by this module: all of them, or this rank's share once qkv is sharded."""
+        return self.qkv.weight.shape[0] // (3 * self.head_dim)
+
+    def forward(
+        self,
+        x: Tensor,
+        cache: KVCache | None = None,
+        attn_mask: Tensor | None = None,
+        causal: bool = True,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        # (B, T, H, 3, D): each head's q, k and v are adjacent, so a column shard keeps heads whole.
+        qkv = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each (B, H, T, D)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        dropout_p = self.dropout if self.training else 0.0
+        if attn_mask is None and causal:
+            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p)
+        else:  # decoding: an explicit mask, or one new token that may see every cached key
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig, ops: Ops) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+        self.ops = ops
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(self.ops.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int, ops: Ops) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, config.bias, config.layer_norm_eps, ops)
+        self.attn = CausalSelfAttention(config, layer_idx, ops)
+        self.ln_2 = LayerNorm(config.n_embd, config.bias, config.layer_norm_eps, ops)
+        self.mlp = MLP(config, ops)
+
+    def forward(
+        self,
+        x: Tensor,
+        cache: KVCache | None = None,
+        attn_mask: Tensor | None = None,
+        causal: bool = True,
+    ) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, attn_mask, causal)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings (the first pipeline layer: ids -> hidden)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.block_size = config.block_size
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if int(positions.max()) >= self.block_size:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the model's block_size "
+                f"{self.block_size}; sequences may hold at most {self.block_size} tokens"
+            )
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the LM head (the last pipeline layer: hidden -> logits)."""
+
+    def __init__(self, config: GPTConfig, ops: Ops) -> None:
+        super().__init__()
+        self.ln_f = LayerNorm(config.n_embd, config.bias, config.layer_norm_eps, ops)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``forward(input_ids) -> logits`` of shape (B, T, vocab)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        ops = get_ops(config.kernels)
+        self.embed = Embedding(config)
+        self.blocks = nn.ModuleList(Block(config, i, ops) for i in range(config.n_layer))
+        self.head = Head(config, ops)
+        if config.tie_embeddings:
+            self.head.lm_head.weight = self.embed.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled down so the residual stream's variance stays put.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: KVCache | None = None,
+        positions: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> Tensor:
+        """Logits for ``input_ids`` (B, T).
+
+        ``cache``: a ``KVCache`` from ``new_cache``; the new tokens are appended to it.
+        ``attention_mask``: (B, past + T) with 1 for real tokens and 0 for (left) padding.
+        ``positions``: (B, T) position ids; by default derived from the mask (or the cache).
+        ``logits_to_keep``: if > 0, only the last that many positions go through the LM head.
+        """
+        past = cache.length if cache is not None else 0
+        T = input_ids.shape[1]
+        if positions is None:
+            positions = self._default_positions(input_ids, past, attention_mask)
+        # Without padding, a fresh sequence is plainly causal and a single new token may attend to
+        # every cached key: neither needs a mask tensor, so the fused causal kernel stays in use.
+        attn_mask = None
+        if attention_mask is not None or (past > 0 and T > 1):
+            attn_mask = self._attention_bias(input_ids, past, attention_mask)
+        causal = past == 0
+        x = self.embed(input_ids, positions)
+        for block in self.blocks:
+            x = block(x, cache, attn_mask, causal)
+        if cache is not None:
+            cache.advance(T)
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
+        return self.head(x)
+
+    @staticmethod
+    def _default_positions(input_ids: Tensor, past: int, attention_mask: Tensor | None) -> Tensor:
+        T = input_ids.shape[1]
+        if attention_mask is None:
+            return torch.arange(past, past + T, device=input_ids.device).unsqueeze(0)
+        # As HF: a left-padded row's first real token gets position 0.
+        positions = attention_mask.long().cumsum(-1) - 1
+        return positions.clamp_(min=0)[:, past : past + T]
+
+    @staticmethod
+    def _attention_bias(input_ids: Tensor, past: int, attention_mask: Tensor | None) -> Tensor:
+        """Boolean (B, 1, T, past + T) mask: causal, padded keys hidden, never an empty row."""
+        T = input_ids.shape[1]
+        S = past + T
+        device = input_ids.device
+        query_pos = torch.arange(past, S, device=device).unsqueeze(1)
+        key_pos = torch.arange(S, device=device).unsqueeze(0)
+        allowed = (key_pos <= query_pos).unsqueeze(0)  # (1, T, S)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, None, :S].bool()
+        # A padding query sees no key at all; let it see itself so softmax has no empty row (its
+        # output is never used, and no real token attends to it).
+        allowed = allowed | (key_pos == query_pos).unsqueeze(0)
+        return allowed.unsqueeze(1)
+
+    # ----------------------------------------------------------------------- contracts
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A preallocated key/value cache for ``batch_size`` sequences of ``max_len`` tokens."""
+        if max_len > self.config.block_size:
+            raise ValueError(
+                f"max_len={max_len} exceeds the model's block_size={self.config.block_size}"
+            )
+        ref = self.embed.wte.weight
+        heads = self.blocks[0].attn.local_heads if len(self.blocks) else self.config.n_head
+        return KVCache(
+            n_layer=self.config.n_layer,
+            batch_size=batch_size,
+            n_head=heads,
+            head_dim=self.config.head_dim,
+            max_len=max_len,
+            dtype=dtype or ref.dtype,
+            device=ref.device,
+        )
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """``[embed, *blocks, head]``: each maps one tensor to one tensor, in forward order."""
+        return [self.embed, *self.blocks, self.head]
+
+    @staticmethod
+    def tensor_parallel_plan() -> dict[str, str]:
+        """Which modules to shard and how (Megatron-LM's layout; see llmlab.parallel.tensor)."""
+        return {
+            "embed.wte": "vocab",
+            "blocks.*.attn.qkv": "colwise",
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.proj": "rowwise",
+            "head.lm_head": "vocab",
+        }
+
+    # ------------------------------------------------------------------------ metrics
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; position embeddings excluded by default (they cost no matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.embed.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12·L·H·D·T."""
+        c = self.config
+        T = seq_len or c.block_size
+        return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_embd * T
+
+    # ------------------------------------------------------------------- conversions
+    @classmethod
+    def from_hf_gpt2(cls, hf_model: GPT2LMHeadModel, kernels: str = "torch") -> GPT:
+        """An llmlab GPT with the config and weights of a HF ``GPT2LMHeadModel``."""
+        hf_cfg = hf_model.config
+        activation = getattr(hf_cfg, "activation_function", "gelu_new")
+        if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(
+                f"GPT.from_hf_gpt2 supports the tanh GELU (gelu_new), not {activation!r}"
+            )
+        if getattr(hf_cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(
+            hf_cfg, "reorder_and_upcast_attn", False
+        ):
+            raise ValueError("GPT.from_hf_gpt2 does not support GPT-2's attention variants")
+        config = GPTConfig(
+            vocab_size=hf_cfg.vocab_size,
+            block_size=hf_cfg.n_positions,
+            n_layer=hf_cfg.n_layer,
+            n_head=hf_cfg.n_head,
+            n_embd=hf_cfg.n_embd,
+            dropout=0.0,
+            bias=True,
+            tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", True)),
+            layer_norm_eps=hf_cfg.layer_norm_epsilon,
+            kernels=kernels,
+        )
+        model = cls(config)
+        sd = hf_model.state_dict()
+        C, H, D = config.n_embd, config.n_head, config.head_dim
+
+        def qkv_rows(t: Tensor) -> Tensor:
+            # HF orders qkv outputs [q(all heads), k(...), v(...)]; ours is per head [q_h,k_h,v_h].
+            return t.reshape(3, H, D, *t.shape[1:]).transpose(0, 1).reshape(3 * C, *t.shape[1:])
+
+        ours: dict[str, Tensor] = {
+            "embed.wte.weight": sd["transformer.wte.weight"],
+            "embed.wpe.weight": sd["transformer.wpe.weight"],
+            "head.ln_f.weight": sd["transformer.ln_f.weight"],
+            "head.ln_f.bias": sd["transformer.ln_f.bias"],
+            "head.lm_head.weight": sd["lm_head.weight"],
+        }
+        for i in range(config.n_layer):
+            src, dst = f"transformer.h.{i}.", f"blocks.{i}."
+            for ln in ("ln_1", "ln_2"):
+                ours[f"{dst}{ln}.weight"] = sd[f"{src}{ln}.weight"]
+                ours[f"{dst}{ln}.bias"] = sd[f"{src}{ln}.bias"]
+            # HF's Conv1D stores (in, out); nn.Linear wants (out, in).
+            ours[f"{dst}attn.qkv.weight"] = qkv_rows(sd[f"{src}attn.c_attn.weight"].t())
+            ours[f"{dst}attn.qkv.bias"] = qkv_rows(sd[f"{src}attn.c_attn.bias"])
+            ours[f"{dst}attn.proj.weight"] = sd[f"{src}attn.c_proj.weight"].t()
+            ours[f"{dst}attn.proj.bias"] = sd[f"{src}attn.c_proj.bias"]
+            ours[f"{dst}mlp.fc.weight"] = sd[f"{src}mlp.c_fc.weight"].t()
+            ours[f"{dst}mlp.fc.bias"] = sd[f"{src}mlp.c_fc.bias"]
+            ours[f"{dst}mlp.proj.weight"] = sd[f"{src}mlp.c_proj.weight"].t()
+            ours[f"{dst}mlp.proj.bias"] = sd[f"{src}mlp.c_proj.bias"]
+        model.load_state_dict({k: v.detach().clone() for k, v in ours.items()})
+        return model.to(dtype=next(hf_model.parameters()).dtype)

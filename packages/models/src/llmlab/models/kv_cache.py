@@ -1,0 +1,61 @@
+"""A preallocated key/value cache: prefill once, then append one token per step without copies.
+
+Every layer writes its new keys and values at ``[length, length + T)`` of fixed buffers of shape
+(batch, heads, max_len, head_dim) and attends over the prefix ``[0, length + T)``; the model
+calls ``advance(T)`` once all layers have written. Rows of a batch share the write position: left
+padding (and the attention mask) keeps them aligned, as in HF.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_head: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # tokens already stored (same for every row)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new ``k``/``v`` (B, H, T, D) of one layer; return that layer's full prefix."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {end} tokens do not fit in max_len={self.max_len}; "
+                f"create the cache with a larger max_len"
+            )
+        self.keys[layer_idx, :, :, self.length : end] = k
+        self.values[layer_idx, :, :, self.length : end] = v
+        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        """Commit ``num_tokens`` new positions once every layer has written them."""
+        self.length += num_tokens
+
+    def reorder(self, batch_indices: Tensor) -> None:
+        """Reorder (or repeat) rows, e.g. to follow the surviving beams in beam search."""
+        self.keys = self.keys.index_select(1, batch_indices)
+        self.values = self.values.index_select(1, batch_indices)
+
+    def crop(self, length: int) -> None:
+        """Forget everything after ``length`` tokens (speculative decoding's rejected drafts)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
