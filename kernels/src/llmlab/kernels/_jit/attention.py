@@ -1,0 +1,247 @@
+"""Flash attention (forward and backward) for q, k, v laid out as (B*H, T, D) contiguous.
+
+Forward (one program per BLOCK_M queries of one head): stream BLOCK_N keys/values at a time and
+keep, per query row, the running max ``m``, the running denominator ``l`` and the unnormalised
+output ``acc``. When a new tile raises the max from ``m`` to ``m'``, old terms are rescaled by
+``exp(m - m')`` (the online softmax), so the T x T probability matrix never exists in memory.
+Saved for the backward: the output and ``lse = m + log(l)``, one float per query row.
+Scores use ``exp2`` with ``log2(e)`` folded into the scale (one multiply, the fast unit).
+
+Backward (FlashAttention-2): probabilities are recomputed from q, k and ``lse`` as
+``p = exp(q.k * scale - lse)``. With ``delta_i = sum_d dO_i * O_i``:
+``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ = dS K * scale``,
+``dK = dS^T Q * scale``. One kernel owns a K/V tile and sweeps the queries (dK, dV); another
+owns a Q tile and sweeps the keys (dQ): no atomics, each output written once.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def attn_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    scale,
+    T_Q,
+    T_K,
+    D,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_base = q_ptr + bh * T_Q * D
+    k_base = k_ptr + bh * T_K * D
+    v_base = v_ptr + bh * T_K * D
+    mask_d = offs_d < D
+
+    q = tl.load(
+        q_base + offs_m[:, None] * D + offs_d[None, :],
+        mask=(offs_m[:, None] < T_Q) & mask_d[None, :],
+        other=0.0,
+    )
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634  # fold log2(e): exp(x) == exp2(x * log2(e))
+
+    m_i = tl.full((BLOCK_M,), -float("inf"), dtype=COMPUTE)
+    l_i = tl.zeros((BLOCK_M,), dtype=COMPUTE)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=COMPUTE)
+
+    hi = T_K
+    if CAUSAL:  # keys after the tile's last query are masked for every row: skip them
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, T_K)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < T_K) & mask_d[None, :]
+        k = tl.load(k_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE) * qk_scale
+        keep = cols[None, :] < T_K
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=COMPUTE)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    row_ok = offs_m < T_Q
+    tl.store(
+        o_ptr + bh * T_Q * D + offs_m[:, None] * D + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & mask_d[None, :],
+    )
+    # lse in natural-log units: (m + log2 l) * ln 2, with m already in log2 units.
+    tl.store(lse_ptr + bh * T_Q + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    scale,
+    T_Q,
+    T_K,
+    D,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    kv_mask = (offs_n[:, None] < T_K) & mask_d[None, :]
+    kv_offs = bh * T_K * D + offs_n[:, None] * D + offs_d[None, :]
+    k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+    if DOT_IN_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=COMPUTE)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=COMPUTE)
+    qk_scale = scale * 1.4426950408889634
+
+    lo = 0
+    if CAUSAL:  # queries before this key tile's first key never see it
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, T_Q, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < T_Q
+        q_offs = bh * T_Q * D + rows[:, None] * D + offs_d[None, :]
+        q_mask = row_ok[:, None] & mask_d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+        do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
+        if DOT_IN_FP32:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(lse_ptr + bh * T_Q + rows, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + bh * T_Q + rows, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE) * qk_scale
+        p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
+        keep = row_ok[:, None] & (offs_n[None, :] < T_K)
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= rows[:, None])
+        p = tl.where(keep, p, 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=COMPUTE)
+        dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=COMPUTE)
+    dk = dk * scale
+    tl.store(dk_ptr + kv_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    scale,
+    T_Q,
+    T_K,
+    D,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    row_ok = offs_m < T_Q
+    q_offs = bh * T_Q * D + offs_m[:, None] * D + offs_d[None, :]
+    q_mask = row_ok[:, None] & mask_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+    do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(lse_ptr + bh * T_Q + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + bh * T_Q + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=COMPUTE)
+    qk_scale = scale * 1.4426950408889634
+
+    hi = T_K
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, T_K)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < T_K) & mask_d[None, :]
+        kv_offs = bh * T_K * D + cols[:, None] * D + offs_d[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE) * qk_scale
+        p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
+        keep = row_ok[:, None] & (cols[None, :] < T_K)
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, out_dtype=COMPUTE)
+    dq = dq * scale
+    tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+def gpu_configs() -> list:
+    """(BLOCK_M, BLOCK_N, stages, warps) tried by the autotuner on a GPU."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
+        for bm, bn, s, w in [
+            (128, 64, 3, 4),
+            (128, 64, 4, 8),
+            (128, 128, 3, 8),
+            (64, 64, 4, 4),
+            (64, 32, 4, 4),
+        ]
+    ]
+
+
+attn_fwd_kernel_autotuned = triton.autotune(configs=gpu_configs(), key=["T_Q", "T_K", "D"])(
+    attn_fwd_kernel
+)

@@ -1,0 +1,171 @@
+"""Flash-style attention with autograd, usable as the GPT's attention.
+
+Faces (DESIGN §3): :func:`reference` (the textbook ``softmax(q k^T * scale + mask) v``, which
+materialises the T x T matrix), :func:`triton_forward` / :func:`triton_backward` (the kernels in
+``_jit/attention.py``: online softmax forward saving log-sum-exp, FlashAttention-2 backward that
+recomputes probabilities), and the public :func:`attention`, whose semantics are those of
+``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` for q (B, H, L, D)
+and k, v (B, H, S, D).
+
+Memory: the forward keeps O(T) extra floats per head (the lse) instead of the O(T^2)
+probabilities an eager implementation saves for backward; that is the seed's "attention
+backward memory reuse".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmlab.kernels._runtime import (
+    FLOAT_DTYPES,
+    check_float,
+    compute_dtype,
+    dot_in_fp32,
+    interpreter_requested,
+    jit_module,
+    next_power_of_2,
+    use_triton,
+)
+
+MAX_HEAD_DIM = 256
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Eager attention, computed in fp32 (fp64 for fp64) and cast back."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
+    if causal:
+        L, S = s.shape[-2:]
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(s, dim=-1) @ v.to(acc)).to(q.dtype)
+
+
+def _blocks(device: torch.device, D: int) -> tuple[int, int]:
+    if device.type == "cuda":
+        return (64, 64) if D <= 128 else (32, 32)
+    return (16, 16) if interpreter_requested() else (32, 32)
+
+
+def triton_forward(q, k, v, causal: bool, scale: float, autotune: bool | None = None):
+    """``(o, lse)`` for contiguous (BH, L, D) / (BH, S, D) tensors."""
+    BH, L, D = q.shape
+    S = k.shape[1]
+    o = torch.empty_like(q)
+    lse = torch.empty(
+        (BH, L), device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32
+    )
+    jit = jit_module("attention")
+    args = (q, k, v, o, lse, scale, L, S, D)
+    flags = {
+        "CAUSAL": causal,
+        "COMPUTE": compute_dtype(q.dtype),
+        "DOT_IN_FP32": dot_in_fp32(q.dtype),
+        "BLOCK_D": max(16, next_power_of_2(D)),
+    }
+    if autotune is None:
+        autotune = q.is_cuda
+    if autotune:
+        import triton
+
+        def grid(meta):
+            return (triton.cdiv(L, meta["BLOCK_M"]), BH)
+
+        jit.attn_fwd_kernel_autotuned[grid](*args, **flags)
+    else:
+        bm, bn = _blocks(q.device, D)
+        jit.attn_fwd_kernel[((L + bm - 1) // bm, BH)](*args, **flags, BLOCK_M=bm, BLOCK_N=bn)
+    return o, lse
+
+
+def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float):
+    """``(dq, dk, dv)``; ``delta = rowsum(dO * O)`` is computed by torch first."""
+    BH, L, D = q.shape
+    S = k.shape[1]
+    do = do.contiguous()
+    delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    jit = jit_module("attention")
+    bm, bn = _blocks(q.device, D)
+    flags = {
+        "CAUSAL": causal,
+        "COMPUTE": compute_dtype(q.dtype),
+        "DOT_IN_FP32": dot_in_fp32(q.dtype),
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "BLOCK_D": max(16, next_power_of_2(D)),
+    }
+    jit.attn_bwd_dkdv_kernel[((S + bn - 1) // bn, BH)](
+        q, k, v, do, lse, delta, dk, dv, scale, L, S, D, **flags
+    )
+    jit.attn_bwd_dq_kernel[((L + bm - 1) // bm, BH)](
+        q, k, v, do, lse, delta, dq, scale, L, S, D, **flags
+    )
+    return dq, dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        B, H, L, D = q.shape
+        S = k.shape[2]
+        q3 = q.reshape(B * H, L, D).contiguous()
+        k3 = k.reshape(B * H, S, D).contiguous()
+        v3 = v.reshape(B * H, S, D).contiguous()
+        o, lse = triton_forward(q3, k3, v3, causal, scale)
+        ctx.save_for_backward(q3, k3, v3, o, lse)
+        ctx.causal, ctx.scale, ctx.shapes = causal, scale, (q.shape, k.shape)
+        return o.reshape(B, H, L, D)
+
+    @staticmethod
+    def backward(ctx, do):
+        q3, k3, v3, o, lse = ctx.saved_tensors
+        q_shape, k_shape = ctx.shapes
+        dq, dk, dv = triton_backward(do.reshape(o.shape), q3, k3, v3, o, lse, ctx.causal, ctx.scale)
+        return dq.reshape(q_shape), dk.reshape(k_shape), dv.reshape(k_shape), None, None
+
+
+def _validate(q, k, v, scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float("attention", name, t, FLOAT_DTYPES)
+        if t.dim() != 4:
+            raise ValueError(
+                f"attention: {name} must be 4-D (B, H, T, D), got shape {tuple(t.shape)}"
+            )
+        if t.dtype != q.dtype:
+            raise TypeError(f"attention: {name} is {t.dtype} but q is {q.dtype}; they must match")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must match")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, H and D"
+        )
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"attention: head dim {q.shape[3]} exceeds the {MAX_HEAD_DIM} supported")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"attention: scale must be > 0 or None, got {scale!r}")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Same as ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` for
+    q (B, H, L, D), k and v (B, H, S, D); ``scale`` defaults to ``1 / sqrt(D)``. Autograd."""
+    _validate(q, k, v, scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if use_triton("attention", q, k, v):
+        return _FlashAttention.apply(q, k, v, causal, scale)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
