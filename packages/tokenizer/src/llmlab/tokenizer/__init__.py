@@ -1,1 +1,12 @@
-"""llmlab.tokenizer."""
+"""llmlab.tokenizer: byte-level BPE, WordPiece and Unigram tokenizers (no torch).
+
+Each matches a reference id for id: HF ``tokenizers`` and tiktoken for BPE, HF's BERT WordPiece,
+and sentencepiece for Unigram. ``load(path)`` reads llmlab's own JSON, HF ``tokenizer.json``,
+``.tiktoken`` ranks and GPT-2's ``encoder.json`` + ``vocab.bpe``.
+"""
+
+from llmlab.tokenizer.bpe import BPETokenizer
+from llmlab.tokenizer.errors import TokenizerFileError
+from llmlab.tokenizer.formats import load
+
+__all__ = ["BPETokenizer", "TokenizerFileError", "load"]

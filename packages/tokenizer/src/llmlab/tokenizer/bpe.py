@@ -1,0 +1,390 @@
+"""Byte-level BPE: train, encode (reference or tiktoken fast path), decode.
+
+Id layout of a trained tokenizer (the same as HF ``tokenizers``' ByteLevel BPE trainer):
+special tokens first (in the order given), then the 256 bytes in GPT-2 alphabet order (see
+``byte_level.hf_byte_order``), then one id per merge. A token's id is also its *rank*: merges
+learned earlier have lower ids, which is exactly what tiktoken's rank-ordered encoder needs, so
+the learned table can be handed to ``tiktoken.Encoding`` unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from llmlab.tokenizer.bpe_encode import ChunkCache, _merge_small, bpe_merge
+from llmlab.tokenizer.byte_level import bytes_to_token_string, hf_byte_order, token_string_to_bytes
+from llmlab.tokenizer.merge_trainer import train_merges
+from llmlab.tokenizer.patterns import compiled, resolve_pattern
+from llmlab.tokenizer.pretokenize import count_chunks, iter_file_lines
+from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
+
+Backend = Literal["auto", "tiktoken", "reference"]
+
+
+def _tiktoken_available() -> bool:
+    try:
+        import tiktoken  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_specials(special_tokens: Sequence[str]) -> list[str]:
+    specials = list(special_tokens)
+    if len(set(specials)) != len(specials):
+        raise ValueError(f"special_tokens contains duplicates: {specials}")
+    for s in specials:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"special tokens must be non-empty strings, got {s!r}")
+    return specials
+
+
+class BPETokenizer:
+    """A byte-level BPE tokenizer with tiktoken's encoding rule and special-token semantics.
+
+    ``ranks`` maps each mergeable token's bytes to its id (= rank); all 256 single bytes must be
+    present so that any text can be encoded. ``merges`` (pairs of ids) is kept when known, for
+    the HF export; it is derived from the ranks when absent.
+    """
+
+    model = "bpe"
+
+    def __init__(
+        self,
+        ranks: dict[bytes, int],
+        pattern: str = "gpt4",
+        special_tokens: dict[str, int] | None = None,
+        merges: list[tuple[int, int]] | None = None,
+        add_prefix_space: bool = False,
+        backend: Backend = "auto",
+    ):
+        self.pattern = resolve_pattern(pattern)
+        self.ranks = dict(ranks)
+        self.special_tokens = dict(special_tokens or {})
+        missing = [b for b in range(256) if bytes([b]) not in self.ranks]
+        if missing:
+            raise ValueError(
+                f"a byte-level BPE needs all 256 single bytes in its vocabulary; missing "
+                f"{len(missing)} (e.g. {[bytes([b]) for b in missing[:5]]})"
+            )
+        self.decoder: dict[int, bytes] = {i: t for t, i in self.ranks.items()}
+        if len(self.decoder) != len(self.ranks):
+            raise ValueError("two mergeable tokens share one id")
+        for s, i in self.special_tokens.items():
+            if i in self.decoder:
+                raise ValueError(f"special token {s!r} has id {i}, already used by a token")
+        self.special_decoder = {i: s for s, i in self.special_tokens.items()}
+        self._merges = list(merges) if merges is not None else None
+        self.add_prefix_space = add_prefix_space
+        if backend not in ("auto", "tiktoken", "reference"):
+            raise ValueError(f"backend must be 'auto', 'tiktoken' or 'reference', got {backend!r}")
+        if backend == "tiktoken" and not _tiktoken_available():
+            raise ImportError(
+                "backend='tiktoken' needs tiktoken: pip install llmlab-tokenizer[fast]"
+            )
+        self._backend_request = backend
+        self._tiktoken: Any = None
+        self._cache = ChunkCache()
+
+    # ----------------------------------------------------------------- training
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        pattern: str = "gpt4",
+        special_tokens: Sequence[str] = (),
+        min_frequency: int = 0,
+        workers: int = 1,
+        show_progress: bool | None = None,
+    ) -> BPETokenizer:
+        """Learn a vocabulary of ``vocab_size`` ids (specials + 256 bytes + merges).
+
+        Each item of ``texts`` is pre-tokenized on its own (no chunk spans two items). Training
+        stops early when no pair occurs at least ``max(min_frequency, 1)`` times.
+        """
+        regex_str = resolve_pattern(pattern)
+        specials = _check_specials(special_tokens)
+        minimum = 256 + len(specials)
+        if not isinstance(vocab_size, int) or vocab_size < minimum:
+            raise ValueError(
+                f"vocab_size={vocab_size!r} is too small: a byte-level BPE needs at least "
+                f"{minimum} ids (256 bytes + {len(specials)} special tokens)"
+            )
+        if show_progress is None:
+            show_progress = sys.stderr.isatty()
+        chunk_counts = count_chunks(texts, regex_str, workers=workers)
+
+        tokens: list[bytes | str] = [*specials]
+        byte_id: dict[int, int] = {}
+        for b in hf_byte_order():
+            byte_id[b] = len(tokens)
+            tokens.append(bytes([b]))
+        words = [tuple(byte_id[b] for b in chunk.encode("utf-8")) for chunk in chunk_counts]
+        counts = list(chunk_counts.values())
+        del chunk_counts
+        merges = train_merges(
+            words,
+            counts,
+            tokens,
+            vocab_size,
+            concat=lambda a, b: a + b,
+            min_frequency=min_frequency,
+            show_progress=show_progress,
+        )
+        n = len(specials)
+        ranks = {t: i for i, t in enumerate(tokens[n:], start=n)}
+        return cls(
+            ranks,
+            pattern=regex_str,
+            special_tokens={s: i for i, s in enumerate(specials)},
+            merges=merges,
+        )
+
+    @classmethod
+    def train_from_files(
+        cls, paths: Iterable[str | Path], vocab_size: int, **kwargs: Any
+    ) -> BPETokenizer:
+        """Train on UTF-8 files read line by line (line endings kept), like HF's file trainer."""
+        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
+
+    # ----------------------------------------------------------------- encoding
+    @property
+    def backend(self) -> str:
+        """``"tiktoken"`` when the fast path is in use, else ``"reference"``."""
+        return "tiktoken" if self._fast() is not None else "reference"
+
+    def with_backend(self, backend: Backend) -> BPETokenizer:
+        """A copy sharing the tables, forced to ``backend`` (to compare the two encoders)."""
+        other = copy.copy(self)
+        if backend not in ("auto", "tiktoken", "reference"):
+            raise ValueError(f"backend must be 'auto', 'tiktoken' or 'reference', got {backend!r}")
+        other._backend_request = backend
+        other._tiktoken = None
+        other._cache = ChunkCache()
+        if backend == "tiktoken" and other._fast() is None:
+            raise ImportError(
+                "backend='tiktoken' needs tiktoken: pip install llmlab-tokenizer[fast]"
+            )
+        return other
+
+    def _fast(self) -> Any:
+        if self._backend_request == "reference":
+            return None
+        if self._tiktoken is None:
+            if not _tiktoken_available():
+                return None
+            import tiktoken
+
+            try:
+                self._tiktoken = tiktoken.Encoding(
+                    f"llmlab-bpe-{id(self)}",
+                    pat_str=self.pattern,
+                    mergeable_ranks=self.ranks,
+                    special_tokens=self.special_tokens,
+                )
+            except Exception:
+                if self._backend_request == "tiktoken":
+                    raise
+                self._backend_request = "reference"  # e.g. a regex fancy-regex cannot compile
+                return None
+        return self._tiktoken
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Encode ignoring special tokens entirely (their text is encoded as plain text)."""
+        if self.add_prefix_space and not text.startswith(" "):
+            text = " " + text
+        fast = self._fast()
+        if fast is not None:
+            return fast.encode_ordinary(text)
+        text = _fix_surrogates(text)
+        return self._cache.encode_chunks(compiled(self.pattern).findall(text), self.ranks)
+
+    def encode(
+        self,
+        text: str,
+        allowed_special: SpecialSpec = frozenset(),
+        disallowed_special: SpecialSpec = "all",
+    ) -> list[int]:
+        """Text -> ids. Special-token text raises unless allowed (tiktoken's semantics)."""
+        allowed, disallowed = resolve_special(
+            self.special_tokens, allowed_special, disallowed_special
+        )
+        fast = self._fast()
+        if fast is not None and not self.add_prefix_space:
+            return fast.encode(text, allowed_special=allowed, disallowed_special=disallowed)
+        check_disallowed(text, disallowed)
+        out: list[int] = []
+        for segment, is_special in split_special(text, allowed):
+            if is_special:
+                out.append(self.special_tokens[segment])
+            else:
+                out.extend(self.encode_ordinary(segment))
+        return out
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        allowed_special: SpecialSpec = frozenset(),
+        disallowed_special: SpecialSpec = "all",
+    ) -> list[list[int]]:
+        allowed, disallowed = resolve_special(
+            self.special_tokens, allowed_special, disallowed_special
+        )
+        fast = self._fast()
+        if fast is not None and not self.add_prefix_space:
+            return fast.encode_batch(
+                list(texts), allowed_special=allowed, disallowed_special=disallowed
+            )
+        return [self.encode(t, allowed, disallowed) for t in texts]
+
+    def __call__(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    # ----------------------------------------------------------------- decoding
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        parts = []
+        for i in ids:
+            tok = self.decoder.get(i)
+            if tok is None:
+                special = self.special_decoder.get(i)
+                if special is None:
+                    raise ValueError(
+                        f"token id {i!r} is not in this vocabulary (size {self.vocab_size})"
+                    )
+                tok = special.encode("utf-8")
+            parts.append(tok)
+        return b"".join(parts)
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        """ids -> text; bytes that are not valid UTF-8 become U+FFFD (as tiktoken)."""
+        return self.decode_bytes(ids).decode("utf-8", errors=errors)
+
+    # ----------------------------------------------------------------- vocabulary
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id: the size an embedding table needs."""
+        return max(max(self.decoder), max(self.special_decoder, default=-1)) + 1
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.special_tokens.get("<|endoftext|>")
+
+    def token_to_id(self, token: str | bytes) -> int | None:
+        """Id of a special token, of raw token bytes, or of a GPT-2/HF-spelled token string."""
+        if isinstance(token, bytes):
+            return self.ranks.get(token)
+        if token in self.special_tokens:
+            return self.special_tokens[token]
+        try:
+            return self.ranks.get(token_string_to_bytes(token))
+        except KeyError:
+            return None
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token as HF spells it (bytes through GPT-2's table, e.g. "Ġthe"), or None."""
+        if token_id in self.special_decoder:
+            return self.special_decoder[token_id]
+        data = self.decoder.get(token_id)
+        return None if data is None else bytes_to_token_string(data)
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        return self.decode_bytes([token_id])
+
+    @property
+    def merges(self) -> list[tuple[int, int]]:
+        """Merges as (left id, right id) in rank order; derived from the ranks when unknown."""
+        if self._merges is None:
+            self._merges = derive_merges(self.ranks)
+        return self._merges
+
+    # ----------------------------------------------------------------- files
+    def save(self, path: str | Path, format: str = "llmlab") -> Path:
+        """Write ``format`` = "llmlab" (readable JSON), "hf" (tokenizer.json) or "tiktoken"."""
+        from llmlab.tokenizer import formats
+
+        return formats.save(self, path, format)
+
+    def to_dict(self) -> dict[str, Any]:
+        ordered = sorted(self.ranks.items(), key=lambda kv: kv[1])
+        return {
+            "pattern": self.pattern,
+            "add_prefix_space": self.add_prefix_space,
+            "special_tokens": self.special_tokens,
+            "vocab": {bytes_to_token_string(t): i for t, i in ordered},
+            "merges": [
+                f"{bytes_to_token_string(self.decoder[a])} {bytes_to_token_string(self.decoder[b])}"
+                for a, b in self.merges
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **options: Any) -> BPETokenizer:
+        ranks = {token_string_to_bytes(t): int(i) for t, i in data["vocab"].items()}
+        merges = []
+        for line in data.get("merges", []):
+            left, right = line.split(" ")
+            merges.append((ranks[token_string_to_bytes(left)], ranks[token_string_to_bytes(right)]))
+        return cls(
+            ranks,
+            pattern=data["pattern"],
+            special_tokens={s: int(i) for s, i in data.get("special_tokens", {}).items()},
+            merges=merges or None,
+            add_prefix_space=bool(data.get("add_prefix_space", False)),
+            **options,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"BPETokenizer(vocab_size={self.vocab_size}, specials={len(self.special_tokens)}, "
+            f"backend={self.backend!r})"
+        )
+
+
+def _fix_surrogates(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Lone surrogates cannot be UTF-8: replace them with U+FFFD, as tiktoken does.
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def derive_merges(ranks: dict[bytes, int]) -> list[tuple[int, int]]:
+    """Recover the merge list from ranks alone (for ``.tiktoken`` / GPT-2 vocabularies).
+
+    Token ``t`` of rank ``r`` was made by the last merge of BPE-encoding ``t`` with only the
+    tokens ranked below ``r``: that encoding leaves exactly two parts, ``t``'s merge.
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = _merge_small_below(token, ranks, rank)
+        if len(parts) != 2:
+            raise ValueError(
+                f"token {token!r} (rank {rank}) is not the merge of two lower-ranked tokens"
+            )
+        merges.append((ranks[parts[0]], ranks[parts[1]]))
+    return merges
+
+
+def _merge_small_below(piece: bytes, ranks: dict[bytes, int], limit: int) -> list[bytes]:
+    parts = [piece[i : i + 1] for i in range(len(piece))]
+    while len(parts) > 1:
+        best_rank, best_i = None, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < limit and (best_rank is None or rank < best_rank):
+                best_rank, best_i = rank, i
+        if best_rank is None:
+            break
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts
+
+
+__all__ = ["BPETokenizer", "_merge_small", "bpe_merge", "derive_merges"]

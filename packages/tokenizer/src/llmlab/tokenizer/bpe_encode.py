@@ -1,0 +1,101 @@
+"""The reference byte-level BPE encoder: readable, rank-ordered, and linear-ish on long chunks.
+
+Rule (tiktoken's): within one pre-tokenized chunk, repeatedly merge the adjacent pair of parts
+whose concatenated bytes have the *lowest rank*; among equal ranks the leftmost pair goes first.
+A chunk that is itself a token is returned at once.
+
+Short chunks use the direct O(n^2) loop (fast for the usual 2-10 bytes). Long chunks (a 1 MB run
+of one character is a single chunk) use a linked list of parts and a heap keyed by
+``(rank, position)``: the same choice at every step, in O(n log n).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+HEAP_THRESHOLD = 64
+
+
+def _merge_small(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
+    parts = [piece[i : i + 1] for i in range(len(piece))]
+    get = ranks.get
+    while len(parts) > 1:
+        best_rank, best_i = None, -1
+        for i in range(len(parts) - 1):
+            rank = get(parts[i] + parts[i + 1])
+            if rank is not None and (best_rank is None or rank < best_rank):
+                best_rank, best_i = rank, i
+        if best_rank is None:
+            break
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return [ranks[p] for p in parts]
+
+
+def _merge_large(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
+    n = len(piece)
+    nxt = list(range(1, n + 1))  # part starting at i ends at nxt[i]
+    prv = list(range(-1, n - 1))
+    alive = [True] * n
+    get = ranks.get
+    heap: list[tuple[int, int, int, int]] = []  # (rank, start, mid, end)
+    for i in range(n - 1):
+        rank = get(piece[i : i + 2])
+        if rank is not None:
+            heap.append((rank, i, i + 1, i + 2))
+    heapq.heapify(heap)
+    while heap:
+        _, i, mid, end = heapq.heappop(heap)
+        if not alive[i] or nxt[i] != mid or mid >= n or nxt[mid] != end:
+            continue  # stale: one of the two parts has merged since
+        alive[mid] = False
+        nxt[i] = end
+        if end < n:
+            prv[end] = i
+        p = prv[i]
+        if p >= 0:
+            rank = get(piece[p:end])
+            if rank is not None:
+                heapq.heappush(heap, (rank, p, i, end))
+        if end < n:
+            rank = get(piece[i : nxt[end]])
+            if rank is not None:
+                heapq.heappush(heap, (rank, i, end, nxt[end]))
+    out = []
+    i = 0
+    while i < n:
+        out.append(ranks[piece[i : nxt[i]]])
+        i = nxt[i]
+    return out
+
+
+def bpe_merge(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
+    """Token ids of one chunk's bytes under ``ranks`` (every single byte must have a rank)."""
+    rank = ranks.get(piece)
+    if rank is not None:
+        return [rank]
+    if len(piece) < HEAP_THRESHOLD:
+        return _merge_small(piece, ranks)
+    return _merge_large(piece, ranks)
+
+
+class ChunkCache:
+    """chunk text -> ids, bounded: natural text repeats a small set of chunks very often."""
+
+    def __init__(self, max_entries: int = 200_000):
+        self.max_entries = max_entries
+        self.data: dict[str, list[int]] = {}
+
+    def encode_chunks(self, chunks: Iterable[str], ranks: dict[bytes, int]) -> list[int]:
+        out: list[int] = []
+        data = self.data
+        for chunk in chunks:
+            ids = data.get(chunk)
+            if ids is None:
+                ids = bpe_merge(chunk.encode("utf-8"), ranks)
+                if len(data) >= self.max_entries:
+                    data.clear()
+                if len(chunk) < 256:
+                    data[chunk] = ids
+            out.extend(ids)
+        return out

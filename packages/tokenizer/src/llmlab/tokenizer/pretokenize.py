@@ -1,0 +1,66 @@
+"""Pre-tokenize and count: corpus -> {chunk: count}, the only thing BPE training needs.
+
+Texts are consumed in batches, so memory is bounded by the distinct chunks plus one batch per
+worker, never by the corpus. With ``workers > 1`` batches are split and counted in separate
+processes (regex matching is the expensive part and releases nothing in one process).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from llmlab.tokenizer.patterns import compiled
+
+BATCH = 4096
+
+
+def _count_batch(args: tuple[str, list[str]]) -> Counter[str]:
+    pattern, texts = args
+    findall = compiled(pattern).findall
+    chunks: Counter[str] = Counter()
+    # Identical texts (repeated lines, speaker names) are split once and weighted.
+    for text, n in Counter(texts).items():
+        for chunk in findall(text):
+            chunks[chunk] += n
+    return chunks
+
+
+def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    it = iter(texts)
+    while batch := list(itertools.islice(it, size)):
+        yield batch
+
+
+def count_chunks(texts: Iterable[str], pattern: str, workers: int = 1) -> Counter[str]:
+    """Split every text with ``pattern`` and count the chunks."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    total: Counter[str] = Counter()
+    jobs = ((pattern, batch) for batch in _batches(texts, BATCH))
+    if workers == 1:
+        for job in jobs:
+            total.update(_count_batch(job))
+        return total
+    ctx = multiprocessing.get_context("spawn" if _has_threads() else "fork")
+    with ctx.Pool(workers) as pool:
+        for partial in pool.imap_unordered(_count_batch, jobs, chunksize=1):
+            total.update(partial)
+    return total
+
+
+def _has_threads() -> bool:
+    import threading
+
+    return threading.active_count() > 1
+
+
+def iter_file_lines(paths: Iterable[str | Path]) -> Iterator[str]:
+    """Lines of UTF-8 files with their line endings kept (HF's file trainer reads this way)."""
+    for path in paths:
+        with open(path, "rb") as f:  # binary: split on b"\n" only, keep "\r\n" intact
+            for line in f:
+                yield line.decode("utf-8")
