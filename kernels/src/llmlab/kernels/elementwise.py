@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from llmlab.kernels._runtime import FLOAT_DTYPES, check_float, jit_module, use_triton
+from llmlab.kernels._runtime import (
+    FLOAT_DTYPES,
+    check_float,
+    compute_dtype,
+    jit_module,
+    use_triton,
+)
 
 BLOCK = 1024
 
@@ -24,7 +30,9 @@ def triton_add3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tens
     a, b, c = a.contiguous(), b.contiguous(), c.contiguous()
     out = torch.empty_like(a)
     n = a.numel()
-    jit_module("elementwise").add3_kernel[(triton.cdiv(n, BLOCK),)](a, b, c, out, n, BLOCK=BLOCK)
+    jit_module("elementwise").add3_kernel[(triton.cdiv(n, BLOCK),)](
+        a, b, c, out, n, COMPUTE=compute_dtype(a.dtype), BLOCK=BLOCK
+    )
     return out
 
 

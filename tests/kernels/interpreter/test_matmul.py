@@ -1,0 +1,74 @@
+"""Tiled matmul under the interpreter vs torch matmul computed in float64.
+
+Tolerances: the kernel accumulates in fp32 and rounds once to the output dtype, so it may differ
+from the float64 product rounded to that dtype by ~1 ulp of the output plus fp32 summation-order
+noise: fp32 atol 1e-4 / rtol 1e-5, fp16 atol 1e-3 / rtol 2e-3 (2 eps), bf16 atol 1e-2 /
+rtol 1.6e-2 (2 eps), fp64 atol 1e-12 / rtol 1e-12.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmlab.kernels import matmul
+from llmlab.kernels.matmul import reference
+
+TOL = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
+    torch.float64: {"atol": 1e-12, "rtol": 1e-12},
+}
+
+
+def oracle(a, b, bias=None, activation=None):
+    """torch in float64, then one rounding to the input dtype."""
+    out = a.double() @ b.double()
+    if bias is not None:
+        out = out + bias.double()
+    if activation == "gelu":
+        out = F.gelu(out, approximate="tanh")
+    elif activation == "relu":
+        out = out.relu()
+    return out.to(a.dtype)
+
+
+# (M, N, K): none of these is a multiple of the 32-wide interpreter tiles except the last.
+SHAPES = [(45, 37, 70), (1, 33, 17), (33, 1, 5), (64, 64, 64)]
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matmul_matches_torch(shape, dtype):
+    M, N, K = shape
+    a, b = torch.randn(M, K, dtype=dtype), torch.randn(K, N, dtype=dtype)
+    torch.testing.assert_close(matmul(a, b), oracle(a, b), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"])
+def test_fused_bias_activation_epilogue(activation, dtype):
+    a, b, bias = (
+        torch.randn(21, 19, dtype=dtype),
+        torch.randn(19, 40, dtype=dtype),
+        torch.randn(40, dtype=dtype),
+    )
+    out = matmul(a, b, bias, activation)
+    torch.testing.assert_close(out, oracle(a, b, bias, activation), **TOL[dtype])
+    torch.testing.assert_close(out, reference(a, b, bias, activation), **TOL[dtype])
+
+
+@pytest.mark.parametrize("blocks", [(16, 16, 16), (16, 64, 32), (64, 16, 16)])
+def test_block_sizes_are_parameters(blocks):
+    bm, bn, bk = blocks
+    a, b = torch.randn(50, 23), torch.randn(23, 70)
+    out = matmul(a, b, block_m=bm, block_n=bn, block_k=bk)
+    torch.testing.assert_close(out, oracle(a, b), **TOL[torch.float32])
+
+
+def test_strided_inputs():
+    """Transposed views are read through their strides, not copied."""
+    a, b = torch.randn(30, 45).t(), torch.randn(20, 30).t()
+    torch.testing.assert_close(matmul(a, b), oracle(a, b), **TOL[torch.float32])
