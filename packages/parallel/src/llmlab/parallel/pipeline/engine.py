@@ -1,0 +1,353 @@
+"""Execute one stage's instruction list: a dispatch table over ``Op``.
+
+The engine holds this rank's model chunks and, during a step, four small maps keyed by
+(chunk, micro-batch): received inputs, produced outputs, received output-gradients and the
+input-gradients to send. An entry is dropped as soon as its backward has run, so the memory a
+schedule keeps alive is exactly what the simulator counts.
+
+Transfers are ``isend``/``irecv`` between the ranks of one pipeline. Sends are not waited for
+until the end of the step (so a stage never blocks on a send); a receive blocks. Every message
+has a tag built from (kind, micro-batch, virtual stage), so on gloo a receive can only match its
+own send; NCCL ignores tags and matches by order, which our schedules keep consistent.
+Activation shapes are exchanged once per (boundary, micro-batch shape) and cached; gradients have
+the shape of the output they belong to, which the receiver already knows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from llmlab.parallel.pipeline.schedules import Instruction, Op, schedule
+from llmlab.parallel.pipeline.simulator import TimelineEvent
+
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+]
+_HEADER_LEN = 10  # [dtype code, ndim, *shape] padded; activations of up to 8 dimensions
+
+
+@dataclass
+class StepResult:
+    """What one pipelined step produced on this rank."""
+
+    loss: Tensor | None  # mean over micro-batches, on the last stage; None elsewhere
+    events: list[TimelineEvent] = field(default_factory=list)
+    peak_activation_bytes: int = 0  # bytes saved for backward, at most, during the step
+    peak_in_flight: int = 0  # micro-batch activations alive at once, at most
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves for backward (parameters excluded) while they are alive.
+
+    A ``saved_tensors_hooks`` pack hook wraps each saved tensor in a small holder whose
+    destructor subtracts its size, so the count drops exactly when autograd frees the graph.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.current = 0
+        self.peak = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        meter = self
+
+        class _Held:
+            __slots__ = ("tensor", "nbytes")
+
+            def __init__(self, t: Tensor) -> None:
+                self.tensor = t
+                self.nbytes = t.numel() * t.element_size()
+                meter.current += self.nbytes
+                meter.peak = max(meter.peak, meter.current)
+
+            def __del__(self) -> None:
+                meter.current -= self.nbytes
+
+        def pack(t: Tensor) -> Any:
+            if t.untyped_storage().data_ptr() in meter._param_ptrs:
+                return t
+            return _Held(t)
+
+        def unpack(x: Any) -> Tensor:
+            return x.tensor if isinstance(x, _Held) else x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class PipelineEngine:
+    """Runs schedules for one pipeline stage.
+
+    ``chunks``: this rank's model chunks (one, or ``v`` for the interleaved schedule), each a
+    module mapping one tensor to one tensor. ``ranks``: the global ranks of the pipeline, by stage.
+    ``loss_fn(output, target)`` runs on the last virtual stage. ``reduce_grads`` and
+    ``optimizer_step`` are what the ``REDUCE_GRADS`` / ``OPTIMIZER_STEP`` instructions call (the
+    Lightning strategy lets Lightning step the optimizer and passes None for it).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        stage: int,
+        num_stages: int,
+        ranks: Sequence[int] | None = None,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+        group: dist.ProcessGroup | None = None,
+        reduce_grads: Callable[[], None] | None = None,
+        optimizer_step: Callable[[], None] | None = None,
+        device: torch.device | str | None = None,
+        record_timeline: bool = False,
+        measure_memory: bool = False,
+    ) -> None:
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+        self.chunks = list(chunks)
+        self.stage = stage
+        self.num_stages = num_stages
+        self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
+        if len(self.ranks) != num_stages:
+            raise ValueError(f"ranks {self.ranks} must list one rank per stage ({num_stages})")
+        self.loss_fn = loss_fn
+        self.group = group
+        self.reduce_grads = reduce_grads
+        self.optimizer_step = optimizer_step
+        params = [p for c in self.chunks for p in c.parameters()]
+        self.device = torch.device(device) if device is not None else (
+            params[0].device if params else torch.device("cpu")
+        )
+        self.record_timeline = record_timeline
+        self.measure_memory = measure_memory
+        self._meter = ActivationMeter(params)
+        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self._dispatch: dict[Op, Callable[[Instruction], None]] = {
+            Op.LOAD_MICROBATCH: self._load,
+            Op.RECV_ACTIVATION: self._recv_activation,
+            Op.FORWARD: self._forward,
+            Op.SEND_ACTIVATION: self._send_activation,
+            Op.RECV_GRAD: self._recv_grad,
+            Op.BACKWARD: self._backward,
+            Op.SEND_GRAD: self._send_grad,
+            Op.REDUCE_GRADS: self._reduce_grads,
+            Op.OPTIMIZER_STEP: self._optimizer_step,
+        }
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    # ------------------------------------------------------------------------ public
+    def train_step(
+        self, inputs: Tensor, targets: Tensor, num_microbatches: int, schedule_name: str = "1f1b"
+    ) -> StepResult:
+        """Forward and backward of one batch under ``schedule_name``; gradients accumulate into
+        the chunks' ``.grad`` as for ``(mean loss over micro-batches).backward()``."""
+        program = schedule(
+            schedule_name, self.num_stages, num_microbatches, self.stage, self.virtual_stages
+        )
+        return self.execute(program, inputs, targets, num_microbatches, train=True)
+
+    @torch.no_grad()
+    def eval_step(
+        self, inputs: Tensor, targets: Tensor, num_microbatches: int, schedule_name: str = "1f1b"
+    ) -> StepResult:
+        """Forward only (validation): the mean loss on the last stage, no graph kept."""
+        program = schedule(
+            schedule_name,
+            self.num_stages,
+            num_microbatches,
+            self.stage,
+            self.virtual_stages,
+            forward_only=True,
+        )
+        return self.execute(program, inputs, targets, num_microbatches, train=False)
+
+    def execute(
+        self,
+        program: Sequence[Instruction],
+        inputs: Tensor,
+        targets: Tensor,
+        num_microbatches: int,
+        train: bool = True,
+    ) -> StepResult:
+        """Run ``program``. Every stage passes the same ``inputs``/``targets`` (the first stage
+        uses the inputs, the last the targets, all use the batch shape to key the shape cache)."""
+        m = num_microbatches
+        if inputs.shape[0] % m != 0:
+            raise ValueError(
+                f"the batch of {inputs.shape[0]} samples cannot be split into {m} equal "
+                f"micro-batches; use a batch size that is a multiple of {m}"
+            )
+        self._m = m
+        self._train = train
+        self._signature = (tuple(inputs.shape), inputs.dtype)
+        self._mb_inputs = inputs.chunk(m)
+        self._mb_targets = targets.chunk(m) if targets is not None else None
+        self._loaded: dict[tuple[int, int], tuple[Tensor | None, Tensor | None]] = {}
+        self._inputs: dict[tuple[int, int], Tensor] = {}
+        self._outputs: dict[tuple[int, int], Tensor] = {}
+        self._grads_in: dict[tuple[int, int], Tensor] = {}
+        self._grads_out: dict[tuple[int, int], Tensor | None] = {}
+        self._losses: list[Tensor] = []
+        self._pending: list[tuple[Any, Tensor]] = []
+        self._mailbox: dict[int, Tensor] = {}  # transfers between two chunks of this same rank
+        self._in_flight = 0
+        self._peak_in_flight = 0
+        self._meter.current = self._meter.peak = 0
+        events: list[TimelineEvent] = []
+        if self.record_timeline and dist.is_initialized():
+            dist.barrier(group=self.group)  # a common start, so stages' clocks line up
+        origin = time.perf_counter()
+        for ins in program:
+            start = time.perf_counter()
+            self._dispatch[ins.op](ins)
+            if self.record_timeline:
+                end = time.perf_counter()
+                events.append(
+                    TimelineEvent(
+                        self.stage, ins.op.value, ins.microbatch, ins.chunk,
+                        start - origin, end - origin,
+                    )
+                )
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        leftover = set(self._outputs) | set(self._inputs) if train else set()
+        if leftover:
+            raise RuntimeError(f"stage {self.stage}: activations never released: {leftover}")
+        loss = torch.stack(self._losses).sum() / m if self._losses else None
+        result = StepResult(loss, events, self._meter.peak, self._peak_in_flight)
+        self._losses = []
+        self._mb_inputs = self._mb_targets = ()  # type: ignore[assignment]
+        return result
+
+    # ------------------------------------------------------------------ instructions
+    def _last_vs(self) -> int:
+        return self.num_stages * self.virtual_stages - 1
+
+    def _load(self, ins: Instruction) -> None:
+        mb = ins.microbatch
+        x = self._mb_inputs[mb].to(self.device) if ins.virtual_stage == 0 else None
+        y = None
+        if ins.virtual_stage == self._last_vs() and self._mb_targets is not None:
+            y = self._mb_targets[mb].to(self.device)
+        self._loaded[(ins.chunk, mb)] = (x, y)
+
+    def _forward(self, ins: Instruction) -> None:
+        key = (ins.chunk, ins.microbatch)
+        x_loaded, target = self._loaded.pop(key, (None, None))
+        x = x_loaded if ins.virtual_stage == 0 else self._inputs[key]
+        with torch.set_grad_enabled(self._train):
+            if self.measure_memory and self._train:
+                with self._meter.hooks():
+                    out = self.chunks[ins.chunk](x)
+            else:
+                out = self.chunks[ins.chunk](x)
+            if ins.virtual_stage == self._last_vs():
+                if self.loss_fn is None:
+                    raise RuntimeError("the last stage needs a loss_fn")
+                loss = self.loss_fn(out, target)
+                self._losses.append(loss.detach())
+                out = loss / self._m  # backward of the mean over micro-batches
+        if not self._train:
+            self._inputs.pop(key, None)
+            if ins.virtual_stage != self._last_vs():
+                self._outputs[key] = out
+            return
+        self._outputs[key] = out
+        self._in_flight += 1
+        self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+
+    def _backward(self, ins: Instruction) -> None:
+        key = (ins.chunk, ins.microbatch)
+        out = self._outputs.pop(key)
+        if ins.virtual_stage == self._last_vs():
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, self._grads_in.pop(key))
+        x = self._inputs.pop(key, None)
+        if ins.virtual_stage > 0:
+            self._grads_out[key] = x.grad if x is not None else None
+        self._in_flight -= 1
+
+    def _isend(self, tensor: Tensor, peer: int, tag: int) -> None:
+        if peer == self.stage:  # interleaved on one rank: a chunk feeds the next chunk locally
+            self._mailbox[tag] = tensor
+            return
+        work = dist.isend(tensor, self.ranks[peer], group=self.group, tag=tag)
+        self._pending.append((work, tensor))
+
+    def _recv_into(self, buf: Tensor, peer: int, tag: int) -> Tensor:
+        if peer == self.stage:
+            return self._mailbox.pop(tag).clone()
+        dist.irecv(buf, self.ranks[peer], group=self.group, tag=tag).wait()
+        return buf
+
+    def _tag(self, kind: int, ins: Instruction, receiving_vs: int) -> int:
+        return (kind * (self._last_vs() + 2) + receiving_vs) * (self._m + 1) + ins.microbatch
+
+    def _send_activation(self, ins: Instruction) -> None:
+        key = (ins.chunk, ins.microbatch)
+        out = self._outputs[key] if self._train else self._outputs.pop(key)
+        tensor = out.detach().contiguous()
+        boundary = (ins.virtual_stage + 1, self._signature)
+        if boundary not in self._shapes:
+            self._shapes[boundary] = (tensor.shape, tensor.dtype)
+            header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+            self._isend(header, ins.peer, self._tag(2, ins, boundary[0]))
+        self._isend(tensor, ins.peer, self._tag(0, ins, ins.virtual_stage + 1))
+
+    def _recv_activation(self, ins: Instruction) -> None:
+        boundary = (ins.virtual_stage, self._signature)
+        if boundary not in self._shapes:
+            header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            header = self._recv_into(header, ins.peer, self._tag(2, ins, ins.virtual_stage))
+            dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+            self._shapes[boundary] = (torch.Size(header[2 : 2 + ndim].tolist()), dtype)
+        shape, dtype = self._shapes[boundary]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self._recv_into(buf, ins.peer, self._tag(0, ins, ins.virtual_stage))
+        if self._train and buf.is_floating_point():
+            buf.requires_grad_(True)
+        self._inputs[(ins.chunk, ins.microbatch)] = buf
+
+    def _send_grad(self, ins: Instruction) -> None:
+        grad = self._grads_out.pop((ins.chunk, ins.microbatch))
+        if grad is None:
+            raise RuntimeError(
+                f"stage {self.stage}: no gradient reached the input of virtual stage "
+                f"{ins.virtual_stage}; every pipeline layer must use its input differentiably"
+            )
+        self._isend(grad.contiguous(), ins.peer, self._tag(1, ins, ins.virtual_stage - 1))
+
+    def _recv_grad(self, ins: Instruction) -> None:
+        out = self._outputs[(ins.chunk, ins.microbatch)]
+        buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        buf = self._recv_into(buf, ins.peer, self._tag(1, ins, ins.virtual_stage))
+        self._grads_in[(ins.chunk, ins.microbatch)] = buf
+
+    def _reduce_grads(self, ins: Instruction) -> None:
+        if self.reduce_grads is not None:
+            self.reduce_grads()
+
+    def _optimizer_step(self, ins: Instruction) -> None:
+        if self.optimizer_step is not None:
+            self.optimizer_step()
