@@ -1,0 +1,85 @@
+"""Megatron-style tensor parallelism (with sequence parallelism), on torch.distributed collectives.
+
+* :mod:`.mappings`: the communication operators as autograd Functions (``f``, ``g``, ...).
+* :mod:`.layers`: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``.
+* :mod:`.cross_entropy`: ``vocab_parallel_cross_entropy`` (never gathers the logits).
+* :mod:`.parallelize`: ``parallelize(model, plan, group, sequence_parallel)``.
+* :mod:`.checkpoint`: consolidated (full) state dicts on save, sliced on load.
+* :mod:`.accounting`: every collective's kind and bytes (``count_comm``).
+* :mod:`.strategy`: ``TensorParallelStrategy`` (Lightning, registered as ``"tensor"``); imported
+  lazily so the layers can be used without Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmlab.parallel.tensor.accounting import CommLedger, CommRecord, comm_ledger, count_comm
+from llmlab.parallel.tensor.checkpoint import (
+    consolidated_optimizer_state,
+    consolidated_state_dict,
+    load_consolidated_state_dict,
+    shard_optimizer_state,
+    shard_state_dict,
+)
+from llmlab.parallel.tensor.cross_entropy import (
+    VocabParallelCrossEntropy,
+    vocab_parallel_cross_entropy,
+)
+from llmlab.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from llmlab.parallel.tensor.mappings import (
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    gather_from_tensor_region,
+    reduce_from_tensor_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tensor_region,
+)
+from llmlab.parallel.tensor.parallelize import (
+    parallelize,
+    sequence_parallel_parameters,
+    validate_plan,
+)
+from llmlab.parallel.tensor.random import TensorParallelRNG
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CommLedger",
+    "CommRecord",
+    "RowParallelLinear",
+    "TensorParallelRNG",
+    "TensorParallelStrategy",
+    "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
+    "comm_ledger",
+    "consolidated_optimizer_state",
+    "consolidated_state_dict",
+    "copy_to_tensor_region",
+    "count_comm",
+    "gather_from_sequence_region",
+    "gather_from_tensor_region",
+    "load_consolidated_state_dict",
+    "parallelize",
+    "reduce_from_tensor_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
+    "scatter_to_tensor_region",
+    "sequence_parallel_parameters",
+    "shard_optimizer_state",
+    "shard_state_dict",
+    "validate_plan",
+    "vocab_parallel_cross_entropy",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TensorParallelStrategy":
+        from llmlab.parallel.tensor.strategy import TensorParallelStrategy
+
+        return TensorParallelStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

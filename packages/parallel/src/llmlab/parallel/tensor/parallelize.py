@@ -1,0 +1,250 @@
+"""``parallelize(model, plan, group)``: apply a tensor-parallel plan to a plain model, from outside.
+
+The model only states *what* to shard (``tensor_parallel_plan()``: module-name patterns to
+``"colwise"``, ``"rowwise"``, ``"vocab"`` or ``"replicate"``); this function swaps the matching
+modules for Megatron-style layers built by slicing their full weights, so the model's own code is
+untouched. Tied weights stay tied: a weight shared by several modules is sliced once and the same
+shard is shared.
+
+With ``sequence_parallel=True`` the activations between tensor-parallel regions (LayerNorms,
+dropout, residual adds) live in sequence shards (B, T/tp, d):
+
+* the vocab embedding reduce-scatters along the sequence instead of all-reducing, and any other
+  embedding beside it (the position table) hands on only this rank's chunk of its output;
+* column-parallel layers all-gather their input along the sequence, row-parallel layers
+  reduce-scatter their output (the vocab-parallel head thus gathers the final LayerNorm output);
+* every replicated parameter after the embedding sees only a sequence shard, so its gradient is
+  all-reduced over the tensor-parallel group (a gradient hook, so a plain training loop works);
+* dropout draws from the per-rank stream (``TensorParallelRNG``), as it does inside attention.
+
+Divisibility (heads, hidden size, vocabulary) is checked for the whole plan before any module is
+touched, with a message that names the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from llmlab.parallel.tensor import collectives as C
+from llmlab.parallel.tensor.collectives import Group
+from llmlab.parallel.tensor.layers import (
+    SEQUENCE_PARALLEL_ATTR,
+    SHARD_DIM_ATTR,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from llmlab.parallel.tensor.mappings import scatter_to_sequence_region
+from llmlab.parallel.tensor.random import ForkedRNG, TensorParallelRNG, forked
+
+STYLES = ("colwise", "rowwise", "vocab", "replicate")
+
+
+@dataclass
+class TensorParallelInfo:
+    """What ``parallelize`` did, kept on the model as ``model.tensor_parallel``."""
+
+    group: Group = field(repr=False)
+    size: int
+    rank: int
+    sequence_parallel: bool
+    plan: dict[str, str]
+    rng: TensorParallelRNG = field(repr=False)
+    styles: dict[str, str] = field(default_factory=dict)  # module name -> applied style
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Module name -> style for every module matched by a plan pattern (``*`` is a wildcard)."""
+    modules = dict(model.named_modules())
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style; valid: {list(STYLES)}")
+        matches = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if not matches:
+            raise ValueError(
+                f"plan pattern {pattern!r} matches no module of {type(model).__name__}"
+            )
+        for name in matches:
+            resolved[name] = style
+    return resolved
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str, str]:
+    parent_name, _, child = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), parent_name, child
+
+
+def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, str]:
+    """Check every divisibility the plan needs at tensor-parallel size ``tp``; return the plan
+    resolved to module names. Raises ``ValueError`` naming the module and the numbers."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor-parallel size must be a positive integer, got {tp!r}")
+    resolved = resolve_plan(model, plan)
+    problems: list[str] = []
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        parent, parent_name, _ = _parent(model, name)
+        if style == "colwise":
+            if not isinstance(module, nn.Linear):
+                raise TypeError(
+                    f"{name}: 'colwise' needs an nn.Linear, got {type(module).__name__}"
+                )
+            heads = getattr(parent, "local_heads", None)
+            if heads is not None and heads % tp:
+                problems.append(
+                    f"{parent_name}: {heads} attention heads are not divisible by tensor-parallel "
+                    f"size {tp} (each rank must hold whole heads)"
+                )
+            elif module.out_features % tp:
+                problems.append(
+                    f"{name}: out_features={module.out_features} (hidden size) is not divisible "
+                    f"by tensor-parallel size {tp}"
+                )
+        elif style == "rowwise":
+            if not isinstance(module, nn.Linear):
+                raise TypeError(
+                    f"{name}: 'rowwise' needs an nn.Linear, got {type(module).__name__}"
+                )
+            if module.in_features % tp:
+                problems.append(
+                    f"{name}: in_features={module.in_features} (hidden size) is not divisible by "
+                    f"tensor-parallel size {tp}"
+                )
+        elif style == "vocab":
+            if isinstance(module, nn.Embedding):
+                vocab = module.num_embeddings
+            elif isinstance(module, nn.Linear):
+                vocab = module.out_features
+            else:
+                raise TypeError(
+                    f"{name}: 'vocab' needs an nn.Embedding or nn.Linear, "
+                    f"got {type(module).__name__}"
+                )
+            if vocab % tp:
+                problems.append(
+                    f"{name}: vocabulary size {vocab} is not divisible by tensor-parallel size {tp}"
+                )
+    if problems:
+        raise ValueError("tensor parallelism cannot shard this model:\n  " + "\n  ".join(problems))
+    return resolved
+
+
+def parallelize(
+    model: nn.Module,
+    plan: dict[str, str],
+    group: Group,
+    sequence_parallel: bool = False,
+    seed: int | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place across ``group`` following ``plan``; returns the model.
+
+    Call on every rank of ``group`` with identical full weights. ``seed`` seeds the per-rank
+    dropout stream (default: ``torch.initial_seed()``, the same on every rank when seeded alike).
+    The forward returns vocabulary-sharded logits when the head is ``"vocab"``: pair it with
+    :func:`vocab_parallel_cross_entropy`, or ``gather_from_tensor_region`` for full logits.
+    """
+    tp, rank = C.group_size(group), C.group_rank(group)
+    resolved = validate_plan(model, plan, tp)
+    rng = TensorParallelRNG(torch.initial_seed() if seed is None else seed, rank)
+    info = TensorParallelInfo(group, tp, rank, sequence_parallel, dict(plan), rng, resolved)
+
+    shards: dict[int, nn.Parameter] = {}  # id(full weight) -> its shard, so ties survive
+    entry_modules: list[str] = []  # parents of vocab embeddings: where the model's input enters
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        parent, parent_name, child = _parent(model, name)
+        if style == "replicate":
+            continue
+        full_weight = module.weight
+        shared = shards.get(id(full_weight))
+        if style == "colwise":
+            new: nn.Module = ColumnParallelLinear(
+                module, group, sequence_parallel=sequence_parallel, weight=shared, name=name
+            )
+        elif style == "rowwise":
+            new = RowParallelLinear(module, group, sequence_parallel=sequence_parallel, name=name)
+        elif isinstance(module, nn.Embedding):
+            new = VocabParallelEmbedding(
+                module, group, sequence_parallel=sequence_parallel, weight=shared, name=name
+            )
+            entry_modules.append(parent_name)
+        else:  # a vocab-parallel head: column-parallel, logits stay sharded for the loss
+            new = ColumnParallelLinear(
+                module, group, sequence_parallel=sequence_parallel, weight=shared, name=name
+            )
+        shards.setdefault(id(full_weight), new.weight)
+        setattr(parent, child, new)
+
+    _fork_attention_dropout(model, resolved, rng)
+    if sequence_parallel:
+        _apply_sequence_parallel(model, resolved, entry_modules, group, rng)
+    model.tensor_parallel = info
+    return model
+
+
+def _fork_attention_dropout(
+    model: nn.Module, resolved: dict[str, str], rng: TensorParallelRNG
+) -> None:
+    """Attention's dropout acts on this rank's heads: run its op under the per-rank stream."""
+    for name, style in resolved.items():
+        if style != "colwise":
+            continue
+        parent, _, _ = _parent(model, name)
+        ops = getattr(parent, "ops", None)
+        if (
+            hasattr(parent, "local_heads")
+            and dataclasses.is_dataclass(ops)
+            and hasattr(ops, "attention")
+        ):
+            parent.ops = dataclasses.replace(ops, attention=forked(ops.attention, rng))
+
+
+def _apply_sequence_parallel(
+    model: nn.Module,
+    resolved: dict[str, str],
+    entry_modules: list[str],
+    group: Group,
+    rng: TensorParallelRNG,
+) -> None:
+    if not entry_modules:
+        raise ValueError(
+            "sequence_parallel=True needs a 'vocab' embedding in the plan: it is where the "
+            "sequence is split"
+        )
+    sharded_names = set(resolved)
+    # Siblings of the vocab embedding (the position table) produce full-sequence outputs: keep
+    # this rank's chunk; the gradient is all-gathered, so their weights' gradients are complete.
+    for parent_name in entry_modules:
+        parent = model.get_submodule(parent_name) if parent_name else model
+        for child_name, child in parent.named_children():
+            full_name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, nn.Embedding) and full_name not in sharded_names:
+                child.register_forward_hook(
+                    lambda _m, _args, out: scatter_to_sequence_region(out, group)
+                )
+    entry_params = set()
+    for parent_name in entry_modules:
+        parent = model.get_submodule(parent_name) if parent_name else model
+        entry_params.update(id(p) for p in parent.parameters())
+    for p in model.parameters():
+        if hasattr(p, SHARD_DIM_ATTR) or id(p) in entry_params or not p.requires_grad:
+            continue
+        setattr(p, SEQUENCE_PARALLEL_ATTR, True)
+        p.register_hook(lambda g: C.all_reduce(g, group, "sequence_parallel.grad"))
+    # Every dropout now sees a sequence shard (or a head shard): per-rank streams.
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Dropout):
+                setattr(module, child_name, ForkedRNG(child, rng))
+        del name
+
+
+def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters whose gradients ``parallelize`` all-reduces over the TP group."""
+    return [p for p in model.parameters() if getattr(p, SEQUENCE_PARALLEL_ATTR, False)]
