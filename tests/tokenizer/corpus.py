@@ -14,8 +14,9 @@ MIXED = "\n".join(
     [
         "Hello world! It's a test: we'll see, they've gone, I'm here, you'd know, she's done.",
         "DON'T SHOUT'S WE'LL I'M",
-        "def fib(n: int) -> int:\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-        "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }  // C code\t\ttabs",
+        "def fib(n: int) -> int:\n    if n < 2:\n        return n\n",
+        "    return fib(n - 1) + fib(n - 2)\n",
+        'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }  // C code\t\ttabs',
         "数字 12345 and 1234567890, pi=3.14159, 1,000,000 $42.00 100% 2026-12-02",
         "日本語のテキストと中文文本，还有한국어 텍스트。",
         "Привет, мир! Съешь же ещё этих мягких французских булок.",

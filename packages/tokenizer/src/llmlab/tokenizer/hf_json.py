@@ -194,17 +194,141 @@ def _bpe_from_hf(data: dict[str, Any], path: Path, **options: Any) -> Any:
 
 # --------------------------------------------------------------------------- WordPiece
 def _wordpiece_to_hf(tok: Any) -> dict[str, Any]:
-    raise NotImplementedError
+    out = _skeleton()
+    out["added_tokens"] = [
+        _added(s, i) for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])
+    ]
+    out["normalizer"] = {
+        "type": "BertNormalizer",
+        "clean_text": tok.clean_text,
+        "handle_chinese_chars": tok.handle_chinese_chars,
+        "strip_accents": tok.strip_accents,
+        "lowercase": tok.lowercase,
+    }
+    out["pre_tokenizer"] = {"type": "BertPreTokenizer"}
+    if "[CLS]" in tok.vocab and "[SEP]" in tok.vocab:
+        out["post_processor"] = {
+            "type": "BertProcessing",
+            "sep": ["[SEP]", tok.vocab["[SEP]"]],
+            "cls": ["[CLS]", tok.vocab["[CLS]"]],
+        }
+    out["decoder"] = {"type": "WordPiece", "prefix": tok.prefix, "cleanup": True}
+    out["model"] = {
+        "type": "WordPiece",
+        "unk_token": tok.unk_token,
+        "continuing_subword_prefix": tok.prefix,
+        "max_input_chars_per_word": tok.max_input_chars_per_word,
+        "vocab": dict(sorted(tok.vocab.items(), key=lambda kv: kv[1])),
+    }
+    return out
 
 
 def _wordpiece_from_hf(data: dict[str, Any], path: Path, **options: Any) -> Any:
-    raise NotImplementedError
+    from llmlab.tokenizer.wordpiece import WordPieceTokenizer
+
+    norm = data.get("normalizer")
+    kwargs: dict[str, Any] = {}
+    if norm is None:
+        kwargs.update(
+            lowercase=False, strip_accents=False, clean_text=False, handle_chinese_chars=False
+        )
+    elif norm.get("type") == "BertNormalizer":
+        kwargs.update(
+            lowercase=norm.get("lowercase", True),
+            strip_accents=norm.get("strip_accents"),
+            clean_text=norm.get("clean_text", True),
+            handle_chinese_chars=norm.get("handle_chinese_chars", True),
+        )
+    else:
+        raise TokenizerFileError(
+            path, f"normalizer {norm.get('type')!r} is not supported for WordPiece (BertNormalizer)"
+        )
+    pre = data.get("pre_tokenizer")
+    if pre is None or pre.get("type") != "BertPreTokenizer":
+        raise TokenizerFileError(
+            path,
+            f"pre-tokenizer {None if pre is None else pre.get('type')!r} is not supported for "
+            "WordPiece (BertPreTokenizer)",
+        )
+    model = data["model"]
+    kwargs.update(
+        unk_token=model.get("unk_token", "[UNK]"),
+        continuing_subword_prefix=model.get("continuing_subword_prefix", "##"),
+        max_input_chars_per_word=int(model.get("max_input_chars_per_word", 100)),
+        special_tokens=[t["content"] for t in data.get("added_tokens", [])],
+    )
+    kwargs.update(options)
+    try:
+        return WordPieceTokenizer({t: int(i) for t, i in model["vocab"].items()}, **kwargs)
+    except ValueError as exc:
+        raise TokenizerFileError(path, str(exc)) from exc
 
 
 # --------------------------------------------------------------------------- Unigram
 def _unigram_to_hf(tok: Any) -> dict[str, Any]:
-    raise NotImplementedError
+    out = _skeleton()
+    out["added_tokens"] = [
+        _added(tok.pieces[i][0], i) for i in sorted(tok.control_ids | {tok.unk_id})
+    ]
+    steps: list[dict[str, Any]] = []
+    if tok.normalization == "nfkc":
+        steps.append({"type": "NFKC"})
+    if tok.remove_extra_whitespaces:
+        steps.append({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "})
+        steps.append({"type": "Strip", "strip_left": True, "strip_right": True})
+    out["normalizer"] = {"type": "Sequence", "normalizers": steps} if steps else None
+    scheme = "always" if tok.add_dummy_prefix else "never"
+    meta = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": True}
+    out["pre_tokenizer"] = meta
+    out["decoder"] = {**meta, "split": True}
+    out["model"] = {
+        "type": "Unigram",
+        "unk_id": tok.unk_id,
+        "vocab": [[p, s] for p, s in tok.pieces],
+        "byte_fallback": False,
+    }
+    return out
 
 
 def _unigram_from_hf(data: dict[str, Any], path: Path, **options: Any) -> Any:
-    raise NotImplementedError
+    from llmlab.tokenizer.unigram import UnigramTokenizer
+
+    norm = data.get("normalizer")
+    steps = [] if norm is None else norm["normalizers"] if norm["type"] == "Sequence" else [norm]
+    normalization, remove_extra = "identity", False
+    for step in steps:
+        kind = step.get("type")
+        if kind == "NFKC":
+            normalization = "nfkc"
+        elif kind in ("Replace", "Strip"):
+            remove_extra = True
+        else:
+            raise TokenizerFileError(
+                path, f"normalizer {kind!r} is not supported for Unigram (NFKC, Replace, Strip)"
+            )
+    pre = data.get("pre_tokenizer")
+    if pre is None or pre.get("type") != "Metaspace":
+        raise TokenizerFileError(
+            path,
+            f"pre-tokenizer {None if pre is None else pre.get('type')!r} is not supported for "
+            "Unigram (Metaspace)",
+        )
+    if pre.get("replacement", "▁") != "▁":
+        raise TokenizerFileError(path, f"Metaspace replacement {pre['replacement']!r} is not '▁'")
+    scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
+    model = data["model"]
+    if model.get("byte_fallback"):
+        raise TokenizerFileError(path, "Unigram byte_fallback is not supported")
+    unk_id = model.get("unk_id")
+    if unk_id is None:
+        raise TokenizerFileError(path, "Unigram model without unk_id is not supported")
+    controls = [t["id"] for t in data.get("added_tokens", []) if t["id"] != unk_id]
+    kwargs: dict[str, Any] = dict(
+        unk_id=int(unk_id),
+        control_ids=controls,
+        add_dummy_prefix=scheme != "never",
+        remove_extra_whitespaces=remove_extra,
+        normalization=normalization,
+    )
+    kwargs.update(options)
+    return UnigramTokenizer([(p, float(s)) for p, s in model["vocab"]], **kwargs)

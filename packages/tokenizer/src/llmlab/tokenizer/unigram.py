@@ -1,0 +1,232 @@
+"""Unigram language-model tokenizer (SentencePiece-style).
+
+Text is normalized (optional NFKC, extra spaces removed), spaces become ``▁`` and a ``▁`` is
+prepended, so word boundaries are ordinary characters. Each piece ``x`` has a score
+``log p(x)``; a text is segmented by Viterbi into the pieces maximising ``Σ log p(x_i)``.
+Characters no piece covers become ``<unk>`` (score ``min score - 10``), and a run of unknown
+characters is one ``<unk>``, as in sentencepiece.
+
+Training (``unigram_train``) is EM over a large seed vocabulary with pruning by the loss in
+likelihood each piece's removal would cause.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
+
+SPACE = "▁"
+UNK_PENALTY = 10.0
+NORMALIZATIONS = ("identity", "nfkc")
+
+
+class UnigramTokenizer:
+    model = "unigram"
+
+    def __init__(
+        self,
+        pieces: Sequence[tuple[str, float]],
+        unk_id: int = 0,
+        control_ids: Sequence[int] = (),
+        add_dummy_prefix: bool = True,
+        remove_extra_whitespaces: bool = True,
+        normalization: str = "nfkc",
+    ):
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}"
+            )
+        self.pieces = [(str(p), float(s)) for p, s in pieces]
+        if not 0 <= unk_id < len(self.pieces):
+            raise ValueError(f"unk_id {unk_id} is outside the {len(self.pieces)} pieces")
+        self.unk_id = unk_id
+        self.control_ids = set(control_ids)
+        self.add_dummy_prefix = add_dummy_prefix
+        self.remove_extra_whitespaces = remove_extra_whitespaces
+        self.normalization = normalization
+        skip = self.control_ids | {unk_id}
+        self.scores = {p: (i, s) for i, (p, s) in enumerate(self.pieces) if i not in skip}
+        self.max_len = max((len(p) for p in self.scores), default=1)
+        self.prefixes = {p[:k] for p in self.scores for k in range(1, len(p) + 1)}
+        normal = [s for i, (_, s) in enumerate(self.pieces) if i not in skip]
+        self.unk_score = min(normal, default=0.0) - UNK_PENALTY
+        self.special_tokens = {self.pieces[i][0]: i for i in sorted(self.control_ids)}
+        self._cache: dict[str, list[int]] = {}
+
+    # ----------------------------------------------------------------- training
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, **kwargs: Any) -> UnigramTokenizer:
+        from llmlab.tokenizer.unigram_train import train_unigram
+
+        return train_unigram(cls, texts, vocab_size, **kwargs)
+
+    @classmethod
+    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any):
+        from llmlab.tokenizer.pretokenize import iter_file_lines
+
+        return cls.train((ln.rstrip("\r\n") for ln in iter_file_lines(paths)), vocab_size, **kw)
+
+    # ----------------------------------------------------------------- encoding
+    def normalize(self, text: str) -> str:
+        if self.normalization == "nfkc":
+            text = unicodedata.normalize("NFKC", text)
+        if self.remove_extra_whitespaces:
+            text = " ".join(w for w in text.split(" ") if w)
+        if not text:
+            return ""
+        text = text.replace(" ", SPACE)
+        if self.add_dummy_prefix:
+            text = SPACE + text
+        return text
+
+    def viterbi(self, text: str) -> list[int]:
+        """Best segmentation of an already-normalized string, as piece ids."""
+        n = len(text)
+        best = [float("-inf")] * (n + 1)
+        back: list[tuple[int, int]] = [(-1, -1)] * (n + 1)  # (start, piece id)
+        best[0] = 0.0
+        scores, prefixes, max_len = self.scores, self.prefixes, self.max_len
+        for start in range(n):
+            base = best[start]
+            if base == float("-inf"):
+                continue
+            single = False
+            for end in range(start + 1, min(n, start + max_len) + 1):
+                sub = text[start:end]
+                if sub not in prefixes:
+                    break
+                hit = scores.get(sub)
+                if hit is None:
+                    continue
+                if end == start + 1:
+                    single = True
+                candidate = base + hit[1]
+                if back[end][0] == -1 or candidate > best[end]:
+                    best[end], back[end] = candidate, (start, hit[0])
+            if not single:
+                candidate = base + self.unk_score
+                if back[start + 1][0] == -1 or candidate > best[start + 1]:
+                    best[start + 1], back[start + 1] = candidate, (start, self.unk_id)
+        ids: list[int] = []
+        end = n
+        while end > 0:
+            start, pid = back[end]
+            if pid == self.unk_id and ids and ids[-1] == self.unk_id:
+                pass  # a run of unknown characters is a single <unk>
+            else:
+                ids.append(pid)
+            end = start
+        ids.reverse()
+        return ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        out: list[int] = []
+        for line in text.split("\n"):  # sentencepiece encodes sentence by sentence
+            cached = self._cache.get(line)
+            if cached is None:
+                cached = self.viterbi(self.normalize(line))
+                if len(self._cache) < 100_000:
+                    self._cache[line] = cached
+            out.extend(cached)
+        return out
+
+    def encode(
+        self,
+        text: str,
+        allowed_special: SpecialSpec = frozenset(),
+        disallowed_special: SpecialSpec = "all",
+    ) -> list[int]:
+        allowed, disallowed = resolve_special(
+            self.special_tokens, allowed_special, disallowed_special
+        )
+        check_disallowed(text, disallowed)
+        out: list[int] = []
+        for segment, is_special in split_special(text, allowed):
+            if is_special:
+                out.append(self.special_tokens[segment])
+            else:
+                out.extend(self.encode_ordinary(segment))
+        return out
+
+    def encode_batch(self, texts: Sequence[str], **kw: Any) -> list[list[int]]:
+        return [self.encode(t, **kw) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        parts = []
+        for i in ids:
+            if not 0 <= i < len(self.pieces):
+                raise ValueError(
+                    f"token id {i!r} is not in this vocabulary (size {self.vocab_size})"
+                )
+            if i in self.control_ids:
+                continue
+            parts.append(" \u2047 " if i == self.unk_id else self.pieces[i][0])
+        text = "".join(parts).replace(SPACE, " ")
+        if self.add_dummy_prefix and text.startswith(" "):
+            text = text[1:]
+        return text
+
+    # ----------------------------------------------------------------- vocabulary
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.special_tokens.get("</s>")
+
+    def token_to_id(self, token: str) -> int | None:
+        if token == self.pieces[self.unk_id][0]:
+            return self.unk_id
+        hit = self.scores.get(token)
+        return self.special_tokens.get(token) if hit is None else hit[0]
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.pieces[token_id][0] if 0 <= token_id < len(self.pieces) else None
+
+    # ----------------------------------------------------------------- files
+    def save(self, path: str | Path, format: str = "llmlab") -> Path:
+        from llmlab.tokenizer import formats
+
+        return formats.save(self, path, format)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "unk_id": self.unk_id,
+            "control_ids": sorted(self.control_ids),
+            "add_dummy_prefix": self.add_dummy_prefix,
+            "remove_extra_whitespaces": self.remove_extra_whitespaces,
+            "normalization": self.normalization,
+            "pieces": [[p, s] for p, s in self.pieces],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **options: Any) -> UnigramTokenizer:
+        kwargs = {
+            k: data[k]
+            for k in (
+                "unk_id",
+                "control_ids",
+                "add_dummy_prefix",
+                "remove_extra_whitespaces",
+                "normalization",
+            )
+            if k in data
+        }
+        kwargs.update(options)
+        return cls([tuple(p) for p in data["pieces"]], **kwargs)
+
+    @classmethod
+    def from_sentencepiece(cls, processor: Any, **options: Any) -> UnigramTokenizer:
+        """Same pieces and scores as a loaded ``sentencepiece.SentencePieceProcessor``."""
+        n = processor.get_piece_size()
+        pieces = [(processor.id_to_piece(i), processor.get_score(i)) for i in range(n)]
+        controls = [i for i in range(n) if processor.is_control(i)]
+        return cls(pieces, unk_id=processor.unk_id(), control_ids=controls, **options)
+
+    def __repr__(self) -> str:
+        return f"UnigramTokenizer(vocab_size={self.vocab_size})"

@@ -1,0 +1,247 @@
+"""WordPiece (BERT): greedy longest-match-first over a vocabulary with ``##`` continuations.
+
+A word is split left to right, each time taking the longest vocabulary entry that matches
+(``##``-prefixed after the first piece); if some position matches nothing, or the word is longer
+than ``max_input_chars_per_word`` characters, the whole word becomes ``[UNK]``.
+
+Training learns the vocabulary the way HF's WordPieceTrainer does: byte-pair merges over
+characters where every non-initial character carries the ``##`` prefix (so a merged token is
+``a + b.removeprefix("##")``), using llmlab's incremental merge trainer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmlab.tokenizer import bert_text
+from llmlab.tokenizer.merge_trainer import train_merges
+from llmlab.tokenizer.pretokenize import iter_file_lines
+from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
+
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# HF's WordPiece decoder cleanup: re-attach punctuation and English contractions.
+_CLEANUP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" do not", " don't"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+class WordPieceTokenizer:
+    model = "wordpiece"
+
+    def __init__(
+        self,
+        vocab: dict[str, int] | Sequence[str],
+        unk_token: str = "[UNK]",
+        continuing_subword_prefix: str = "##",
+        max_input_chars_per_word: int = 100,
+        lowercase: bool = True,
+        strip_accents: bool | None = None,
+        clean_text: bool = True,
+        handle_chinese_chars: bool = True,
+        special_tokens: Sequence[str] | None = None,
+    ):
+        if not isinstance(vocab, dict):
+            vocab = {t: i for i, t in enumerate(vocab)}
+        self.vocab = dict(vocab)
+        if unk_token not in self.vocab:
+            raise ValueError(f"unk_token {unk_token!r} is not in the vocabulary")
+        self.inverse = {i: t for t, i in self.vocab.items()}
+        self.unk_token = unk_token
+        self.prefix = continuing_subword_prefix
+        self.max_input_chars_per_word = max_input_chars_per_word
+        self.lowercase, self.strip_accents = lowercase, strip_accents
+        self.clean_text, self.handle_chinese_chars = clean_text, handle_chinese_chars
+        specials = special_tokens if special_tokens is not None else BERT_SPECIALS
+        self.special_tokens = {s: self.vocab[s] for s in specials if s in self.vocab}
+        self._cache: dict[str, list[int]] = {}
+
+    # ----------------------------------------------------------------- training
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        special_tokens: Sequence[str] = BERT_SPECIALS,
+        min_frequency: int = 0,
+        show_progress: bool = False,
+        **options: Any,
+    ) -> WordPieceTokenizer:
+        specials = list(special_tokens)
+        if "[UNK]" not in specials and "unk_token" not in options:
+            specials.insert(0, "[UNK]")
+        probe = cls(specials, special_tokens=specials, **options)
+        words = Counter()
+        for text in texts:
+            words.update(probe.pre_tokenize(probe.normalize(text)))
+        chars = sorted({c for w in words for c in w})
+        minimum = len(specials) + len(chars)
+        if vocab_size < minimum:
+            raise ValueError(
+                f"vocab_size={vocab_size} is too small: {len(specials)} special tokens and "
+                f"{len(chars)} distinct characters need at least {minimum}"
+            )
+        tokens: list[str] = [*specials, *chars]
+        tokens += sorted({probe.prefix + c for w in words for c in w[1:]} - set(tokens))
+        ids = {t: i for i, t in enumerate(tokens)}
+        seqs = [tuple([ids[w[0]]] + [ids[probe.prefix + c] for c in w[1:]]) for w in words]
+        n = len(probe.prefix)
+
+        def concat(a: str, b: str) -> str:
+            return a + (b[n:] if b.startswith(probe.prefix) else b)
+
+        train_merges(
+            seqs, list(words.values()), tokens, vocab_size, concat, min_frequency, show_progress
+        )
+        return cls(tokens, special_tokens=specials, **options)
+
+    @classmethod
+    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any):
+        return cls.train(iter_file_lines(paths), vocab_size, **kw)
+
+    # ----------------------------------------------------------------- encoding
+    def normalize(self, text: str) -> str:
+        return bert_text.normalize(
+            text, self.clean_text, self.handle_chinese_chars, self.strip_accents, self.lowercase
+        )
+
+    @staticmethod
+    def pre_tokenize(text: str) -> list[str]:
+        return bert_text.pre_tokenize(text)
+
+    def _word(self, word: str) -> list[int]:
+        cached = self._cache.get(word)
+        if cached is not None:
+            return cached
+        unk = [self.vocab[self.unk_token]]
+        if len(word) > self.max_input_chars_per_word:
+            return unk
+        out, start, n = [], 0, len(word)
+        while start < n:
+            end = n
+            found = None
+            while start < end:
+                piece = word[start:end]
+                if start > 0:
+                    piece = self.prefix + piece
+                found = self.vocab.get(piece)
+                if found is not None:
+                    break
+                end -= 1
+            if found is None:
+                out = unk
+                break
+            out.append(found)
+            start = end
+        if len(self._cache) < 100_000:
+            self._cache[word] = out
+        return out
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        out: list[int] = []
+        for word in self.pre_tokenize(self.normalize(text)):
+            out.extend(self._word(word))
+        return out
+
+    def encode(
+        self,
+        text: str,
+        allowed_special: SpecialSpec = frozenset(),
+        disallowed_special: SpecialSpec = "all",
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Text -> ids; ``add_special_tokens`` wraps them in [CLS] ... [SEP] like BERT."""
+        allowed, disallowed = resolve_special(
+            self.special_tokens, allowed_special, disallowed_special
+        )
+        check_disallowed(text, disallowed)
+        out: list[int] = []
+        for segment, is_special in split_special(text, allowed):
+            if is_special:
+                out.append(self.special_tokens[segment])
+            else:
+                out.extend(self.encode_ordinary(segment))
+        if add_special_tokens:
+            out = [self.vocab["[CLS]"], *out, self.vocab["[SEP]"]]
+        return out
+
+    def encode_batch(self, texts: Sequence[str], **kw: Any) -> list[list[int]]:
+        return [self.encode(t, **kw) for t in texts]
+
+    def decode(
+        self, ids: Iterable[int], skip_special_tokens: bool = True, cleanup: bool = True
+    ) -> str:
+        """Join pieces (``##`` glues to the previous one), as HF's WordPiece decoder does."""
+        specials = set(self.special_tokens.values())
+        parts: list[str] = []
+        for i in ids:
+            if i not in self.inverse:
+                raise ValueError(
+                    f"token id {i!r} is not in this vocabulary (size {self.vocab_size})"
+                )
+            if skip_special_tokens and i in specials:
+                continue
+            tok = self.inverse[i]
+            if parts and tok.startswith(self.prefix):
+                parts.append(tok[len(self.prefix) :])
+            else:
+                parts.append((" " if parts else "") + tok)
+        text = "".join(parts)
+        if cleanup:
+            for a, b in _CLEANUP:
+                text = text.replace(a, b)
+        return text
+
+    # ----------------------------------------------------------------- vocabulary
+    @property
+    def vocab_size(self) -> int:
+        return max(self.inverse) + 1
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.vocab.get(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.inverse.get(token_id)
+
+    # ----------------------------------------------------------------- files
+    def save(self, path: str | Path, format: str = "llmlab") -> Path:
+        from llmlab.tokenizer import formats
+
+        return formats.save(self, path, format)
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "unk_token": self.unk_token,
+            "continuing_subword_prefix": self.prefix,
+            "max_input_chars_per_word": self.max_input_chars_per_word,
+            "lowercase": self.lowercase,
+            "strip_accents": self.strip_accents,
+            "clean_text": self.clean_text,
+            "handle_chinese_chars": self.handle_chinese_chars,
+            "special_tokens": list(self.special_tokens),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.options(), "vocab": [self.inverse.get(i) for i in range(self.vocab_size)]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **options: Any) -> WordPieceTokenizer:
+        vocab = {t: i for i, t in enumerate(data["vocab"]) if t is not None}
+        kwargs = {k: data[k] for k in cls.__init__.__code__.co_varnames[2:10] if k in data}
+        kwargs.update(options)
+        return cls(vocab, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"WordPieceTokenizer(vocab_size={self.vocab_size})"
