@@ -104,6 +104,8 @@ def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         "BLOCK_N": bn,
         "BLOCK_D": max(16, next_power_of_2(D)),
     }
+    if q.is_cuda:  # two (BLOCK, D) fp32 accumulators per program: more warps for wide heads
+        flags["num_warps"] = 4 if D <= 64 else 8
     jit.attn_bwd_dkdv_kernel[((S + bn - 1) // bn, BH)](
         q, k, v, do, lse, delta, dk, dv, scale, L, S, D, **flags
     )
