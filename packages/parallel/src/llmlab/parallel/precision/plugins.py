@@ -1,0 +1,265 @@
+"""Lightning precision plugins: low-precision model, fp32 master weights, dynamic loss scaling.
+
+How the plugin hooks into Lightning (``Strategy.setup`` calls ``convert_module`` before the
+optimizers exist and ``connect`` right after ``configure_optimizers``):
+
+* ``convert_module``: remember each parameter's fp32 value, then cast the model down.
+* ``connect``: build :class:`MasterWeights` and *rewire* every optimizer's param groups to the
+  fp32 masters. The LightningModule's ``configure_optimizers`` stays unaware of precision, the
+  optimizer state (Adam moments) is fp32 from the first step, and gradient clipping (which reads
+  ``optimizer.param_groups``) clips the unscaled fp32 grads.
+* ``pre_backward``: ``loss · S`` (fp32 product).
+* ``optimizer_step``: run the closure (forward + backward on the fp16 model), move grads to
+  the masters unscaled, check overflow, let clipping hooks run, then step or skip.
+* ``state_dict``: the scaler *and* the masters, so resume is exact (the model's own checkpoint
+  holds only the rounded low-precision weights).
+
+Lightning's ``precision="16-mixed"`` silently becomes bf16 on CPU; these plugins never change the
+dtype behind your back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_utilities import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from llmlab.parallel.precision.fp8 import Float8Linear, convert_to_float8
+from llmlab.parallel.precision.master import MasterWeights
+from llmlab.parallel.precision.scaler import DynamicLossScaler
+
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16}  # fmt: skip
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"dtype {name} is not a low-precision float; valid: {sorted(DTYPES)}")
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+class MasterWeightPrecision(Precision):
+    """Model weights in ``dtype``, fp32 master weights in the optimizer, optional loss scaling.
+
+    Args:
+        dtype: ``"float16"`` or ``"bfloat16"``: the dtype of the model's weights and compute.
+        loss_scale: ``"dynamic"`` (a :class:`DynamicLossScaler` from ``scaler_kwargs``), a
+            number (a static scale), or ``None`` (no scaling: bf16 has fp32's exponent range).
+        skip_nonfinite: skip steps whose gradients hold inf/nan even without a scaler.
+        **scaler_kwargs: ``init_scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``, ``hysteresis``, ``consecutive_hysteresis``, ``min_scale``,
+            ``at_min`` (see :class:`DynamicLossScaler`).
+    """
+
+    def __init__(
+        self,
+        dtype: str | torch.dtype = "float16",
+        loss_scale: Literal["dynamic"] | float | None = "dynamic",
+        skip_nonfinite: bool = True,
+        **scaler_kwargs: Any,
+    ) -> None:
+        self.dtype = _dtype(dtype)
+        self.precision = "16-true" if self.dtype == torch.float16 else "bf16-true"
+        if loss_scale == "dynamic":
+            self.scaler: DynamicLossScaler | None = DynamicLossScaler(**scaler_kwargs)
+        elif loss_scale is None:
+            if scaler_kwargs:
+                raise ValueError(
+                    f"scaler options {sorted(scaler_kwargs)} need loss_scale='dynamic'"
+                )
+            self.scaler = None
+        elif isinstance(loss_scale, int | float) and loss_scale > 0:
+            # a static scale: the same policy object that never grows and never backs off
+            self.scaler = DynamicLossScaler(
+                init_scale=float(loss_scale), growth_interval=2**62, min_scale=float(loss_scale)
+            )
+        else:
+            raise ValueError(f"loss_scale must be 'dynamic', a positive number or None, got "
+                             f"{loss_scale!r}")  # fmt: skip
+        self.skip_nonfinite = skip_nonfinite
+        self.masters: MasterWeights | None = None
+        self._initial: dict[int, Tensor] = {}
+        self._params: list[nn.Parameter] = []
+        self._pending_state: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------- model & input
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        params = [p for p in module.parameters() if p.is_floating_point()]
+        self._initial = {id(p): p.detach().to(torch.float32).clone() for p in params}
+        module = module.to(dtype=self.dtype)
+        # ``Module.to`` swaps ``param.data`` in place, so the Parameter objects (and their ids)
+        # are the ones the optimizer will be built from.
+        self._params = [p for p in module.parameters() if p.is_floating_point()]
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_collection(
+            data, function=lambda t: t.to(self.dtype) if t.is_floating_point() else t, dtype=Tensor
+        )
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Tensors created during forward default to the model's dtype (as HalfPrecision)."""
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        if not self._params:  # convert_module was not called (a strategy that skips it)
+            self.convert_module(model)
+        self.masters = MasterWeights(
+            self._params, self.scaler, self._initial, skip_nonfinite=self.skip_nonfinite
+        )
+        self._initial = {}  # the masters own the fp32 values now
+        for opt in optimizers:
+            self.masters.rewire(opt)
+        if self._pending_state is not None:
+            self.masters.load_state_dict(self._pending_state)
+            self._pending_state = None
+        return model, optimizers, lr_schedulers
+
+    # ----------------------------------------------------------------- backward
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        if self.masters is not None:
+            tensor = self.masters.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if self.masters is None:
+            raise RuntimeError("MasterWeightPrecision.optimizer_step before connect()")
+        closure_result = closure()  # forward + scaled backward on the low-precision model
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            # training_step returned None: Lightning skipped backward, nothing to step
+            return closure_result
+        found_inf = self.masters.unscale()
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, grad clipping
+        self.masters.step(optimizer, found_inf, **kwargs)
+        self._log(model)
+        return closure_result
+
+    def _log(self, model: Any) -> None:
+        metrics = {
+            "precision/loss_scale": self.masters.loss_scale,
+            "precision/skipped_steps": float(self.masters.skipped_steps),
+        }
+        try:  # inside LightningModule.optimizer_step, where self.log is allowed
+            for key, value in metrics.items():
+                model.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+        except (MisconfigurationException, AttributeError, RuntimeError):
+            trainer = getattr(model, "_trainer", None)
+            if trainer is not None and trainer.logger is not None and trainer.is_global_zero:
+                trainer.logger.log_metrics(metrics, step=trainer.global_step)
+
+    # --------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        if self.masters is None:
+            return {"scaler": self.scaler.state_dict() if self.scaler else None}
+        return self.masters.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "masters" not in state_dict:
+            if self.scaler is not None and state_dict.get("scaler") is not None:
+                self.scaler.load_state_dict(state_dict["scaler"])
+            return
+        if self.masters is None:
+            self._pending_state = state_dict
+        else:
+            self.masters.load_state_dict(state_dict)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.masters.skipped_steps if self.masters is not None else 0
+
+
+class FP16MasterPrecision(MasterWeightPrecision):
+    """fp16 weights and compute, fp32 masters, dynamic loss scaling (``precision: fp16_master``).
+
+    Defaults follow DeepSpeed's fp16 config: ``init_scale=2**16``, ``growth_interval=1000``,
+    ``hysteresis=2``, ``min_scale=1``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 1.0,
+        at_min: Literal["clamp", "raise"] = "clamp",
+    ) -> None:
+        super().__init__(
+            "float16",
+            "dynamic",
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_scale=min_scale,
+            at_min=at_min,
+        )
+
+
+class BF16MasterPrecision(MasterWeightPrecision):
+    """Pure bf16 weights and compute with fp32 masters; no loss scale (bf16 has fp32's range)."""
+
+    def __init__(self, skip_nonfinite: bool = True) -> None:
+        super().__init__("bfloat16", None, skip_nonfinite=skip_nonfinite)
+
+
+class FP8Precision(Precision):
+    """fp8 compute for the chosen Linear layers (:func:`convert_to_float8`); fp32 elsewhere.
+
+    The weights stay fp32 Parameters, so the optimizer runs in fp32 with no master copy; only
+    the matmul operands are quantised (e4m3 forward, e5m2 gradients) on every call.
+    """
+
+    precision = "32-true"
+
+    def __init__(
+        self,
+        min_features: int = 128,
+        exclude: Sequence[str] = ("*lm_head",),
+        recipe: Literal["dynamic", "delayed"] = "dynamic",
+        history_len: int = 16,
+        backend: Literal["auto", "scaled_mm", "emulate"] = "auto",
+    ) -> None:
+        self.options = dict(
+            min_features=min_features,
+            exclude=tuple(exclude),
+            recipe=recipe,
+            history_len=history_len,
+            backend=backend,
+        )
+        # fail on bad options now, not at setup
+        Float8Linear(16, 16, recipe=recipe, history_len=history_len, backend=backend)
+        self.converted: list[str] = []
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        self.converted = convert_to_float8(module, **self.options)
+        return module
