@@ -53,8 +53,12 @@ def _replicated(full: Tensor | None) -> nn.Parameter | None:
     return nn.Parameter(full.detach().clone(), requires_grad=full.requires_grad)
 
 
-class ColumnParallelLinear(nn.Module):
-    """A Linear whose output features are split across the tensor-parallel group."""
+class ColumnParallelLinear(nn.Linear):
+    """A Linear whose output features are split across the tensor-parallel group.
+
+    Subclasses ``nn.Linear`` (without its initialisation) so that code which treats Linear
+    weights specially, such as weight-decay parameter groups, treats the shard alike.
+    """
 
     def __init__(
         self,
@@ -64,8 +68,12 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         weight: nn.Parameter | None = None,
         name: str = "ColumnParallelLinear",
+        input_gathered: bool = False,
     ) -> None:
-        super().__init__()
+        """``input_gathered``: under sequence parallelism, the input was already all-gathered
+        upstream (e.g. once for a whole attention module, whose code reads the sequence length
+        from its input), so the layer takes it as is."""
+        nn.Module.__init__(self)
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True is incompatible with sequence_parallel=True")
         self.group = group
@@ -73,12 +81,15 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = full.out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
+        self.input_gathered = input_gathered and sequence_parallel
         what = f"{name}: out_features"
         self.weight = weight if weight is not None else shard_parameter(full.weight, 0, group, what)
         self.bias = None if full.bias is None else shard_parameter(full.bias, 0, group, what)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
+        if self.input_gathered:
+            pass  # gathered upstream; that gather's backward reduce-scatters the partial grads
+        elif self.sequence_parallel:
             x = gather_from_sequence_region(x, self.group)
         else:
             x = copy_to_tensor_region(x, self.group)
@@ -93,8 +104,11 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
-    """A Linear whose input features are split; its input comes already split (``X_i``)."""
+class RowParallelLinear(nn.Linear):
+    """A Linear whose input features are split; its input comes already split (``X_i``).
+
+    Subclasses ``nn.Linear`` (without its initialisation), as ``ColumnParallelLinear`` does.
+    """
 
     def __init__(
         self,
@@ -103,7 +117,7 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         name: str = "RowParallelLinear",
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.group = group
         self.in_features = full.in_features
         self.out_features = full.out_features

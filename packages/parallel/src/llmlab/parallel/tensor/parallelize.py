@@ -39,7 +39,7 @@ from llmlab.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from llmlab.parallel.tensor.mappings import scatter_to_sequence_region
+from llmlab.parallel.tensor.mappings import gather_from_sequence_region, scatter_to_sequence_region
 from llmlab.parallel.tensor.random import ForkedRNG, TensorParallelRNG, forked
 
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
@@ -154,6 +154,10 @@ def parallelize(
     rng = TensorParallelRNG(torch.initial_seed() if seed is None else seed, rank)
     info = TensorParallelInfo(group, tp, rank, sequence_parallel, dict(plan), rng, resolved)
 
+    # Parents holding both a column- and a row-parallel child enclose a whole tensor-parallel
+    # region (attention, MLP). Under SP their input is gathered once, at the parent's entry, so
+    # code inside that reads the sequence length from its input sees the full sequence.
+    region_parents = _region_parents(resolved) if sequence_parallel else set()
     shards: dict[int, nn.Parameter] = {}  # id(full weight) -> its shard, so ties survive
     entry_modules: list[str] = []  # parents of vocab embeddings: where the model's input enters
     for name, style in resolved.items():
@@ -165,7 +169,12 @@ def parallelize(
         shared = shards.get(id(full_weight))
         if style == "colwise":
             new: nn.Module = ColumnParallelLinear(
-                module, group, sequence_parallel=sequence_parallel, weight=shared, name=name
+                module,
+                group,
+                sequence_parallel=sequence_parallel,
+                weight=shared,
+                name=name,
+                input_gathered=parent_name in region_parents,
             )
         elif style == "rowwise":
             new = RowParallelLinear(module, group, sequence_parallel=sequence_parallel, name=name)
@@ -181,11 +190,28 @@ def parallelize(
         shards.setdefault(id(full_weight), new.weight)
         setattr(parent, child, new)
 
+    for parent_name in region_parents:
+        parent = model.get_submodule(parent_name) if parent_name else model
+        parent.register_forward_pre_hook(_gather_first_input(group))
     _fork_attention_dropout(model, resolved, rng)
     if sequence_parallel:
         _apply_sequence_parallel(model, resolved, entry_modules, group, rng)
     model.tensor_parallel = info
     return model
+
+
+def _region_parents(resolved: dict[str, str]) -> set[str]:
+    styles_by_parent: dict[str, set[str]] = {}
+    for name, style in resolved.items():
+        styles_by_parent.setdefault(name.rpartition(".")[0], set()).add(style)
+    return {p for p, styles in styles_by_parent.items() if {"colwise", "rowwise"} <= styles}
+
+
+def _gather_first_input(group: Group):
+    def hook(_module: nn.Module, args: tuple) -> tuple:
+        return (gather_from_sequence_region(args[0], group), *args[1:])
+
+    return hook
 
 
 def _fork_attention_dropout(

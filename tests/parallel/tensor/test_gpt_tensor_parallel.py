@@ -1,0 +1,237 @@
+"""The tensor-parallel GPT equals the single-process GPT: logits, loss, every gradient, 20 steps.
+
+Oracle: the same ``llmlab.models.GPT`` in one process with ``F.cross_entropy`` (fp32; 1e-5).
+Also measured here: each rank's share of every sharded weight (1/tp), and the bytes moved per
+training step against the analytical count written out in ``expected_comm``.
+One distributed function per world size (2: tp=2; 4: tp=4 and DP×TP = 2×2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llmlab.models import GPT, GPTConfig
+from tests.helpers.distributed import run_distributed
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+B, T, STEPS = 2, 8, 20
+TOL = dict(atol=1e-5, rtol=1e-5)  # fp32, single process vs sharded sums
+
+
+def make_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**CFG))
+
+
+def batch(step: int, rows: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, CFG["vocab_size"], (rows, T + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def expected_comm(tp: int, sp: bool, rows: int = B) -> dict[str, int]:
+    """Payload bytes of one forward + backward (fp32), derived from Megatron-LM's layout.
+
+    Without SP: all-reduces of B×T×d: per layer 2 forward (attention out, MLP down) and 2 backward
+    (attention in, MLP up), plus the embedding (forward) and the LM head's input (backward).
+    With SP each becomes an all-gather + a reduce-scatter of the same B×T×d; the position
+    table's chunk costs a T×d all-gather (backward); the replicated LayerNorm weights/biases and
+    row-parallel biases (6d per layer + 2d for ln_f) have their gradients all-reduced.
+    Either way the loss all-reduces three B×T numbers (max, target logit, sum of exps).
+    """
+    L, d = CFG["n_layer"], CFG["n_embd"]
+    act = rows * T * d * 4
+    loss = 3 * rows * T * 4
+    if not sp:
+        return {"all_reduce": (4 * L + 2) * act + loss, "all_gather": 0, "reduce_scatter": 0}
+    return {
+        "all_reduce": (6 * L + 2) * d * 4 + loss,
+        "all_gather": (4 * L + 2) * act + T * d * 4,
+        "reduce_scatter": (4 * L + 2) * act,
+    }
+
+
+def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _full_grads(model, group) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        dim = getattr(p, "tp_shard_dim", None)
+        out[name] = p.grad if dim is None else _gather(p.grad, dim, group)
+    return out
+
+
+def _tp_loss(model, x, y, group):
+    from llmlab.parallel.tensor import vocab_parallel_cross_entropy
+
+    logits = model(x)
+    return logits, vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten(), group)
+
+
+def _check_exact_and_counted(rank: int, tp: int, group, sp: bool) -> tuple[GPT, GPT]:
+    from llmlab.parallel.tensor import count_comm, parallelize
+
+    ref = make_gpt()
+    model = parallelize(make_gpt(), GPT.tensor_parallel_plan(), group, sequence_parallel=sp)
+    what = f"tp={tp} sp={sp} rank={rank}"
+
+    # Each rank holds 1/tp of every sharded weight (measured on the live parameters).
+    full = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if hasattr(p, "tp_shard_dim"):
+            assert p.numel() * tp == full[name].numel(), (name, p.shape, full[name].shape)
+            torch.testing.assert_close(_gather(p.detach(), p.tp_shard_dim, group), full[name])
+    assert model.head.lm_head.weight is model.embed.wte.weight  # the tie survives sharding
+    assert model.blocks[0].attn.local_heads == CFG["n_head"] // tp
+
+    x, y = batch(0)
+    with count_comm() as ledger:
+        logits, loss = _tp_loss(model, x, y, group)
+        loss.backward()
+    ref_logits = ref(x)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), y.flatten())
+    ref_loss.backward()
+    assert logits.shape[-1] == CFG["vocab_size"] // tp  # the full logits are never gathered
+    torch.testing.assert_close(_gather(logits.detach(), -1, group), ref_logits, **TOL)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    grads = _full_grads(model, group)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert ledger.totals() == expected_comm(tp, sp), (what, ledger.totals(), ledger.by_tag())
+
+    # 20 AdamW steps: the loss curve equals the single-process curve.
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    opt_tp = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = batch(step)
+        _, loss = _tp_loss(model, x, y, group)
+        loss.backward()
+        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        ref_loss.backward()
+        for opt in (opt_ref, opt_tp):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m, s=step: f"step {s}: {m}")
+    return ref, model
+
+
+def _greedy(model, prompt: torch.Tensor, new_tokens: int, group=None) -> list[int]:
+    ids = prompt.clone()
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(ids)[:, -1]
+            if group is not None:
+                logits = _gather(logits, -1, group)
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids[0].tolist()
+
+
+PROMPT = torch.tensor([[3, 14, 15, 9, 26]])
+
+
+def tp2_checks(rank: int, world_size: int, ckpt: str) -> list[int]:
+    from llmlab.parallel.tensor import consolidated_state_dict
+
+    group = dist.group.WORLD
+    for sp in (True, False):
+        _, model = _check_exact_and_counted(rank, world_size, group, sp)
+    # Done-when 5: the consolidated checkpoint of the (trained) tp=2 model, and its greedy decode.
+    model.eval()
+    state = consolidated_state_dict(model, group)
+    if rank == 0:
+        torch.save(state, ckpt)
+    return _greedy(model, PROMPT, 8, group)
+
+
+def tp4_and_dp_checks(rank: int, world_size: int) -> None:
+    from llmlab.parallel import ParallelDims, build_process_groups
+    from llmlab.parallel.tensor import (
+        consolidated_state_dict,
+        load_consolidated_state_dict,
+        parallelize,
+    )
+    from llmlab.parallel.tensor.grads import average_data_parallel_grads
+
+    world = dist.group.WORLD
+    for sp in (False, True):
+        _, model = _check_exact_and_counted(rank, world_size, world, sp)
+
+    # DP × TP = 2 × 2: each data replica gets half the batch; the curve equals one process.
+    groups = build_process_groups(ParallelDims(data=2, tensor=2))
+    dp_rank = groups.coords[0]
+    state = consolidated_state_dict(model, world)  # from tp=4 ...
+    tp2 = parallelize(make_gpt(), GPT.tensor_parallel_plan(), groups.tensor, sequence_parallel=True)
+    load_consolidated_state_dict(tp2, state, groups.tensor)  # ... into tp=2
+    plain = make_gpt()
+    plain.load_state_dict(state)
+    x, _ = batch(0)
+    with torch.no_grad():
+        torch.testing.assert_close(_gather(tp2(x), -1, groups.tensor), plain(x), **TOL)
+
+    ref, model = make_gpt(), parallelize(make_gpt(), GPT.tensor_parallel_plan(), groups.tensor)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    opt_tp = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = batch(step, rows=2 * B)
+        rows = slice(dp_rank * B, (dp_rank + 1) * B)
+        _, loss = _tp_loss(model, x[rows], y[rows], groups.tensor)
+        loss.backward()
+        average_data_parallel_grads(model.parameters(), groups.data)
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, group=groups.data)
+        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        ref_loss.backward()
+        for opt in (opt_ref, opt_tp):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(global_loss / 2, ref_loss, **TOL)
+
+
+@pytest.mark.distributed
+def test_gpt_tp2_exact_counted_and_checkpoint_decodes_alike(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "tp2.pt")
+    tokens = run_distributed(tp2_checks, 2, ckpt)
+    assert tokens[0] == tokens[1]
+    plain = make_gpt().eval()
+    plain.load_state_dict(torch.load(ckpt))
+    assert _greedy(plain, PROMPT, 8) == tokens[0]
+
+
+@pytest.mark.distributed
+def test_gpt_tp4_exact_and_dp2_tp2_curve() -> None:
+    run_distributed(tp4_and_dp_checks, 4)
+
+
+def test_misconfiguration_names_the_numbers() -> None:
+    from llmlab.parallel.tensor import validate_plan
+
+    plan = GPT.tensor_parallel_plan()
+    model = GPT(GPTConfig(vocab_size=64, n_head=6, n_embd=48, n_layer=1, block_size=8))
+    with pytest.raises(
+        ValueError, match=r"6 attention heads are not divisible by tensor-parallel size 4"
+    ):
+        validate_plan(model, plan, 4)
+    model = GPT(GPTConfig(vocab_size=66, n_head=4, n_embd=32, n_layer=1, block_size=8))
+    with pytest.raises(
+        ValueError, match=r"vocabulary size 66 is not divisible by tensor-parallel size 4"
+    ):
+        validate_plan(model, plan, 4)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 10), torch.nn.Linear(10, 8))
+    with pytest.raises(
+        ValueError,
+        match=r"0: out_features=10 \(hidden size\) is not divisible by tensor-parallel size 4",
+    ):
+        validate_plan(mlp, {"0": "colwise", "1": "rowwise"}, 4)
+    with pytest.raises(ValueError, match="matches no module"):
+        validate_plan(mlp, {"fc": "colwise"}, 2)
