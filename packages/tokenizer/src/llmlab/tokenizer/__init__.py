@@ -8,5 +8,7 @@ and sentencepiece for Unigram. ``load(path)`` reads llmlab's own JSON, HF ``toke
 from llmlab.tokenizer.bpe import BPETokenizer
 from llmlab.tokenizer.errors import TokenizerFileError
 from llmlab.tokenizer.formats import load
+from llmlab.tokenizer.unigram import UnigramTokenizer
+from llmlab.tokenizer.wordpiece import WordPieceTokenizer
 
-__all__ = ["BPETokenizer", "TokenizerFileError", "load"]
+__all__ = ["BPETokenizer", "TokenizerFileError", "UnigramTokenizer", "WordPieceTokenizer", "load"]

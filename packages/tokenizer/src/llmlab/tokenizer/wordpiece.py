@@ -183,7 +183,9 @@ class WordPieceTokenizer:
     def decode(
         self, ids: Iterable[int], skip_special_tokens: bool = True, cleanup: bool = True
     ) -> str:
-        """Join pieces (``##`` glues to the previous one), as HF's WordPiece decoder does."""
+        """Join pieces as HF's WordPiece decoder does: ``##`` pieces glue to the previous one,
+        others get a space; ``cleanup`` re-attaches punctuation, applied token by token (so
+        " ." becomes "." but a contraction split over tokens stays split, exactly like HF)."""
         specials = set(self.special_tokens.values())
         parts: list[str] = []
         for i in ids:
@@ -195,14 +197,14 @@ class WordPieceTokenizer:
                 continue
             tok = self.inverse[i]
             if parts and tok.startswith(self.prefix):
-                parts.append(tok[len(self.prefix) :])
-            else:
-                parts.append((" " if parts else "") + tok)
-        text = "".join(parts)
-        if cleanup:
-            for a, b in _CLEANUP:
-                text = text.replace(a, b)
-        return text
+                tok = tok[len(self.prefix) :]
+            elif parts:
+                tok = " " + tok
+            if cleanup:
+                for a, b in _CLEANUP:
+                    tok = tok.replace(a, b)
+            parts.append(tok)
+        return "".join(parts)
 
     # ----------------------------------------------------------------- vocabulary
     @property

@@ -1,0 +1,123 @@
+"""Unigram against sentencepiece: the same pieces and scores encode id for id, and llmlab's EM
+training compresses held-out text about as well as sentencepiece's at the same vocab size."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import sentencepiece as spm
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+import llmlab.tokenizer as lt
+from llmlab.tokenizer import UnigramTokenizer
+from tests.tokenizer.corpus import MIXED, held_out_text, train_files
+
+
+def _lines(megabytes: float) -> list[str]:
+    return [ln for f in train_files(megabytes) for ln in f.read_text(encoding="utf-8").splitlines()]
+
+
+def _sp_train(lines: list[str], vocab_size: int, normalization: str) -> spm.SentencePieceProcessor:
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        normalization_rule_name=normalization,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def _sp_encode(sp: spm.SentencePieceProcessor, text: str) -> list[int]:
+    return [i for line in text.split("\n") for i in sp.encode(line)]
+
+
+@pytest.fixture(scope="module")
+def sp() -> spm.SentencePieceProcessor:
+    return _sp_train(_lines(0.3), 1000, "identity")
+
+
+@pytest.fixture(scope="module")
+def ours(sp) -> UnigramTokenizer:
+    return UnigramTokenizer.from_sentencepiece(sp, normalization="identity")
+
+
+def test_same_pieces_and_scores_encode_like_sentencepiece(sp, ours):
+    for text in (held_out_text(100_000), MIXED, "  spaces   everywhere  \n\n x\ty 中文中 z"):
+        assert ours.encode(text) == _sp_encode(sp, text)
+
+
+def test_nfkc_normalization_matches_sentencepiece_nfkc():
+    sp = _sp_train(_lines(0.1), 500, "nfkc")
+    ours = UnigramTokenizer.from_sentencepiece(sp, normalization="nfkc")
+    text = "ﬁne ｆｕｌｌｗｉｄｔｈ ① Ⅻ café " + held_out_text(20_000)
+    assert ours.encode(text) == _sp_encode(sp, text)
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), max_size=60))
+def test_arbitrary_text_matches_sentencepiece(sp, ours, text):
+    assert ours.encode(text) == _sp_encode(sp, text)
+
+
+def test_decode_matches_sentencepiece(sp, ours):
+    text = "To be, or not to be: that is the question. 中文 ok"
+    ids = ours.encode(text)
+    assert ours.decode(ids) == sp.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def trained() -> UnigramTokenizer:
+    return UnigramTokenizer.train(_lines(0.15), 600, normalization="identity")
+
+
+def test_training_compresses_within_3_percent_of_sentencepiece(trained):
+    sp = _sp_train(_lines(0.15), 600, "identity")
+    held = held_out_text(100_000)
+    ours_n, sp_n = len(trained.encode(held)), len(_sp_encode(sp, held))
+    # llmlab may compress better; it must not be more than 3% worse.
+    assert ours_n <= 1.03 * sp_n, (ours_n, sp_n)
+    assert trained.vocab_size == 600
+    scores = [s for _, s in trained.pieces[3:]]
+    assert scores == sorted(scores, reverse=True) and all(s < 0 for s in scores)  # log-probs
+
+
+def test_training_is_deterministic():
+    lines = _lines(0.05)
+    first = UnigramTokenizer.train(lines, 300, normalization="identity")
+    assert UnigramTokenizer.train(lines, 300, normalization="identity").pieces == first.pieces
+
+
+def test_roundtrip_and_formats(trained, tmp_path):
+    text = "To be, or not to be: that is the question."
+    assert trained.decode(trained.encode(text)) == text
+    for fmt in ("llmlab", "hf"):
+        again = lt.load(trained.save(tmp_path / f"{fmt}.json", format=fmt))
+        assert isinstance(again, UnigramTokenizer)
+        assert again.encode(held_out_text(20_000)) == trained.encode(held_out_text(20_000))
+    hf = Tokenizer.from_file(str(tmp_path / "hf.json"))
+    for line in held_out_text(20_000).split("\n"):
+        line = " ".join(line.split(" "))
+        assert hf.encode(line).ids == trained.encode(line), line
+
+
+def test_vocab_size_too_small_fails_clearly():
+    with pytest.raises(ValueError, match="vocab_size=5 is too small"):
+        UnigramTokenizer.train(["hello world"], 5)
+
+
+@pytest.mark.slow
+def test_training_compression_at_4k_on_1mb():
+    lines = _lines(1.0)
+    ours = UnigramTokenizer.train(lines, 4000, normalization="identity")
+    sp = _sp_train(lines, 4000, "identity")
+    held = held_out_text(None)
+    assert len(ours.encode(held)) <= 1.03 * len(_sp_encode(sp, held))
