@@ -1,0 +1,5 @@
+import sys
+
+from llmlab.tokenizer.cli import main
+
+sys.exit(main())
