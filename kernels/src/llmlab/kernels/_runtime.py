@@ -56,7 +56,10 @@ def use_triton(op: str, *tensors: torch.Tensor | None) -> bool:
 
     Returns False (after warning once for ``op``) when the reference must be used instead.
     """
-    devices = {t.device.type for t in tensors if t is not None}
+    present = [t for t in tensors if t is not None]
+    if any(t.numel() == 0 for t in present):
+        return False  # nothing to launch (a grid of zero programs); the reference handles it
+    devices = {t.device.type for t in present}
     if triton_available() and interpreter_requested():
         if devices <= {"cpu"}:
             if "triton" in sys.modules and not _interpreter_live():
@@ -71,10 +74,15 @@ def use_triton(op: str, *tensors: torch.Tensor | None) -> bool:
         return True
     if op not in _warned_ops:
         _warned_ops.add(op)
-        reason = "triton is not installed" if not triton_available() else "no CUDA tensors"
+        if not triton_available():
+            reason = "triton is not installed"
+        elif interpreter_requested():
+            reason = f"TRITON_INTERPRET=1 runs CPU tensors only, got {sorted(devices)}"
+        else:
+            reason = f"tensors on {sorted(devices)}, not CUDA, and TRITON_INTERPRET is not set"
         warnings.warn(
-            f"llmlab.kernels.{op}: {reason} and TRITON_INTERPRET is not set; running the "
-            "PyTorch reference instead of the Triton kernel (warned once per op).",
+            f"llmlab.kernels.{op}: {reason}; running the PyTorch reference instead of the "
+            "Triton kernel (warned once per op).",
             RuntimeWarning,
             stacklevel=3,
         )

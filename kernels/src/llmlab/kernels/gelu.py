@@ -30,7 +30,7 @@ def triton_bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor | None) -> torc
     C = x.shape[-1] if x.dim() else 1
     jit_module("gelu").bias_gelu_fwd_kernel[(triton.cdiv(n, BLOCK),)](
         x,
-        bias if bias is not None else x,
+        bias.contiguous() if bias is not None else x,
         y,
         n,
         C,
@@ -53,7 +53,7 @@ def triton_bias_gelu_backward(
     jit_module("gelu").bias_gelu_bwd_kernel[(triton.cdiv(n, BLOCK),)](
         dy,
         x,
-        bias if bias is not None else x,
+        bias.contiguous() if bias is not None else x,
         dx,
         n,
         C,

@@ -96,7 +96,9 @@ def triton_matmul(
         a,
         b,
         c,
-        bias if bias is not None else c,  # dummy pointer, never read when HAS_BIAS is False
+        bias.contiguous()
+        if bias is not None
+        else c,  # dummy pointer, never read when HAS_BIAS is False
         M,
         N,
         K,
