@@ -10,12 +10,14 @@ the learned table can be handed to ``tiktoken.Encoding`` unchanged.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from llmlab.tokenizer.bpe_encode import ChunkCache, _merge_small, bpe_merge
+from llmlab.tokenizer.bpe_encode import ChunkCache
 from llmlab.tokenizer.byte_level import bytes_to_token_string, hf_byte_order, token_string_to_bytes
 from llmlab.tokenizer.merge_trainer import train_merges
 from llmlab.tokenizer.patterns import compiled, resolve_pattern
@@ -302,6 +304,24 @@ class BPETokenizer:
             self._merges = derive_merges(self.ranks)
         return self._merges
 
+    # ----------------------------------------------------------------- identity
+    @property
+    def fingerprint(self) -> str:
+        """A stable hash of everything that decides the ids (for cache keys)."""
+        return fingerprint(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The tiktoken Encoding and the chunk cache are rebuilt on demand: pickles stay small
+        # and identical for identical tokenizers (HF datasets hashes them for its cache).
+        state = self.__dict__.copy()
+        state["_tiktoken"] = None
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cache = ChunkCache()
+
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path, format: str = "llmlab") -> Path:
         """Write ``format`` = "llmlab" (readable JSON), "hf" (tokenizer.json) or "tiktoken"."""
@@ -343,6 +363,16 @@ class BPETokenizer:
             f"BPETokenizer(vocab_size={self.vocab_size}, specials={len(self.special_tokens)}, "
             f"backend={self.backend!r})"
         )
+
+
+def fingerprint(tok: Any) -> str:
+    """sha1 of the model name and its ``to_dict()`` as canonical JSON, cached on the object."""
+    cached = tok.__dict__.get("_fingerprint")
+    if cached is None:
+        payload = json.dumps({"model": tok.model, **tok.to_dict()}, sort_keys=True)
+        cached = hashlib.sha1(payload.encode("utf-8")).hexdigest()[:16]
+        tok.__dict__["_fingerprint"] = cached
+    return cached
 
 
 def _fix_surrogates(text: str) -> str:
@@ -387,4 +417,4 @@ def _merge_small_below(piece: bytes, ranks: dict[bytes, int], limit: int) -> lis
     return parts
 
 
-__all__ = ["BPETokenizer", "_merge_small", "bpe_merge", "derive_merges"]
+__all__ = ["BPETokenizer", "derive_merges", "fingerprint"]

@@ -188,6 +188,13 @@ class UnigramTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.pieces[token_id][0] if 0 <= token_id < len(self.pieces) else None
 
+    @property
+    def fingerprint(self) -> str:
+        """A stable hash of everything that decides the ids (for cache keys)."""
+        from llmlab.tokenizer.bpe import fingerprint
+
+        return fingerprint(self)
+
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path, format: str = "llmlab") -> Path:
         from llmlab.tokenizer import formats

@@ -217,6 +217,13 @@ class WordPieceTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.inverse.get(token_id)
 
+    @property
+    def fingerprint(self) -> str:
+        """A stable hash of everything that decides the ids (for cache keys)."""
+        from llmlab.tokenizer.bpe import fingerprint
+
+        return fingerprint(self)
+
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path, format: str = "llmlab") -> Path:
         from llmlab.tokenizer import formats
