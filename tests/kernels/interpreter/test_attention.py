@@ -76,3 +76,21 @@ def test_attention_gradcheck_float64(causal):
     # The kernels hold scale and log2(e) as fp32 constants: ~1e-7 relative, inside gradcheck's
     # default atol 1e-5 / rtol 1e-3.
     assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_shapes_fp32(seed):
+    g = torch.Generator().manual_seed(seed)
+    L, S = (int(v) for v in torch.randint(1, 50, (2,), generator=g))
+    D = int(torch.randint(1, 65, (1,), generator=g))
+    causal = bool(seed % 2)
+    q = torch.randn(1, 2, L, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, S, D, generator=g, requires_grad=True) for _ in range(2))
+    out = attention(q, k, v, causal=causal)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5)
+    do = torch.randn(out.shape, generator=g)
+    for a, r in zip(
+        torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)
+    ):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)

@@ -181,3 +181,36 @@ def test_empty_inputs_take_the_reference_path():
     assert gelu(x).shape == (0, 7)
     assert layer_norm(x, torch.ones(7), torch.zeros(7)).shape == (0, 7)
     assert softmax(x).shape == (0, 7)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_shapes_fp32(seed):
+    """Random (seeded) row counts and widths through LayerNorm, bias-GELU and causal softmax."""
+    g = torch.Generator().manual_seed(seed)
+    R, C = (int(v) for v in torch.randint(1, 130, (2,), generator=g))
+    (x, w, b), (x64, w64, b64) = leaves(
+        torch.randn(R, C, generator=g),
+        torch.randn(C, generator=g),
+        torch.randn(C, generator=g),
+        dtype=torch.float32,
+    )
+    pairs = [
+        (layer_norm(x, w, b, 1e-5), F.layer_norm(x64, (C,), w64, b64, 1e-5), [x, w, b]),
+        (bias_gelu(x, b), F.gelu(x64 + b64, approximate="tanh"), [x, b]),
+        (
+            softmax(x, causal=True),
+            torch.softmax(
+                x64.masked_fill(~torch.ones(R, C, dtype=torch.bool).tril(), -torch.inf), -1
+            ),
+            [x],
+        ),
+    ]
+    for y, y64, inputs in pairs:
+        torch.testing.assert_close(y, y64.float(), atol=1e-5, rtol=1e-5)
+        dy = torch.randn(R, C, generator=g)
+        got = torch.autograd.grad(y, inputs, dy)
+        want = torch.autograd.grad(
+            y64, [{id(x): x64, id(w): w64, id(b): b64}[id(t)] for t in inputs], dy.double()
+        )
+        for gk, gt in zip(got, want):
+            torch.testing.assert_close(gk, gt.float(), atol=1e-4 * R**0.5, rtol=1e-4)

@@ -72,3 +72,13 @@ def test_strided_inputs():
     """Transposed views are read through their strides, not copied."""
     a, b = torch.randn(30, 45).t(), torch.randn(20, 30).t()
     torch.testing.assert_close(matmul(a, b), oracle(a, b), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes(seed):
+    """Shapes drawn at random (seeded), fp32 with a fused bias + GELU."""
+    g = torch.Generator().manual_seed(seed)
+    M, N, K = (int(v) for v in torch.randint(1, 80, (3,), generator=g))
+    a, b, bias = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g), torch.randn(N)
+    out = matmul(a, b, bias, "gelu")
+    torch.testing.assert_close(out, oracle(a, b, bias, "gelu"), **TOL[torch.float32])
