@@ -84,9 +84,7 @@ def test_simulator_detects_deadlock():
 def test_check_programs_catches_a_dropped_backward():
     programs = all_schedules("gpipe", 2, 2)
     programs[1] = [
-        i
-        for i in programs[1]
-        if not (i.op in (Op.BACKWARD, Op.SEND_GRAD) and i.microbatch == 1)
+        i for i in programs[1] if not (i.op in (Op.BACKWARD, Op.SEND_GRAD) and i.microbatch == 1)
     ]
     with pytest.raises(AssertionError, match="forwards without backward"):
         check_programs(programs, 2)

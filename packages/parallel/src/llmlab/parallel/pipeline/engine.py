@@ -48,6 +48,7 @@ class StepResult:
     events: list[TimelineEvent] = field(default_factory=list)
     peak_activation_bytes: int = 0  # bytes saved for backward, at most, during the step
     peak_in_flight: int = 0  # micro-batch activations alive at once, at most
+    output: Tensor | None = None  # forward-only without a loss: the last stage's outputs
 
 
 class ActivationMeter:
@@ -66,7 +67,7 @@ class ActivationMeter:
         meter = self
 
         class _Held:
-            __slots__ = ("tensor", "nbytes")
+            __slots__ = ("nbytes", "tensor")
 
             def __init__(self, t: Tensor) -> None:
                 self.tensor = t
@@ -125,8 +126,10 @@ class PipelineEngine:
         self.reduce_grads = reduce_grads
         self.optimizer_step = optimizer_step
         params = [p for c in self.chunks for p in c.parameters()]
-        self.device = torch.device(device) if device is not None else (
-            params[0].device if params else torch.device("cpu")
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (params[0].device if params else torch.device("cpu"))
         )
         self.record_timeline = record_timeline
         self.measure_memory = measure_memory
@@ -165,9 +168,14 @@ class PipelineEngine:
 
     @torch.no_grad()
     def eval_step(
-        self, inputs: Tensor, targets: Tensor, num_microbatches: int, schedule_name: str = "1f1b"
+        self,
+        inputs: Tensor,
+        targets: Tensor | None,
+        num_microbatches: int,
+        schedule_name: str = "1f1b",
     ) -> StepResult:
-        """Forward only (validation): the mean loss on the last stage, no graph kept."""
+        """Forward only (validation), no graph kept: the mean loss on the last stage, or with
+        ``targets=None`` the last stage's outputs concatenated over micro-batches."""
         program = schedule(
             schedule_name,
             self.num_stages,
@@ -182,7 +190,7 @@ class PipelineEngine:
         self,
         program: Sequence[Instruction],
         inputs: Tensor,
-        targets: Tensor,
+        targets: Tensor | None,
         num_microbatches: int,
         train: bool = True,
     ) -> StepResult:
@@ -205,6 +213,7 @@ class PipelineEngine:
         self._grads_in: dict[tuple[int, int], Tensor] = {}
         self._grads_out: dict[tuple[int, int], Tensor | None] = {}
         self._losses: list[Tensor] = []
+        self._collected: list[Tensor] = []
         self._pending: list[tuple[Any, Tensor]] = []
         self._mailbox: dict[int, Tensor] = {}  # transfers between two chunks of this same rank
         self._in_flight = 0
@@ -221,8 +230,12 @@ class PipelineEngine:
                 end = time.perf_counter()
                 events.append(
                     TimelineEvent(
-                        self.stage, ins.op.value, ins.microbatch, ins.chunk,
-                        start - origin, end - origin,
+                        self.stage,
+                        ins.op.value,
+                        ins.microbatch,
+                        ins.chunk,
+                        start - origin,
+                        end - origin,
                     )
                 )
         for work, _ in self._pending:
@@ -232,8 +245,9 @@ class PipelineEngine:
         if leftover:
             raise RuntimeError(f"stage {self.stage}: activations never released: {leftover}")
         loss = torch.stack(self._losses).sum() / m if self._losses else None
-        result = StepResult(loss, events, self._meter.peak, self._peak_in_flight)
-        self._losses = []
+        output = torch.cat(self._collected) if self._collected else None
+        result = StepResult(loss, events, self._meter.peak, self._peak_in_flight, output)
+        self._losses, self._collected = [], []
         self._mb_inputs = self._mb_targets = ()  # type: ignore[assignment]
         return result
 
@@ -259,6 +273,9 @@ class PipelineEngine:
                     out = self.chunks[ins.chunk](x)
             else:
                 out = self.chunks[ins.chunk](x)
+            if ins.virtual_stage == self._last_vs() and target is None and not self._train:
+                self._collected.append(out)
+                return
             if ins.virtual_stage == self._last_vs():
                 if self.loss_fn is None:
                     raise RuntimeError("the last stage needs a loss_fn")

@@ -84,9 +84,7 @@ def validate_schedule_args(
         )
 
 
-def _compute_order(
-    name: str, p: int, m: int, stage: int, v: int
-) -> list[tuple[str, int, int]]:
+def _compute_order(name: str, p: int, m: int, stage: int, v: int) -> list[tuple[str, int, int]]:
     """The order of ("F" | "B", micro-batch, local chunk) on ``stage``."""
     if name == "gpipe":
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]

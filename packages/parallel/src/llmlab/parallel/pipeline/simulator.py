@@ -108,7 +108,9 @@ def simulate(
                 progressed = True
         if not progressed:
             blocked = {s: str(programs[s][pc[s]]) for s in range(p) if pc[s] < len(programs[s])}
-            raise DeadlockError(f"pipeline deadlock; blocked stages and their instruction: {blocked}")
+            raise DeadlockError(
+                f"pipeline deadlock; blocked stages and their instruction: {blocked}"
+            )
     unmatched = set(sent) - received
     if unmatched:
         raise ValueError(f"sends without a matching receive: {sorted(unmatched)[:5]}")

@@ -1,0 +1,96 @@
+"""Measured timelines: the bubble fraction and a Gantt chart like the pipeline papers' figures.
+
+Every stage records the start and end of each instruction relative to a common barrier; rank 0
+gathers the records. The measured bubble uses the same definition as the simulator: the idle
+share of the ``stages × makespan`` rectangle, ``1 - Σ compute / (p · makespan)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from llmlab.parallel.pipeline.simulator import TimelineEvent
+
+COMPUTE = ("forward", "backward")
+
+
+def measured_bubble(events: Sequence[TimelineEvent], num_stages: int) -> float:
+    """Idle fraction of the pipeline, from every stage's recorded events."""
+    compute = [e for e in events if e.op in COMPUTE]
+    if not compute:
+        return 0.0
+    start = min(e.start for e in events)
+    end = max(e.end for e in events)
+    busy = sum(e.end - e.start for e in compute)
+    return 1.0 - busy / (num_stages * (end - start))
+
+
+def gather_events(
+    events: Sequence[TimelineEvent], group: dist.ProcessGroup | None = None
+) -> list[TimelineEvent]:
+    """Every stage's events, on every rank of ``group`` (a pipeline)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(events)
+    gathered: list[list[TimelineEvent] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, list(events), group=group)
+    return [e for part in gathered for e in (part or [])]
+
+
+def plot_timeline(
+    events: Sequence[TimelineEvent],
+    num_stages: int,
+    path: str | Path,
+    title: str = "",
+) -> Path:
+    """A Gantt chart: one row per stage (stage 0 on top), forwards blue, backwards green, the
+    micro-batch number written in each box (``mb.chunk`` for interleaved chunks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    compute = [e for e in events if e.op in COMPUTE]
+    chunks = max((e.chunk for e in compute), default=0) + 1
+    colours = {"forward": ("#4C72B0", "#8FB3E0"), "backward": ("#55A868", "#9AD3A6")}
+    fig, ax = plt.subplots(
+        figsize=(max(6.0, 0.35 * len(compute) / max(1, num_stages)), 0.6 + 0.5 * num_stages)
+    )
+    t0 = min((e.start for e in events), default=0.0)
+    for e in compute:
+        colour = colours[e.op][e.chunk % 2]
+        width = e.end - e.start
+        ax.barh(
+            num_stages - 1 - e.stage,
+            width,
+            left=e.start - t0,
+            height=0.8,
+            color=colour,
+            edgecolor="black",
+            linewidth=0.4,
+        )
+        label = str(e.microbatch) if chunks == 1 else f"{e.microbatch}.{e.chunk}"
+        ax.text(
+            e.start - t0 + width / 2,
+            num_stages - 1 - e.stage,
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white" if e.chunk % 2 == 0 else "black",
+        )
+    ax.set_yticks(range(num_stages))
+    ax.set_yticklabels([f"stage {s}" for s in reversed(range(num_stages))])
+    ax.set_xlabel("time (s)")
+    bubble = measured_bubble(events, num_stages)
+    ax.set_title(f"{title}  bubble {bubble:.1%}".strip())
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k][0]) for k in COMPUTE]
+    ax.legend(handles, list(COMPUTE), loc="upper right", fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
