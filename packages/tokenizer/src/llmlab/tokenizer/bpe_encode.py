@@ -15,21 +15,29 @@ import heapq
 from collections.abc import Iterable
 
 HEAP_THRESHOLD = 64
+_INF = 1 << 62
 
 
 def _merge_small(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
-    parts = [piece[i : i + 1] for i in range(len(piece))]
+    """tiktoken's loop: ``bounds`` delimit the parts, ``pair_ranks[i]`` is the rank of parts
+    i and i+1 joined. ``min`` + ``index`` (both in C) find the lowest, leftmost pair; only the
+    two neighbouring pair ranks change after a merge."""
     get = ranks.get
-    while len(parts) > 1:
-        best_rank, best_i = None, -1
-        for i in range(len(parts) - 1):
-            rank = get(parts[i] + parts[i + 1])
-            if rank is not None and (best_rank is None or rank < best_rank):
-                best_rank, best_i = rank, i
-        if best_rank is None:
+    inf = _INF
+    bounds = list(range(len(piece) + 1))
+    pair_ranks = [get(piece[i : i + 2], inf) for i in range(len(piece) - 1)]
+    while pair_ranks:
+        best = min(pair_ranks)
+        if best == inf:
             break
-        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
-    return [ranks[p] for p in parts]
+        i = pair_ranks.index(best)
+        del bounds[i + 1]
+        del pair_ranks[i]
+        if i > 0:
+            pair_ranks[i - 1] = get(piece[bounds[i - 1] : bounds[i + 1]], inf)
+        if i < len(pair_ranks):
+            pair_ranks[i] = get(piece[bounds[i] : bounds[i + 2]], inf)
+    return [ranks[piece[bounds[k] : bounds[k + 1]]] for k in range(len(bounds) - 1)]
 
 
 def _merge_large(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
