@@ -97,19 +97,29 @@ def elements_sent(algorithm: str, n: int, p: int, rank: int, root: int = 0) -> i
 
 
 def fit_alpha_beta(sizes_bytes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares fit of t = α + n·β to point-to-point timings; returns (α, β)."""
+    """Fit t = α + n·β to point-to-point timings; returns (α, β).
+
+    Weighted least squares on *relative* error (weights 1/t²): timings span 1 KB to 64 MB, and a
+    plain fit lets the largest messages dictate everything (a negative α is typical).
+    """
     if len(sizes_bytes) != len(seconds) or len(sizes_bytes) < 2:
         raise ValueError(
             f"need >= 2 (size, time) pairs of equal length, got {len(sizes_bytes)} sizes and "
             f"{len(seconds)} times"
         )
-    k = len(sizes_bytes)
-    mean_n, mean_t = sum(sizes_bytes) / k, sum(seconds) / k
-    var = sum((n - mean_n) ** 2 for n in sizes_bytes)
-    if var == 0:
+    if len(set(sizes_bytes)) < 2:
         raise ValueError("all message sizes are equal: β cannot be fitted")
-    beta = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes_bytes, seconds)) / var
-    alpha = mean_t - beta * mean_n
+    if min(seconds) <= 0:
+        raise ValueError(f"timings must be positive, got {min(seconds)}")
+    w = [1.0 / t**2 for t in seconds]
+    sw = sum(w)
+    swn = sum(wi * n for wi, n in zip(w, sizes_bytes))
+    swt = sum(wi * t for wi, t in zip(w, seconds))
+    swnn = sum(wi * n * n for wi, n in zip(w, sizes_bytes))
+    swnt = sum(wi * n * t for wi, n, t in zip(w, sizes_bytes, seconds))
+    det = sw * swnn - swn * swn
+    alpha = (swt * swnn - swn * swnt) / det
+    beta = (sw * swnt - swn * swt) / det
     return alpha, beta
 
 

@@ -1,0 +1,7 @@
+"""Data parallelism made visible: bucketed all-reduce with overlap, a parameter server, and a
+callback that times the anatomy of a training step."""
+
+from llmlab.parallel.data.bucketed import BucketedDataParallelStrategy, GradientBucketer
+from llmlab.parallel.data.timeline import CommTimeline
+
+__all__ = ["BucketedDataParallelStrategy", "CommTimeline", "GradientBucketer"]
