@@ -1,0 +1,1 @@
+"""llmlab.train: the Lightning + Hydra app (tasks, data, configs, W&B tracking)."""

@@ -1,0 +1,109 @@
+"""``CausalLMTask``: next-token training of an ``llmlab.models.GPT`` as a LightningModule.
+
+The task owns what is the same for every strategy: the loss, the metric names, AdamW with
+decoupled weight decay (no decay on biases, norms and embeddings) and a warmup + cosine schedule
+stepped per optimizer step. Strategies may swap ``task.model`` (sharded, split into stages) and
+``task.loss_fn`` (vocab-parallel cross-entropy) without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from llmlab.models import GPT, GPTConfig
+
+
+def causal_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy over every position, in nats."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_lr_ratio`` at max_steps."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if step >= max_steps:
+        return min_lr_ratio
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay only matrices of Linear layers; biases, norms and embeddings are not decayed."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))  # tied weights appear twice; count them once
+            (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
+    # The LM head's weight is the tied embedding when tie_embeddings: nn.Embedding saw it first.
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class CausalLMTask(L.LightningModule):
+    def __init__(
+        self,
+        model: dict[str, Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 100,
+        max_steps: int = 1000,
+        min_lr_ratio: float = 0.1,
+        tokenizer: dict[str, Any] | None = None,
+    ) -> None:
+        """``model``: ``GPTConfig`` fields. ``tokenizer``: the tokenizer's config, kept in the
+        checkpoint's hyper-parameters so ``llmlab.train.sample`` can rebuild it."""
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: nn.Module = GPT(GPTConfig(**model))
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = causal_lm_loss
+        self.val_loss = MeanMetric()  # averaged over batches and, in parallel runs, over ranks
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        loss = self.loss_fn(self.model(inputs), targets)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=False)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        loss = self.loss_fn(self.model(inputs), targets)
+        self.val_loss.update(loss.detach().float())
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        val_loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", val_loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(val_loss))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio),
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
