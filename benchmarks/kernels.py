@@ -71,7 +71,7 @@ def compare(rows, name, unit, scale, amount, ours, refs, target_ref=None, target
 
 def bench_matmul(b: Bench, rows: list[Row], dry: bool) -> None:
 
-    sizes = [(64, 64, 64)] if dry else [(4096, 4096, 4096), (8192, 8192, 8192)]
+    sizes = [(32, 32, 32)] if dry else [(4096, 4096, 4096), (8192, 8192, 8192)]
     for M, N, Kd in sizes:
         _matmul_case(b, rows, M, N, Kd)
 
@@ -117,7 +117,7 @@ def _fwd_bwd(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], None]:
 def bench_fusions(b: Bench, rows: list[Row], dry: bool) -> None:
     import llmlab.kernels as K
 
-    R, C = (8, 96) if dry else (16384, 4096)
+    R, C = (4, 48) if dry else (16384, 4096)
     dt = torch.float32 if dry else torch.bfloat16
     es = torch.tensor([], dtype=dt).element_size()
     n = R * C
@@ -183,7 +183,7 @@ def bench_fusions(b: Bench, rows: list[Row], dry: bool) -> None:
 
 def bench_attention(b: Bench, rows: list[Row], dry: bool) -> None:
 
-    shapes = [(1, 2, 40, 16)] if dry else [(4, 16, 2048, 64), (2, 16, 4096, 128)]
+    shapes = [(1, 1, 20, 16)] if dry else [(4, 16, 2048, 64), (2, 16, 4096, 128)]
     dt = torch.float32 if dry else torch.bfloat16
     for B, H, T, D in shapes:
         _attention_case(b, rows, B, H, T, D, dt)
@@ -227,7 +227,7 @@ def _attention_case(b: Bench, rows: list[Row], B: int, H: int, T: int, D: int, d
 def bench_sparse(b: Bench, rows: list[Row], dry: bool) -> None:
     import llmlab.kernels as K
 
-    R, Kd, N, density = (50, 60, 8, 0.1) if dry else (8192, 8192, 128, 0.01)
+    R, Kd, N, density = (20, 30, 8, 0.2) if dry else (8192, 8192, 128, 0.01)
     dense = torch.randn(R, Kd, device=b.device) * (torch.rand(R, Kd, device=b.device) < density)
     X = torch.randn(Kd, N, device=b.device)
     x = X[:, 0].contiguous()
@@ -261,7 +261,7 @@ def bench_sparse(b: Bench, rows: list[Row], dry: bool) -> None:
 def bench_memory(b: Bench, rows: list[Row], dry: bool) -> None:
     import llmlab.kernels as K
 
-    M, N = (40, 50) if dry else (8192, 8192)
+    M, N = (20, 30) if dry else (8192, 8192)
     x = torch.randn(M, N, device=b.device)
     traffic = 2 * x.numel() * x.element_size()
     coalesced = b.ms(lambda: K.copy(x, coalesced=True))

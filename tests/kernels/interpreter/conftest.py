@@ -11,6 +11,7 @@ def _interpreter_is_live():
     import triton.language.standard as standard
 
     assert type(standard.zeros).__name__ == "InterpretedFunction", (
-        "triton was imported before TRITON_INTERPRET=1 was set"
+        "these tests need TRITON_INTERPRET=1 in the environment before triton is imported: "
+        "TRITON_INTERPRET=1 python -m pytest tests/kernels/interpreter"
     )
     torch.manual_seed(0)

@@ -187,7 +187,8 @@ def test_empty_inputs_take_the_reference_path():
 def test_random_shapes_fp32(seed):
     """Random (seeded) row counts and widths through LayerNorm, bias-GELU and causal softmax."""
     g = torch.Generator().manual_seed(seed)
-    R, C = (int(v) for v in torch.randint(1, 130, (2,), generator=g))
+    R = int(torch.randint(1, 40, (1,), generator=g))
+    C = int(torch.randint(1, 130, (1,), generator=g))
     (x, w, b), (x64, w64, b64) = leaves(
         torch.randn(R, C, generator=g),
         torch.randn(C, generator=g),

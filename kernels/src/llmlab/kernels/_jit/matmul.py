@@ -52,15 +52,16 @@ def matmul_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    mask_m = offs_m[:, None] < M
-    mask_n = offs_n[None, :] < N
+    # Rows/columns past the edge wrap around (% M, % N) instead of being masked: the loads stay
+    # unmasked along M and N (cheaper, vectorisable) and the extra results are never stored.
+    a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + (offs_n % N)[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < K - k0), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < K - k0) & mask_n, other=0.0)
+        # Only K needs a mask: out-of-range k must contribute exactly zero to the dot product.
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
         if DOT_IN_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -78,7 +79,8 @@ def matmul_kernel(
         acc = tl.maximum(acc, 0.0)
 
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def _gpu_configs() -> list:
