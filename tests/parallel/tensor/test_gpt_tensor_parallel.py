@@ -138,12 +138,53 @@ def _greedy(model, prompt: torch.Tensor, new_tokens: int, group=None) -> list[in
 
 
 PROMPT = torch.tensor([[3, 14, 15, 9, 26]])
+MLP_PLAN = {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+
+
+def _check_against_dtensor(rank: int, world_size: int) -> None:
+    """Oracle nobody here wrote: torch's DTensor ``parallelize_module`` with Colwise/Rowwise
+    on the GPT's MLPs. (The fused attention cannot take DTensor sharding: under DTensor its qkv
+    weight reports the global shape, so ``local_heads`` would count every head.) Our
+    ``parallelize`` with the same MLP-only plan must give the same loss and every gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from llmlab.parallel.tensor import parallelize
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    oracle = parallelize_module(
+        make_gpt(),
+        mesh,
+        {"blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()},
+    )
+    ours = parallelize(make_gpt(), MLP_PLAN, dist.group.WORLD)
+    x, y = batch(3)
+    losses = []
+    for model in (oracle, ours):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], **TOL)
+    expected = {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        for n, p in oracle.named_parameters()
+    }
+    got = _full_grads(ours, dist.group.WORLD)
+    assert set(got) == set(expected)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def tp2_checks(rank: int, world_size: int, ckpt: str) -> list[int]:
     from llmlab.parallel.tensor import consolidated_state_dict
 
     group = dist.group.WORLD
+    _check_against_dtensor(rank, world_size)
     for sp in (True, False):
         _, model = _check_exact_and_counted(rank, world_size, group, sp)
     # Done-when 5: the consolidated checkpoint of the (trained) tp=2 model, and its greedy decode.

@@ -16,6 +16,7 @@ Two figures per collective, for a tensor of ``S`` bytes (the full, unsharded siz
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,11 +87,16 @@ def comm_ledger() -> CommLedger:
 
 
 @contextmanager
-def count_comm() -> Iterator[CommLedger]:
-    """A fresh ledger for the duration of the block (the previous one is restored after)."""
+def record_into(ledger: CommLedger) -> Iterator[CommLedger]:
+    """Collectives issued inside the block go to ``ledger`` (the previous one is restored)."""
     global _LEDGER
-    previous, _LEDGER = _LEDGER, CommLedger()
+    previous, _LEDGER = _LEDGER, ledger
     try:
-        yield _LEDGER
+        yield ledger
     finally:
         _LEDGER = previous
+
+
+def count_comm() -> contextlib.AbstractContextManager[CommLedger]:
+    """A fresh ledger for the duration of the block: ``with count_comm() as ledger: ...``."""
+    return record_into(CommLedger())
