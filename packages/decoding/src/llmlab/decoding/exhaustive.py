@@ -80,7 +80,7 @@ def exhaustive_search(
     tokenizer: Any = None,
 ) -> Tensor:
     """The ``num_return_sequences`` best continuations of every prompt, padded HF-style."""
-    B, P = input_ids.shape
+    B = input_ids.shape[0]
     stop = StopCondition(config.eos_token_ids, config.stop_string_list, tokenizer)
     pad = config.effective_pad_token_id
     rows: list[list[int]] = []

@@ -1,4 +1,4 @@
-"""Logits processors: small functions of ``(input_ids, scores) -> scores``, composed in a fixed order.
+"""Logits processors: small functions ``(input_ids, scores) -> scores`` composed in a fixed order.
 
 Each one rewrites the next-token scores of every row; ``-inf`` removes a token. The order is the
 one HF ``generate`` uses, so the resulting distribution is the same (tested to 1e-6):

@@ -53,7 +53,7 @@ class ModelRunner:
         self.length = 0
 
     def feed(self, new_ids: Tensor, keep: int = 1) -> Tensor:
-        """Run ``new_ids`` (N, T); return float32 logits of the last ``keep`` positions (N, keep, V).
+        """Run ``new_ids`` (N, T); return float32 logits (N, keep, V) of the last ``keep`` tokens.
 
         The mask given at construction covers the first call's tokens; later tokens are real.
         """
