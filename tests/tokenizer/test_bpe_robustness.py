@@ -51,7 +51,9 @@ def test_save_load_gives_identical_encodings(tok, tmp_path, fmt):
         assert again.merges == tok.merges
 
 
-@SETTINGS
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=st.text(max_size=100))
 def test_save_load_roundtrip_property(tok, tmp_path, text):
     path = tmp_path / "tok.json"

@@ -23,10 +23,13 @@ def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     ("model", "fmt", "vocab"),
-    [("bpe", "llmlab", 400), ("wordpiece", "hf", 400), ("unigram", "llmlab", 300)],
+    [("bpe", "llmlab", 400), ("wordpiece", "hf", 300), ("unigram", "llmlab", 200)],
 )
 def test_train_encode_decode(tmp_path, model, fmt, vocab):
-    files = [str(f) for f in train_files(0.05)]
+    text = train_files(0.01)[0].read_text(encoding="utf-8")[:40_000]
+    (tmp_path / "a.txt").write_text(text[:20_000], encoding="utf-8")
+    (tmp_path / "b.txt").write_text(text[20_000:], encoding="utf-8")
+    files = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
     out = tmp_path / "tok.json"
     done = _run("train", "--input", *files, "--vocab-size", str(vocab), "--model", model,
                 "--out", str(out), "--format", fmt)  # fmt: skip
