@@ -118,6 +118,18 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreter_requested()
 
 
+def dot_precision(t: torch.Tensor) -> str:
+    """``input_precision`` for ``tl.dot``. On CUDA, fp32 dots use TF32 only when torch allows it
+    for its own matmuls (``torch.backends.cuda.matmul.allow_tf32``) and are exact ("ieee")
+    otherwise; fp16/bf16 dots keep Triton's CUDA default ("tf32", which leaves them on the
+    tensor cores). The interpreter ignores the setting and computes in numpy."""
+    if not t.is_cuda:
+        return "ieee"
+    if t.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -23,6 +23,7 @@ from llmlab.kernels._runtime import (
     check_float,
     compute_dtype,
     dot_in_fp32,
+    dot_precision,
     interpreter_requested,
     jit_module,
     next_power_of_2,
@@ -70,6 +71,7 @@ def triton_forward(q, k, v, causal: bool, scale: float, autotune: bool | None = 
         "CAUSAL": causal,
         "COMPUTE": compute_dtype(q.dtype),
         "DOT_IN_FP32": dot_in_fp32(q.dtype),
+        "PRECISION": dot_precision(q),
         "BLOCK_D": max(16, next_power_of_2(D)),
     }
     if autotune is None:
@@ -100,6 +102,7 @@ def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         "CAUSAL": causal,
         "COMPUTE": compute_dtype(q.dtype),
         "DOT_IN_FP32": dot_in_fp32(q.dtype),
+        "PRECISION": dot_precision(q),
         "BLOCK_M": bm,
         "BLOCK_N": bn,
         "BLOCK_D": max(16, next_power_of_2(D)),

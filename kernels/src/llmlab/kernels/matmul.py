@@ -16,6 +16,7 @@ from llmlab.kernels._runtime import (
     check_float,
     compute_dtype,
     dot_in_fp32,
+    dot_precision,
     interpreter_requested,
     jit_module,
     use_triton,
@@ -88,10 +89,6 @@ def triton_matmul(
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), device=a.device, dtype=a.dtype)
-    if a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-        precision = "tf32"  # follow torch's own setting for fp32 GEMMs
-    else:
-        precision = "ieee"
     args = (
         a,
         b,
@@ -114,7 +111,7 @@ def triton_matmul(
         "ACTIVATION": activation or "",
         "ACC_DTYPE": compute_dtype(a.dtype),
         "DOT_IN_FP32": dot_in_fp32(a.dtype),
-        "INPUT_PRECISION": precision,
+        "INPUT_PRECISION": dot_precision(a),
     }
     explicit = (block_m, block_n, block_k) != (None, None, None)
     if explicit or interpreter_requested():

@@ -35,6 +35,7 @@ def attn_fwd_kernel(
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision, see _runtime.dot_precision
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -73,7 +74,7 @@ def attn_fwd_kernel(
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE) * qk_scale
+        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE, input_precision=PRECISION) * qk_scale
         keep = cols[None, :] < T_K
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
@@ -82,7 +83,9 @@ def attn_fwd_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=COMPUTE)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype), v, out_dtype=COMPUTE, input_precision=PRECISION
+        )
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -113,6 +116,7 @@ def attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision, see _runtime.dot_precision
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -149,16 +153,16 @@ def attn_bwd_dkdv_kernel(
             do = do.to(tl.float32)
         lse = tl.load(lse_ptr + bh * T_Q + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + bh * T_Q + rows, mask=row_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE) * qk_scale
+        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE, input_precision=PRECISION) * qk_scale
         p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
         keep = row_ok[:, None] & (offs_n[None, :] < T_K)
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= rows[:, None])
         p = tl.where(keep, p, 0.0)
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=COMPUTE)
-        dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=COMPUTE, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=COMPUTE)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=COMPUTE, input_precision=PRECISION)
     dk = dk * scale
     tl.store(dk_ptr + kv_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -180,6 +184,7 @@ def attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision, see _runtime.dot_precision
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -215,15 +220,15 @@ def attn_bwd_dq_kernel(
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE) * qk_scale
+        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE, input_precision=PRECISION) * qk_scale
         p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
         keep = row_ok[:, None] & (cols[None, :] < T_K)
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
         p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE)
+        dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, out_dtype=COMPUTE)
+        dq += tl.dot(ds.to(k.dtype), k, out_dtype=COMPUTE, input_precision=PRECISION)
     dq = dq * scale
     tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=q_mask)
 
