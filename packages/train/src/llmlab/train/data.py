@@ -216,8 +216,10 @@ class TextDataModule(L.LightningDataModule):
             )
         return self.batch_size // replicas
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        replicas, rank = self._replicas()
+    def loader(self, split: str, replicas: int = 1, rank: int = 0) -> DataLoader:
+        """Batches of ``split`` for data-parallel replica ``rank`` of ``replicas``; the train
+        split is shuffled by a permutation that depends on the seed and epoch only."""
+        shuffle = split == "train"
         sampler = DistributedSampler(
             self.splits[split],
             num_replicas=replicas,
@@ -235,10 +237,10 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        return self.loader("train", *self._replicas())
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", shuffle=False)
+        return self.loader("validation", *self._replicas())
 
 
 def collate_blocks(rows: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,54 @@
+"""Configs are composed from groups + experiment deltas and rejected early when wrong."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from llmlab.train.app import ConfigError, available_experiments, compose_config, validate_config
+from tests.helpers.runs import REPO, run_train
+
+
+def test_default_experiment_composes_with_its_tags():
+    cfg = compose_config([])
+    assert cfg.experiment == "gpt_shakespeare"
+    assert "shakespeare" in cfg.tags
+    assert cfg.model.n_embd % cfg.model.n_head == 0
+
+
+def test_experiment_delta_overrides_a_group():
+    cfg = compose_config(["experiment=gpt_ddp"])
+    assert cfg.strategy._target_.endswith("DDPStrategy")
+    assert cfg.trainer.devices == 2
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "experiments").glob("*.yaml")))
+def test_every_experiment_composes_and_validates(name):
+    cfg = compose_config([f"experiment={name}"])
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    validate_config(cfg)
+
+
+def test_bad_head_count_names_the_value_and_valid_choices():
+    cfg = compose_config(["model.n_head=5"])
+    msg = r"model.n_embd=128 is not divisible by n_head=5.*\[1, 2, 4, 8\]"
+    with pytest.raises(ConfigError, match=msg):
+        validate_config(cfg)
+
+
+def test_unknown_experiment_lists_the_available_ones():
+    with pytest.raises(ConfigError, match=r"unknown experiment 'nope'.*gpt_shakespeare"):
+        compose_config(["experiment=nope"])
+    assert "gpt_ddp" in available_experiments()
+
+
+def test_unknown_key_is_refused():
+    with pytest.raises(ConfigError, match="n_haed"):
+        compose_config(["model.n_haed=5"])
+
+
+def test_cli_exits_with_a_message_before_any_work(tmp_path):
+    result = run_train(["model.n_head=5"], tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "model.n_embd=128 is not divisible by n_head=5" in result.stderr
+    assert not (tmp_path / "gpt_shakespeare").exists()  # no run dir, nothing trained
