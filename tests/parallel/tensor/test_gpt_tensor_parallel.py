@@ -180,11 +180,36 @@ def _check_against_dtensor(rank: int, world_size: int) -> None:
         torch.testing.assert_close(grad, expected[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _check_dropout_streams(group) -> None:
+    """With dropout, the replicated activations (outside TP regions: embedding, residual) must
+    stay identical on every rank, so the replicated LayerNorm gradients agree across ranks,
+    while attention dropout (inside, on this rank's heads) draws per-rank masks."""
+    from llmlab.parallel.tensor import parallelize
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**CFG, "dropout": 0.2}))
+    model = parallelize(model, GPT.tensor_parallel_plan(), group).train()
+    torch.manual_seed(5)  # the same default stream on every rank
+    x, y = batch(4)
+    _, loss = _tp_loss(model, x, y, group)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if not hasattr(p, "tp_shard_dim"):
+            g = p.grad.detach().clone()
+            rank0 = _gather(g[None], 0, group)[0]
+            torch.testing.assert_close(rank0, g, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    state = model.tensor_parallel.rng._states[0]
+    states = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(states, state, group=group)
+    assert not torch.equal(states[0], states[1])  # the forked stream differs per rank
+
+
 def tp2_checks(rank: int, world_size: int, ckpt: str) -> list[int]:
     from llmlab.parallel.tensor import consolidated_state_dict
 
     group = dist.group.WORLD
     _check_against_dtensor(rank, world_size)
+    _check_dropout_streams(group)
     for sp in (True, False):
         _, model = _check_exact_and_counted(rank, world_size, group, sp)
     # Done-when 5: the consolidated checkpoint of the (trained) tp=2 model, and its greedy decode.

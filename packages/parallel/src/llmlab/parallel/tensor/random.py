@@ -37,6 +37,8 @@ class TensorParallelRNG:
             yield
             return
         outside = _get_states()
+        if self._states[1] is None and outside[1] is not None:
+            self._states = (self._states[0], self._seeded_cuda_states(outside[1]))
         _set_states(self._states)
         self._depth += 1
         try:
@@ -45,6 +47,13 @@ class TensorParallelRNG:
             self._depth -= 1
             self._states = _get_states()
             _set_states(outside)
+
+    def _seeded_cuda_states(self, current: list[Tensor]) -> list[Tensor]:
+        """CUDA was initialised after construction: seed its per-rank stream now."""
+        torch.cuda.manual_seed_all(self.seed)
+        seeded = torch.cuda.get_rng_state_all()
+        torch.cuda.set_rng_state_all(current)
+        return seeded
 
 
 def _get_states() -> tuple[Tensor, list[Tensor] | None]:
