@@ -69,6 +69,9 @@ class MasterWeights:
         Only the ``params`` lists change: the group dicts (lr, weight decay, the LR scheduler's
         references) stay the same objects. Must run before the optimizer holds any state.
         """
+        master_ids = {id(m) for m in self.masters}
+        if all(id(p) in master_ids for g in optimizer.param_groups for p in g["params"]):
+            return  # already rewired (Lightning calls connect again for validate/test)
         if len(optimizer.state) > 0:
             raise RuntimeError(
                 "MasterWeights.rewire needs a fresh optimizer, but it already holds state for "
@@ -79,8 +82,8 @@ class MasterWeights:
             for p in group["params"]:
                 if id(p) in self._master_of:
                     new.append(self._master_of[id(p)])
-                elif any(p is m for m in self.masters):
-                    new.append(p)  # already rewired
+                elif id(p) in master_ids:
+                    new.append(p)
                 else:
                     raise ValueError(
                         f"optimizer param group {gi} holds a parameter of shape {tuple(p.shape)} "

@@ -96,6 +96,10 @@ class MasterWeightPrecision(Precision):
     # ----------------------------------------------------------- model & input
     def convert_module(self, module: nn.Module) -> nn.Module:
         params = [p for p in module.parameters() if p.is_floating_point()]
+        if self.masters is not None and {id(p) for p in params} == {
+            id(p) for p in self.masters.model_params
+        }:
+            return module  # a second setup (validate/test after fit): keep the masters
         self._initial = {id(p): p.detach().to(torch.float32).clone() for p in params}
         module = module.to(dtype=self.dtype)
         # ``Module.to`` swaps ``param.data`` in place, so the Parameter objects (and their ids)
@@ -123,6 +127,10 @@ class MasterWeightPrecision(Precision):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         if not self._params:  # convert_module was not called (a strategy that skips it)
             self.convert_module(model)
+        if self.masters is not None and self.masters.model_params == self._params:
+            for opt in optimizers:
+                self.masters.rewire(opt)
+            return model, optimizers, lr_schedulers
         self.masters = MasterWeights(
             self._params, self.scaler, self._initial, skip_nonfinite=self.skip_nonfinite
         )
