@@ -24,7 +24,7 @@ ALGORITHMS = ["ring", "recursive_doubling", "reduce_broadcast"]
 
 
 def _repeats(nbytes: int) -> int:
-    return 50 if nbytes <= 1 << 16 else 20 if nbytes <= 1 << 22 else 5
+    return 30 if nbytes <= 1 << 16 else 10 if nbytes <= 1 << 22 else 3
 
 
 def _timed(fn, repeats: int) -> float:

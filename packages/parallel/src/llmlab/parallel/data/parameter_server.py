@@ -1,0 +1,278 @@
+"""``ParameterServerStrategy``: server ranks own parameter shards and run the optimizer.
+
+Ranks ``0..W-1`` are workers (rank 0 logs and checkpoints, as usual), ranks ``W..W+S-1`` are
+servers. Every rank builds the full LightningModule and its optimizer (so Lightning's optimizer,
+LR schedule and gradient clipping are reused unchanged), but only a server ever calls
+``optimizer.step()``, and only for the parameters it owns (others have ``grad=None``, which
+AdamW skips). Parameters are spread over servers by size (largest first, to the least loaded).
+
+Per optimizer step, a worker runs forward/backward on its shard of the batch, *pushes* each
+server's slice of the gradients and *pulls* that server's fresh parameters.
+
+* ``mode="sync"``: a server waits for all W gradients, averages them in worker order, clips, steps
+  once and sends the same parameters to everyone: mathematically the same update as data-parallel
+  SGD (the test checks it against Lightning DDP to 1e-6).
+* ``mode="async"``: a server applies each gradient as it arrives (any-source receive) and replies
+  to that worker alone, so fast workers do not wait for slow ones. Staleness is bounded the
+  stale-synchronous-parallel way: a worker's push is served only while it is at most
+  ``max_staleness`` steps ahead of the slowest unfinished worker; the slowest is always
+  eligible, so this cannot deadlock. A gradient's *measured* staleness is the number of server
+  updates between the pull its parameters came from and its own application. Arrival order
+  depends on timing, so **async runs are not deterministic**.
+
+Servers hold no data: ``distributed_sampler_kwargs`` reports ``W`` replicas and a worker's index
+(servers read replica 0's loader only to keep Lightning's loop length; they never run the model
+on it). Before validation and at the end of training the owners broadcast their parameters, so
+every rank evaluates and checkpoints the current model. Limitations: optimizer state lives on the
+servers and is not saved in checkpoints (resume restarts AdamW moments); with several servers
+gradient-norm clipping is per server shard; precision plugins that change ``optimizer_step``
+(fp16 loss scaling) are not supported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor, nn
+
+from llmlab.parallel.data.timeline import CommTimeline
+
+MODES = ("sync", "async")
+
+
+def assign_shards(numels: list[int], num_servers: int) -> list[list[int]]:
+    """Parameter indices per server: largest first onto the least-loaded server (ties: lowest
+    server), so every rank computes the same, roughly balanced, ownership."""
+    loads = [0] * num_servers
+    shards: list[list[int]] = [[] for _ in range(num_servers)]
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        s = min(range(num_servers), key=lambda k: (loads[k], k))
+        shards[s].append(i)
+        loads[s] += numels[i]
+    return [sorted(shard) for shard in shards]
+
+
+class ParameterServerStrategy(DDPStrategy):
+    strategy_name = "parameter_server"
+
+    def __init__(
+        self,
+        num_servers: int = 1,
+        mode: str = "sync",
+        max_staleness: int = 2,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown parameter-server mode {mode!r}; valid: {list(MODES)}")
+        if not isinstance(num_servers, int) or num_servers < 1:
+            raise ValueError(f"num_servers must be a positive integer, got {num_servers!r}")
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+        super().__init__(**kwargs)
+        self.num_servers = num_servers
+        self.mode = mode
+        self.max_staleness = max_staleness
+        self.comm_timeline = CommTimeline()
+        self.staleness: list[int] = []  # worker: measured staleness of each of its pushes
+        self.clock_gaps: list[int] = []  # server: steps ahead of the slowest, at each apply
+        self._params: list[nn.Parameter] = []
+        self._shards: list[list[int]] = []
+        self._versions: list[int] = []
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - self.num_servers
+
+    @property
+    def is_server(self) -> bool:
+        return self.global_rank >= self.num_workers
+
+    def _server_rank(self, server: int) -> int:
+        return self.num_workers + server
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        rank = 0 if self.is_server else self.global_rank
+        return {"num_replicas": max(self.num_workers, 1), "rank": rank}
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if self.num_workers < 1:
+            raise ValueError(
+                f"world size {self.world_size} leaves no workers with {self.num_servers} "
+                f"server(s); launch at least {self.num_servers + 1} processes"
+            )
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._shards = assign_shards([p.numel() for p in self._params], self.num_servers)
+        if any(not shard for shard in self._shards):
+            raise ValueError(
+                f"{self.num_servers} servers but only {len(self._params)} parameter tensors: "
+                "some servers would own nothing; use fewer servers"
+            )
+        self._versions = [0] * self.num_servers
+        self._group = dist.new_group(backend="gloo")  # keeps PS traffic apart from Lightning's
+        self._clocks = [0] * self.num_workers
+        return model
+
+    def _shard_numel(self, server: int) -> int:
+        return sum(self._params[i].numel() for i in self._shards[server])
+
+    def _my_shard(self) -> int:
+        return self.global_rank - self.num_workers
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_server:  # a server has no data to learn from: a zero loss with no graph
+            return torch.zeros((), requires_grad=True)
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_server:
+            return None  # workers evaluate; metric sync still includes the server's empty state
+        return super().validation_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.is_server:
+            return closure_loss.detach()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        loss = closure()  # worker: forward + backward; server: the zero-loss no-op
+        if self.is_server:
+            self._serve(optimizer)
+        else:
+            self._push_pull()
+        return loss
+
+    # ------------------------------------------------------------------ worker side
+    def _push_pull(self) -> None:
+        start = time.perf_counter()
+        sends, recvs, msgs = [], [], []
+        for s in range(self.num_servers):
+            grads = [self._grad_or_zero(self._params[i]) for i in self._shards[s]]
+            msg = torch.cat([*grads, torch.tensor([float(self._versions[s])])])
+            msgs.append(msg)  # keep alive until the send completes
+            sends.append(dist.isend(msg, self._server_rank(s), group=self._group))
+            buf = torch.empty(self._shard_numel(s) + 1)
+            recvs.append((s, buf, dist.irecv(buf, self._server_rank(s), group=self._group)))
+        stale = 0
+        for s, buf, work in recvs:
+            work.wait()
+            self._unflatten_into(s, buf[:-1])
+            new_version = int(buf[-1].item())
+            # the server applied our gradient as update number new_version; every update between
+            # our pull (self._versions[s]) and that one was somebody else's: that is staleness
+            stale = max(stale, new_version - 1 - self._versions[s])
+            self._versions[s] = new_version
+        for work in sends:
+            work.wait()
+        self.staleness.append(stale)
+        self.comm_timeline.add(start, time.perf_counter())
+        if self.mode == "async" and self.global_rank == 0 and self.lightning_module is not None:
+            trainer = self.lightning_module.trainer
+            if trainer.logger is not None:
+                trainer.logger.log_metrics({"ps/staleness": float(stale)}, trainer.global_step)
+
+    @staticmethod
+    def _grad_or_zero(p: nn.Parameter) -> Tensor:
+        return (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+
+    def _unflatten_into(self, server: int, flat: Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for i in self._shards[server]:
+                p = self._params[i]
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    # ------------------------------------------------------------------ server side
+    def _serve(self, optimizer: Any) -> None:
+        shard = self._my_shard()
+        n = self._shard_numel(shard)
+        if self.mode == "sync":
+            total = torch.zeros(n)
+            buf = torch.empty(n + 1)
+            for w in range(self.num_workers):  # fixed order: the same sum on every run
+                dist.recv(buf, w, group=self._group)
+                total += buf[:-1]
+            self._apply(optimizer, shard, total / self.num_workers)
+            reply = self._reply(shard)
+            for w in range(self.num_workers):
+                dist.send(reply, w, group=self._group)
+            return
+        self._serve_async(optimizer, shard, n)
+
+    def _serve_async(self, optimizer: Any, shard: int, n: int) -> None:
+        """Apply exactly W pushes (from whoever is eligible) per optimizer step of the server,
+        so every rank's loop runs the same number of Lightning steps."""
+        total_steps = self.lightning_module.trainer.estimated_stepping_batches
+        pending: dict[int, Tensor] = {}
+        served = 0
+        while served < self.num_workers:
+            unfinished = [c for c in self._clocks if c < total_steps]
+            slowest = min(unfinished) if unfinished else 0
+            eligible = [w for w in pending if self._clocks[w] - slowest <= self.max_staleness]
+            if eligible:
+                w = min(eligible, key=lambda k: (self._clocks[k], k))
+                msg = pending.pop(w)
+                self.clock_gaps.append(self._clocks[w] - slowest)
+                self._apply(optimizer, shard, msg[:-1])
+                self._clocks[w] += 1
+                dist.send(self._reply(shard), w, group=self._group)
+                served += 1
+                continue
+            buf = torch.empty(n + 1)
+            src = dist.recv(buf, group=self._group)  # any worker: arrival order decides
+            pending[src] = buf
+
+    def _apply(self, optimizer: Any, shard: int, flat_grad: Tensor) -> None:
+        owned = set(self._shards[shard])
+        offset = 0
+        for i, p in enumerate(self._params):
+            if i in owned:
+                p.grad = flat_grad[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+                offset += p.numel()
+            else:
+                p.grad = None
+        trainer = self.lightning_module.trainer
+        if trainer.gradient_clip_val:  # what Lightning's _after_closure does, on averaged grads
+            self.lightning_module.clip_gradients(
+                optimizer,
+                gradient_clip_val=trainer.gradient_clip_val,
+                gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+            )
+        optimizer.step()
+        self._versions[shard] += 1
+
+    def _reply(self, shard: int) -> Tensor:
+        params = [self._params[i].detach().reshape(-1).float() for i in self._shards[shard]]
+        return torch.cat([*params, torch.tensor([float(self._versions[shard])])])
+
+    # ------------------------------------------------------------------ consistency points
+    def _sync_from_owners(self) -> None:
+        """Every rank gets each shard's current parameters and version from its server."""
+        if not self._params:
+            return
+        with torch.no_grad():
+            for s, shard in enumerate(self._shards):
+                src = self._server_rank(s)
+                for i in shard:
+                    dist.broadcast(self._params[i].data, src=src)
+                version = torch.tensor([self._versions[s]], dtype=torch.int64)
+                dist.broadcast(version, src=src)
+                self._versions[s] = int(version.item())
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._sync_from_owners()
+
+    def on_train_end(self) -> None:
+        self._sync_from_owners()
+        super().on_train_end()

@@ -1,0 +1,101 @@
+"""``ParameterServerStrategy``: synchronous mode against Lightning DDP, asynchronous mode runs.
+
+Oracle: ``DDPStrategy`` on 2 ranks with the same shards; the parameter server runs 1 server and
+2 workers on 3 ranks. Parameters after 20 steps and the workers' losses must match to 1e-6.
+Async mode is non-deterministic: the test checks that it trains (loss goes down), that the
+server never served a worker more than ``max_staleness`` steps ahead of the slowest, and that
+the measured staleness is reported.
+"""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch.strategies import DDPStrategy
+
+from llmlab.parallel.data import ParameterServerStrategy
+from llmlab.parallel.data.parameter_server import assign_shards
+from tests.helpers.distributed import run_distributed
+from tests.parallel.data.common import TinyTask, flat_params, make_trainer, shard_loader
+
+pytestmark = pytest.mark.distributed
+STEPS = 20
+WORKERS = 2
+
+
+def ddp_fit(rank: int, world: int) -> dict:
+    task = TinyTask()
+    make_trainer(DDPStrategy(), world, STEPS).fit(task, shard_loader(world, rank, STEPS))
+    return {"losses": task.losses, "params": flat_params(task)}
+
+
+def ps_fit(rank: int, world: int, num_servers: int, modes: list[str]) -> dict:
+    out = {}
+    for mode in modes:
+        task = TinyTask()
+        strategy = ParameterServerStrategy(num_servers=num_servers, mode=mode, max_staleness=1)
+        trainer = make_trainer(strategy, world, STEPS)
+        kwargs = strategy.distributed_sampler_kwargs
+        loader = shard_loader(kwargs["num_replicas"], kwargs["rank"], STEPS)
+        trainer.fit(task, loader)
+        out[mode] = {
+            "server": strategy.is_server,
+            "losses": task.losses,
+            "params": flat_params(task),
+            "staleness": strategy.staleness,
+            "clock_gaps": strategy.clock_gaps,
+        }
+    return out
+
+
+def _check_sync(ps: list[dict], ddp: list[dict], workers: int) -> None:
+    for rank, r in enumerate(ps):
+        sync = r["sync"]
+        assert sync["server"] == (rank >= workers)
+        # every rank, servers included, ends with DDP's parameters (owners broadcast at the end)
+        assert (sync["params"] - ddp[0]["params"]).abs().max().item() <= 1e-6, rank
+        if rank < workers:
+            diffs = [abs(a - b) for a, b in zip(sync["losses"], ddp[rank]["losses"])]
+            assert len(sync["losses"]) == STEPS and max(diffs) <= 1e-6, (rank, max(diffs))
+            assert sync["staleness"] == [0] * STEPS  # sync: never stale
+        else:
+            assert sync["losses"] == []  # servers never run the model
+
+
+def test_sync_matches_ddp_and_async_trains_with_bounded_staleness() -> None:
+    ddp = run_distributed(ddp_fit, WORKERS)
+    ps = run_distributed(ps_fit, WORKERS + 1, 1, ["sync", "async"])
+    _check_sync(ps, ddp, WORKERS)
+
+    server = ps[WORKERS]["async"]
+    assert len(server["clock_gaps"]) == WORKERS * STEPS
+    assert max(server["clock_gaps"]) <= 1  # max_staleness=1, enforced by the server
+    for rank in range(WORKERS):
+        a = ps[rank]["async"]
+        assert len(a["staleness"]) == STEPS and min(a["staleness"]) >= 0
+        first, last = sum(a["losses"][:5]) / 5, sum(a["losses"][-5:]) / 5
+        assert last < first, (rank, first, last)
+    # all ranks agree on the final parameters after the owners' broadcast
+    finals = [r["async"]["params"] for r in ps]
+    assert all((f - finals[0]).abs().max().item() == 0 for f in finals)
+
+
+@pytest.mark.slow
+def test_sync_with_two_servers_matches_ddp() -> None:
+    ddp = run_distributed(ddp_fit, WORKERS)
+    ps = run_distributed(ps_fit, WORKERS + 2, 2, ["sync"])
+    _check_sync(ps, ddp, WORKERS)
+
+
+def test_shards_are_balanced_and_complete() -> None:
+    shards = assign_shards([100, 10, 60, 50, 5], 2)
+    assert sorted(i for s in shards for i in s) == [0, 1, 2, 3, 4]
+    assert shards == [[0, 4], [1, 2, 3]]
+
+
+def test_bad_arguments_fail_early() -> None:
+    with pytest.raises(ValueError, match="unknown parameter-server mode 'hogwild'"):
+        ParameterServerStrategy(mode="hogwild")
+    with pytest.raises(ValueError, match="num_servers must be a positive integer, got 0"):
+        ParameterServerStrategy(num_servers=0)
+    with pytest.raises(ValueError, match="max_staleness must be an integer >= 0, got -1"):
+        ParameterServerStrategy(max_staleness=-1)
