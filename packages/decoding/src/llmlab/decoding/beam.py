@@ -43,6 +43,7 @@ def _gather(t: Tensor, idx: Tensor) -> Tensor:
     return torch.take_along_dim(t, idx, dim=1)
 
 
+@torch.inference_mode()
 def beam_search(
     model: Any,
     input_ids: Tensor,

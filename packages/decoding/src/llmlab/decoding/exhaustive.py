@@ -71,7 +71,7 @@ def _search_one(
     return done
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def exhaustive_search(
     model: Any,
     input_ids: Tensor,

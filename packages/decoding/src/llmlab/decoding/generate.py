@@ -42,7 +42,7 @@ def _check_inputs(input_ids: Tensor, attention_mask: Tensor | None) -> None:
             )
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: Any,
     input_ids: Tensor,

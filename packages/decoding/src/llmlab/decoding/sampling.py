@@ -20,6 +20,7 @@ from llmlab.decoding.runner import ModelRunner
 from llmlab.decoding.stopping import StopCondition
 
 
+@torch.inference_mode()
 def decode_one_by_one(
     model: Any,
     input_ids: Tensor,

@@ -134,7 +134,7 @@ def _speculate_one(
     return seq[0, P:].tolist()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(
     target: Any,
     draft: Any,

@@ -51,6 +51,13 @@ class KVCache:
 
     def reorder(self, batch_indices: Tensor) -> None:
         """Reorder (or repeat) rows, e.g. to follow the surviving beams in beam search."""
+        if batch_indices.numel() == self.batch_size:
+            # Same batch size (beam search, every step): move only the filled prefix, in place;
+            # copying whole max_len buffers made reordering cost O(max_len) per step.
+            n = self.length
+            self.keys[:, :, :, :n] = self.keys[:, :, :, :n].index_select(1, batch_indices)
+            self.values[:, :, :, :n] = self.values[:, :, :, :n].index_select(1, batch_indices)
+            return
         self.keys = self.keys.index_select(1, batch_indices)
         self.values = self.values.index_select(1, batch_indices)
 
