@@ -50,7 +50,7 @@ def test_interleaved_schedule_exhaustively():
         expected = (p - 1) / (v * m + p - 1)
         assert result.bubble_fraction == pytest.approx(expected, abs=1e-12), (p, v, m)
         # each rank holds v chunks: every micro-batch is forwarded and backwarded v times there
-        for s, prog in enumerate(programs):
+        for prog in programs:
             assert sum(i.op is Op.FORWARD for i in prog) == v * m
             assert {i.chunk for i in prog if i.microbatch is not None} == set(range(v))
 

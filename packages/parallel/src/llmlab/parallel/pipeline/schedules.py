@@ -80,7 +80,8 @@ def validate_schedule_args(
     if name == "interleaved" and num_microbatches % num_stages != 0:
         raise ValueError(
             f"the interleaved schedule needs num_microbatches ({num_microbatches}) to be a "
-            f"multiple of num_stages ({num_stages}); try {num_stages * max(1, num_microbatches // num_stages)}"
+            f"multiple of num_stages ({num_stages}); e.g. "
+            f"{num_stages * max(1, num_microbatches // num_stages)}"
         )
 
 

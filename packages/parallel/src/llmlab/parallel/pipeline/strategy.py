@@ -57,22 +57,54 @@ CONSOLIDATED = "llmlab.pipeline.consolidated/1"
 
 
 def prune_to_stage(model: nn.Module, keep: Sequence[nn.Module]) -> int:
-    """Drop every parameter and buffer of ``model`` that no module in ``keep`` uses.
+    """Replace every parameter and buffer of ``model`` that no module in ``keep`` uses by a
+    storage-less ``meta`` tensor of the same shape; returns the parameters actually held.
 
-    The module tree stays (so names, and the task's parameter grouping by module type, are those
-    of the unsplit model); only the tensors go. A tied weight used by a kept layer survives
-    under every name it has. Returns the number of parameters kept.
+    The module tree, names and shapes stay those of the unsplit model, so code that only reads
+    metadata (``numel()`` for a FLOP count, the task's grouping of parameters by module type)
+    still works; the memory goes. A tied weight used by a kept layer survives under every name
+    it has, and a dropped tied weight stays tied (one placeholder per original tensor).
     """
     keep_params = {id(p) for m in keep for p in m.parameters()}
     keep_buffers = {id(b) for m in keep for b in m.buffers()}
+    placeholders: dict[int, Tensor] = {}
+
+    def placeholder(t: Tensor, param: bool) -> Tensor:
+        if id(t) not in placeholders:
+            empty = torch.empty_like(t, device="meta")
+            placeholders[id(t)] = nn.Parameter(empty, t.requires_grad) if param else empty
+        return placeholders[id(t)]
+
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) not in keep_params:
-                module._parameters[name] = None
+                module._parameters[name] = placeholder(p, True)
         for name, b in list(module._buffers.items()):
             if b is not None and id(b) not in keep_buffers:
-                module._buffers[name] = None
-    return sum(p.numel() for p in model.parameters())
+                module._buffers[name] = placeholder(b, False)
+    return held_parameter_count(model)
+
+
+def held_parameter_count(model: nn.Module) -> int:
+    """Parameters with storage on this rank (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters() if not p.is_meta)
+
+
+def _move_held_tensors(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for the tensors this rank holds, leaving ``meta`` placeholders
+    (which cannot be copied) alone and keeping tied parameters tied."""
+    moved: dict[int, Tensor] = {}
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in list(store.items()):
+                if t is None or t.is_meta or t.device == device:
+                    continue
+                if id(t) not in moved:
+                    data = t.data.to(device)
+                    moved[id(t)] = (
+                        nn.Parameter(data, t.requires_grad) if isinstance(t, nn.Parameter) else data
+                    )
+                store[name] = moved[id(t)]
 
 
 class _PipelinedForward(nn.Module):
@@ -203,6 +235,9 @@ class PipelineStrategy(DDPStrategy):
         )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:  # placeholders of other stages' weights: not ours
+                for group in optimizer.param_groups:
+                    group["params"] = [p for p in group["params"] if not p.is_meta]
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -234,7 +269,19 @@ class PipelineStrategy(DDPStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        _move_held_tensors(self.model, self.root_device)
+
+    def teardown(self) -> None:
+        """Lightning's teardown, except that the module goes back to the CPU tensor by tensor
+        (``module.cpu()`` cannot copy the other stages' ``meta`` placeholders)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None:
+            _move_held_tensors(self.lightning_module, torch.device("cpu"))
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # ---------------------------------------------------------------- training
     def _split(self, batch: Any) -> tuple[Tensor, Tensor]:
@@ -372,7 +419,11 @@ class PipelineStrategy(DDPStrategy):
     # -------------------------------------------------------------- checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unsplit model's state dict: the union of every stage's (collective)."""
-        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        local = {
+            k: v.detach().cpu()
+            for k, v in self.lightning_module.state_dict().items()
+            if not (isinstance(v, Tensor) and v.is_meta)
+        }
         if self.stages == 1 or self.pipeline_group is None:
             return local
         parts: list[dict | None] = [None] * self.stages
@@ -389,11 +440,17 @@ class PipelineStrategy(DDPStrategy):
         if self._stage is None:  # not split yet: the whole model loads as usual
             module.load_state_dict(full, strict=strict)
             return
-        wanted = module.state_dict().keys()
+        wanted = [
+            k for k, v in module.state_dict().items() if not (isinstance(v, Tensor) and v.is_meta)
+        ]
         missing = [k for k in wanted if k not in full]
         if strict and missing:
             raise KeyError(f"checkpoint lacks keys this pipeline stage needs: {missing[:5]}")
-        module.load_state_dict({k: full[k] for k in wanted if k in full}, strict=False)
+        with torch.no_grad():  # copy into the held tensors; placeholders keep no values
+            held = dict(module.state_dict(keep_vars=True))
+            for k in wanted:
+                if k in full:
+                    held[k].copy_(full[k])
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer state keyed by parameter name and merged over stages (collective)."""

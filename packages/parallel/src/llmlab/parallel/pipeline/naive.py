@@ -1,0 +1,90 @@
+"""Model parallelism inside one process: the seed notes' two-device split of ResNet-50.
+
+``ModelParallel`` places contiguous parts of ``pipeline_layers()`` on a list of devices
+(``cuda:0``, ``cuda:1`` on a GPU machine; all ``cpu`` here, the same code path) and moves the
+activation across at each cut: while one device computes, the others wait -- the naive schedule.
+
+``MicroBatchedModelParallel`` is the seed's pipelined variant: the batch is split into
+micro-batches, and while part ``k`` works on micro-batch ``i`` part ``k-1`` already starts on
+``i+1``. CUDA kernels launch asynchronously, so the devices overlap for real on a GPU; on a CPU
+the order of work is the same but nothing overlaps. Autograd sees the same graph either way, so
+its gradients equal gradient accumulation over the same micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from llmlab.parallel.pipeline.partition import split_ranges
+from llmlab.parallel.pipeline.stage import pipeline_layers_of
+
+
+class ModelParallel(nn.Module):
+    """``model``'s pipeline layers cut into ``len(devices)`` parts, part ``k`` on ``devices[k]``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        devices: Sequence[str | torch.device],
+        boundaries: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if not devices:
+            raise ValueError("ModelParallel needs at least one device")
+        layers = pipeline_layers_of(model)
+        ranges = split_ranges(layers, len(devices), boundaries)
+        self.devices = [torch.device(d) for d in devices]
+        self.parts = nn.ModuleList(
+            nn.Sequential(*(layers[i] for i in r)).to(dev) for r, dev in zip(ranges, self.devices)
+        )
+        self.ranges = ranges
+
+    def forward(self, x: Tensor) -> Tensor:
+        for part, device in zip(self.parts, self.devices):
+            x = part(x.to(device))
+        return x
+
+
+class MicroBatchedModelParallel(ModelParallel):
+    """``ModelParallel`` fed ``microbatches`` slices of the batch in a staggered order."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        devices: Sequence[str | torch.device],
+        microbatches: int,
+        boundaries: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(model, devices, boundaries)
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        self.microbatches = microbatches
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] % self.microbatches != 0:
+            raise ValueError(
+                f"batch of {x.shape[0]} cannot be split into {self.microbatches} equal "
+                f"micro-batches; use a multiple of {self.microbatches}"
+            )
+        pending = list(x.chunk(self.microbatches))
+        k = len(self.parts)
+        # in_flight[j]: the activation waiting to enter part j. Each tick, every part with an
+        # input works on it (highest part first, so a part's output moves on next tick).
+        in_flight: list[Tensor | None] = [None] * k
+        outputs: list[Tensor] = []
+        while pending or any(a is not None for a in in_flight):
+            for j in reversed(range(k)):
+                if in_flight[j] is None:
+                    continue
+                out = self.parts[j](in_flight[j].to(self.devices[j]))
+                in_flight[j] = None
+                if j + 1 < k:
+                    in_flight[j + 1] = out
+                else:
+                    outputs.append(out)
+            if pending:
+                in_flight[0] = pending.pop(0)
+        return torch.cat(outputs)
