@@ -137,7 +137,7 @@ class PortableDeepSpeedStrategy(DeepSpeedStrategy):
             super().setup_distributed()
             return
         # CPU devices have no index, so the CUDA index-vs-local-rank validation does not apply.
-        from lightning.pytorch.utilities.seed import reset_seed
+        from lightning.fabric.utilities.seed import reset_seed
 
         reset_seed()
         self.set_world_ranks()
