@@ -12,7 +12,7 @@ of one character is a single chunk) use a linked list of parts and a heap keyed 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from itertools import chain
 
 HEAP_THRESHOLD = 64
 _INF = 1 << 62
@@ -94,16 +94,14 @@ class ChunkCache:
         self.max_entries = max_entries
         self.data: dict[str, list[int]] = {}
 
-    def encode_chunks(self, chunks: Iterable[str], ranks: dict[bytes, int]) -> list[int]:
-        out: list[int] = []
+    def encode_chunks(self, chunks: list[str], ranks: dict[bytes, int]) -> list[int]:
+        """Ids of ``chunks`` in order. Only distinct unseen chunks go through ``bpe_merge``;
+        the per-chunk lookups run as ``map`` over dict methods (no Python-level loop)."""
         data = self.data
-        for chunk in chunks:
-            ids = data.get(chunk)
-            if ids is None:
-                ids = bpe_merge(chunk.encode("utf-8"), ranks)
-                if len(data) >= self.max_entries:
-                    data.clear()
-                if len(chunk) < 256:
-                    data[chunk] = ids
-            out.extend(ids)
-        return out
+        new = {c: bpe_merge(c.encode("utf-8"), ranks) for c in set(chunks).difference(data)}
+        if new:
+            if len(data) + len(new) > self.max_entries:
+                data.clear()
+            data.update((c, ids) for c, ids in new.items() if len(c) < 256)
+        # new.get(chunk, data.get(chunk)): long chunks are looked up in ``new`` only
+        return list(chain.from_iterable(map(new.get, chunks, map(data.get, chunks))))
