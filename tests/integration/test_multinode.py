@@ -85,15 +85,20 @@ def launch_two_nodes(out: Path, args: list[str], timeout: float = 600) -> Path:
     return run_dir
 
 
+def _shared_cache(tmp_path: Path) -> str:
+    """Tokenize + pack Shakespeare once per pytest session (basetemp), not once per run."""
+    return f"paths.cache_dir={tmp_path.parent / 'llmlab-data-cache'}"
+
+
 def test_two_nodes_on_localhost_equal_one_node_with_two_processes(tmp_path):
-    single = tmp_path / "single"
-    result = run_train(["experiment=gpt_ddp", *TINY], single)
+    single, cache = tmp_path / "single", _shared_cache(tmp_path)
+    result = run_train(["experiment=gpt_ddp", *TINY, cache], single)
     assert result.returncode == 0, result.stderr[-4000:]
     reference = _losses(_run_dir(single, "gpt_ddp"))
 
     multi = tmp_path / "multi"
     run_dir = launch_two_nodes(
-        multi, ["experiment=gpt_ddp", "trainer.devices=1", "trainer.num_nodes=2", *TINY]
+        multi, ["experiment=gpt_ddp", "trainer.devices=1", "trainer.num_nodes=2", *TINY, cache]
     )
     losses = _losses(run_dir)
 
@@ -107,8 +112,8 @@ def test_two_nodes_on_localhost_equal_one_node_with_two_processes(tmp_path):
 def test_lightning_num_nodes_with_node_rank_env(tmp_path):
     """The launcher-free form: run the same command on every node with NODE_RANK, MASTER_ADDR
     and MASTER_PORT set; Lightning's own environment wires the ranks (devices × num_nodes)."""
-    single = tmp_path / "single"
-    assert run_train(["experiment=gpt_ddp", *TINY], single).returncode == 0
+    single, cache = tmp_path / "single", _shared_cache(tmp_path)
+    assert run_train(["experiment=gpt_ddp", *TINY, cache], single).returncode == 0
     reference = _losses(_run_dir(single, "gpt_ddp"))
 
     out, run_id, port = tmp_path / "multi", "lnodes01", _free_port()
@@ -128,7 +133,7 @@ def test_lightning_num_nodes_with_node_rank_env(tmp_path):
         cmd = [sys.executable, "-m", "llmlab.train", "experiment=gpt_ddp", "trainer.devices=1"]
         procs.append(
             subprocess.Popen(
-                [*cmd, "trainer.num_nodes=2", *TINY],
+                [*cmd, "trainer.num_nodes=2", *TINY, cache],
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,

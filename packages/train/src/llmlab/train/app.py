@@ -141,14 +141,21 @@ def last_checkpoint(run_dir: Path) -> Path:
 
 # --------------------------------------------------------------------------- building
 def _instantiate(node: DictConfig, **extra: Any) -> Any:
-    """Hydra-instantiate ``node``, passing only the ``extra`` kwargs its target accepts."""
-    from hydra.utils import get_method, instantiate
+    """Build ``node._target_(**node, **extra)``, passing only the ``extra`` its target accepts.
+
+    Called directly rather than through Hydra's recursive ``instantiate``: ``extra`` may hold
+    plain config dicts with a ``_target_`` of their own (the tokenizer's config, kept in the
+    checkpoint so sampling can rebuild it), which must stay dicts.
+    """
+    from hydra.utils import get_method
 
     target = get_method(node._target_)
     params = inspect.signature(target).parameters
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
     accepted = {k: v for k, v in extra.items() if takes_all or k in params}
-    return instantiate(node, **accepted, _convert_="all")
+    kwargs = OmegaConf.to_container(node, resolve=True)
+    kwargs.pop("_target_")
+    return target(**kwargs, **accepted)
 
 
 def build_strategy(cfg: DictConfig) -> Any:
