@@ -1,0 +1,120 @@
+"""``python -m llmlab.train.sample ckpt=PATH prompt="ROMEO:" [GenerationConfig field=value ...]``.
+
+Loads a Lightning checkpoint written by ``llmlab.train`` (``CausalLMTask``: the GPT under
+``model.``, its config and the tokenizer's config in ``hyper_parameters``), rebuilds the GPT and
+the tokenizer, and prints the prompt's continuation, streamed as it is generated. Every
+``llmlab.decoding.GenerationConfig`` field can be overridden (``max_new_tokens=100
+temperature=0.7 top_k=50 num_beams=4 seed=0``); values are parsed as YAML (``true``, ``0.7``,
+``[1, 2]``). Defaults: sampling at temperature 0.8 with top-k 50, as many new tokens as the
+model's block size allows (at most 256).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from llmlab.decoding import GenerationConfig, TextStreamer, generate
+from llmlab.models import GPT, GPTConfig
+
+USAGE = 'usage: python -m llmlab.train.sample ckpt=PATH prompt="TEXT" [field=value ...]'
+DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 50}
+
+
+def parse_args(args: list[str]) -> tuple[str, str, dict[str, Any]]:
+    """``key=value`` arguments -> (checkpoint path, prompt, GenerationConfig overrides)."""
+    known = {f.name for f in fields(GenerationConfig)}
+    ckpt, prompt, overrides = None, None, {}
+    for arg in args:
+        if "=" not in arg:
+            raise ValueError(f"argument {arg!r} is not key=value\n{USAGE}")
+        key, value = arg.split("=", 1)
+        if key == "ckpt":
+            ckpt = value
+        elif key == "prompt":
+            prompt = value
+        elif key in known:
+            overrides[key] = yaml.safe_load(value)
+        else:
+            raise ValueError(
+                f"unknown setting {key!r}: use ckpt=, prompt= or a GenerationConfig field "
+                f"({', '.join(sorted(known))})"
+            )
+    if not ckpt:
+        raise ValueError(f"ckpt= is required\n{USAGE}")
+    if not Path(ckpt).is_file():
+        raise ValueError(f"ckpt={ckpt!r} is not a file")
+    return ckpt, prompt if prompt is not None else "\n", overrides
+
+
+def build_tokenizer(spec: dict[str, Any] | None) -> Any:
+    """The tokenizer described by the checkpoint (``_target_`` + options), bytes if none."""
+    if not spec:
+        from llmlab.train.data import ByteTokenizer
+
+        return ByteTokenizer()
+    from hydra.utils import instantiate
+
+    return instantiate(spec, _convert_="all")
+
+
+def load_checkpoint(path: str) -> tuple[GPT, Any]:
+    """The GPT and tokenizer of an ``llmlab.train`` checkpoint, on CPU, in eval mode."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    hp = ckpt.get("hyper_parameters", {})
+    if "model" not in hp:
+        raise ValueError(f"{path} has no hyper_parameters['model']: not an llmlab.train checkpoint")
+    model = GPT(GPTConfig(**hp["model"]))
+    state = {k[len("model.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(state)
+    return model.eval(), build_tokenizer(hp.get("tokenizer"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    try:
+        ckpt, prompt, overrides = parse_args(args)
+        model, tokenizer = load_checkpoint(ckpt)
+        ids = tokenizer.encode(prompt)
+        block = model.config.block_size
+        if not ids or len(ids) >= block:
+            raise ValueError(f"the prompt has {len(ids)} tokens; it needs 1 to {block - 1}")
+        settings = {**DEFAULTS, "max_new_tokens": min(256, block - len(ids)), **overrides}
+        if len(ids) + settings["max_new_tokens"] > block:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens={settings['max_new_tokens']} "
+                f"exceeds the model's block_size={block}"
+            )
+        config = GenerationConfig(**settings)
+        config.validate()
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    input_ids = torch.tensor([ids])
+    one_stream = config.num_return_sequences == 1 and config.num_beams == 1
+    if one_stream:
+        streamer = TextStreamer(tokenizer, skip_prompt=False, on_text=_print)
+        generate(model, input_ids, config, streamer=streamer, tokenizer=tokenizer)
+        print(flush=True)
+    else:
+        out = generate(model, input_ids, config, tokenizer=tokenizer)
+        for i, row in enumerate(out.tolist()):
+            print(f"--- sequence {i + 1}")
+            print(tokenizer.decode(row), flush=True)
+    return 0
+
+
+def _print(text: str) -> None:
+    print(text, end="", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
