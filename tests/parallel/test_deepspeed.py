@@ -36,8 +36,9 @@ TINY = [
 ]
 
 
-def _launch(experiment: str, out: Path, steps: int) -> subprocess.Popen:
+def _launch(experiment: str, out: Path, steps: int, cache: Path) -> subprocess.Popen:
     args = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", *TINY]
+    args.append(f"paths.cache_dir={cache}")  # tokenize + pack Shakespeare once per session
     return subprocess.Popen(
         [sys.executable, "-m", "llmlab.train", f"experiment={experiment}", *args],
         cwd=REPO,
@@ -50,7 +51,8 @@ def _launch(experiment: str, out: Path, steps: int) -> subprocess.Popen:
 
 def train_together(tmp: Path, experiments: list[str], steps: int) -> dict[str, Path]:
     """Train each experiment (concurrently) and return its run directory."""
-    procs = {e: _launch(e, tmp / e, steps) for e in experiments}
+    cache = tmp.parent / "llmlab-data-cache"  # pytest's basetemp: shared by the session
+    procs = {e: _launch(e, tmp / e, steps, cache) for e in experiments}
     for name, proc in procs.items():
         text = proc.communicate(timeout=900)[0]
         assert proc.returncode == 0, f"{name} failed:\n{text[-5000:]}"
