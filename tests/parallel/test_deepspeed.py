@@ -59,10 +59,10 @@ def train_together(tmp: Path, experiments: list[str], steps: int) -> dict[str, P
     return {e: Path((tmp / e / e / "latest").read_text().strip()) for e in experiments}
 
 
-def _losses(run_dir: Path) -> list[float]:
+def _series(run_dir: Path, key: str = "train/loss") -> list[float]:
     wandb_dir = next((run_dir / "wandb").glob("offline-run-*"))
-    rows = [h for h in wandb_history(wandb_dir) if "train/loss" in h]
-    return [h["train/loss"] for h in sorted(rows, key=lambda h: h["trainer/global_step"])]
+    rows = [h for h in wandb_history(wandb_dir) if key in h]
+    return [h[key] for h in sorted(rows, key=lambda h: h["trainer/global_step"])]
 
 
 def _gpt(run_dir: Path, state_dict: dict[str, torch.Tensor]):
@@ -77,10 +77,18 @@ def _gpt(run_dir: Path, state_dict: dict[str, torch.Tensor]):
 def check_zero_against_ddp(runs: dict[str, Path], zero: str, steps: int) -> None:
     from llmlab.decoding import generate
 
-    reference, losses = _losses(runs["gpt_ddp"]), _losses(runs[zero])
+    reference, losses = _series(runs["gpt_ddp"]), _series(runs[zero])
     assert len(reference) == len(losses) == steps
     worst = max(abs(a - b) for a, b in zip(losses, reference))
     assert worst <= 1e-4, f"{zero} vs DDP: max |Δloss| = {worst:.3g} over {steps} steps"
+    # telemetry: the engine's global (pre-clip) grad norm equals DDP's norm of the full grads
+    norms, ddp_norms = (
+        _series(runs[zero], "train/grad_norm"),
+        _series(runs["gpt_ddp"], "train/grad_norm"),
+    )
+    assert len(norms) == steps
+    for a, b in zip(norms, ddp_norms):
+        assert abs(a - b) <= 1e-4 * max(1.0, b), (zero, norms, ddp_norms)
 
     ddp_ckpt = torch.load(runs["gpt_ddp"] / "checkpoints" / "last.ckpt", weights_only=False)
     ddp_state = {k[len("model.") :]: v for k, v in ddp_ckpt["state_dict"].items()}

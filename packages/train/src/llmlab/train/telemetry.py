@@ -66,6 +66,16 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
+def _engine_grad_norm(trainer: L.Trainer) -> Any:
+    """DeepSpeed's ``get_global_grad_norm`` when the strategy wraps the model in its engine.
+
+    Under ZeRO the gradients live in the optimizer's partitions (``p.grad`` is None or a
+    shard), so only the engine knows the global norm; it computes it (before clipping) inside
+    its step, hence it is read after the step.
+    """
+    return getattr(getattr(trainer.strategy, "model", None), "get_global_grad_norm", None)
+
+
 class TrainingTelemetry(L.Callback):
     """Logs ``train/tokens_per_sec``, ``train/samples_per_sec``, ``train/mfu``, ``train/lr``,
     ``train/grad_norm`` and ``sys/peak_memory_mb`` every optimizer step (rank zero logs)."""
@@ -87,7 +97,7 @@ class TrainingTelemetry(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads:
+        if grads and not _engine_grad_norm(trainer):
             norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
             )
@@ -111,6 +121,10 @@ class TrainingTelemetry(L.Callback):
                 metrics["train/mfu"] = mfu(
                     tokens / elapsed, self._flops_per_token, self.peak_flops_per_device * devices
                 )
+        engine_norm = _engine_grad_norm(trainer)
+        norm = engine_norm() if engine_norm is not None else None
+        if norm is not None:
+            metrics["train/grad_norm"] = float(norm)
         metrics["sys/peak_memory_mb"] = peak_memory_bytes(pl_module.device) / 2**20
         for key, value in metrics.items():
             pl_module.log(key, float(value), on_step=True, on_epoch=False, rank_zero_only=True)
