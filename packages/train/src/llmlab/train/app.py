@@ -216,6 +216,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         model=OmegaConf.to_container(cfg.model, resolve=True),
         tokenizer=OmegaConf.to_container(cfg.tokenizer, resolve=True) if tokenizer else None,
     )
+    if cfg.get("model_transforms"):  # memory reuse, applied from outside the model
+        from llmlab.parallel.memory import apply_memory_options
+
+        apply_memory_options(task.model, **OmegaConf.to_container(cfg.model_transforms))
     callbacks = [_instantiate(node) for node in cfg.callbacks.values() if node is not None]
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, L.pytorch.callbacks.ProgressBar)]
