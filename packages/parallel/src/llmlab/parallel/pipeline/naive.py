@@ -47,6 +47,14 @@ class ModelParallel(nn.Module):
             x = part(x.to(device))
         return x
 
+    def _apply(self, fn, recurse=True):
+        # Trainers move "the model" to one device; the parts must stay where they were placed
+        # (dtype conversions still apply).
+        super()._apply(fn, recurse)
+        for part, device in zip(self.parts, self.devices):
+            part.to(device)
+        return self
+
 
 class MicroBatchedModelParallel(ModelParallel):
     """``ModelParallel`` fed ``microbatches`` slices of the batch in a staggered order."""
