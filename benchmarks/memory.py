@@ -1,6 +1,6 @@
 """Saved activation bytes and train-step time by precision and memory-reuse option, at several T.
 
-Every case runs the same small GPT (2 layers, d=64, 4 heads, batch 4) for one optimizer step per
+Every case runs the same small GPT (2 layers, d=64, 4 heads, batch 2) for one optimizer step per
 timing, in a plain PyTorch loop (the plugins' logic without Lightning's per-step overhead):
 
 * fp32 (the reference of every row), fp16-master and bf16-master (``MasterWeights``: fp16/bf16
@@ -35,7 +35,7 @@ from llmlab.parallel.memory import (
 from llmlab.parallel.precision import DynamicLossScaler, MasterWeights, convert_to_float8
 
 MODEL = dict(vocab_size=256, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
-BATCH = 4
+BATCH = 2
 SEQ_LENS = (128, 256, 512)
 CASES = ("fp16-master", "bf16-master", "bf16-mixed", "fp8", "checkpointing",
          "recompute-attention", "math-attention")  # fmt: skip
@@ -90,12 +90,12 @@ def measure(case: str, T: int) -> tuple[int, float]:
     y = torch.randint(0, MODEL["vocab_size"], (BATCH, T), generator=g)
     with context():
         saved = saved_activation_bytes(model, x).total_bytes
-    seconds = best_of(lambda: step(x, y), repeats=3, warmup=1)
+    seconds = best_of(lambda: step(x, y), repeats=2, warmup=1)
     return saved, seconds
 
 
 def main() -> None:
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    torch.set_num_threads(1)  # shared CPUs: OpenMP threads would spin waiting for each other
     rows: list[Row] = []
     notes = []
     for T in SEQ_LENS:

@@ -41,6 +41,10 @@ class TinyLM(L.LightningModule):
         self.logits_dtypes.append(logits.dtype)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+
     def on_after_backward(self) -> None:
         if self.global_step in self.inject:
             self.model.blocks[0].mlp.fc.weight.grad[0, 0] = self.inject[self.global_step]
@@ -134,6 +138,11 @@ def test_fp16_master_layout_on_cpu() -> None:
         assert torch.equal(p, m.to(torch.float16))
     assert t.callback_metrics["precision/loss_scale"].item() == plugin.scaler.scale
     assert t.callback_metrics["precision/skipped_steps"].item() == 0
+    # validate after fit runs setup again: the masters (and their fp32 values) must survive
+    masters, values = plugin.masters, [m.detach().clone() for m in plugin.masters.masters]
+    t.validate(module, loader(), verbose=False)
+    assert plugin.masters is masters
+    assert all(torch.equal(a, b) for a, b in zip(values, masters.masters, strict=True))
 
 
 def test_first_step_matches_adamw_on_unscaled_fp16_grads() -> None:

@@ -127,7 +127,9 @@ class MasterWeightPrecision(Precision):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         if not self._params:  # convert_module was not called (a strategy that skips it)
             self.convert_module(model)
-        if self.masters is not None and self.masters.model_params == self._params:
+        if self.masters is not None and [id(p) for p in self.masters.model_params] == [
+            id(p) for p in self._params
+        ]:
             for opt in optimizers:
                 self.masters.rewire(opt)
             return model, optimizers, lr_schedulers
