@@ -130,3 +130,13 @@ def test_speculative_sampling_preserves_the_target_distribution(V, N, n, k):
     q = q_logp.gather(2, seqs[:, :, None]).squeeze(-1).sum(1).exp() * n
     _, p_wrong = chisquare(observed.numpy(), (q * observed.sum() / q.sum()).numpy())
     assert p_wrong < 1e-6
+
+
+def test_speculative_greedy_with_hf_models_uses_cache_crop():
+    """Target and draft as ``HFModel``: rejected drafts are cropped from HF's DynamicCache."""
+    target = HFModel(hf_model("v300_e64_h4"))
+    draft = HFModel(hf_model("v300_e64_h4", seed=1, n_layer=1))
+    ids, mask = prompts(300, 2, 6, seed=4)
+    cfg = GenerationConfig(max_new_tokens=12, pad_token_id=1, num_assistant_tokens=3)
+    plain = generate(target, ids, cfg, attention_mask=mask)
+    assert torch.equal(generate(target, ids, cfg, attention_mask=mask, draft_model=draft), plain)
