@@ -1,0 +1,74 @@
+"""Misconfigurations fail before any training work, with a message naming the values."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from llmlab.models import GPT, GPTConfig
+from llmlab.parallel.pipeline.engine import PipelineEngine
+from llmlab.parallel.pipeline.partition import balanced_boundaries, split_ranges
+from llmlab.parallel.pipeline.stage import cut_stage, pipeline_layers_of
+
+
+def tiny() -> GPT:
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
+
+
+def test_more_stages_than_layers():
+    with pytest.raises(ValueError, match="has 4 pipeline layers, fewer than the 5 stages"):
+        cut_stage(tiny().pipeline_layers(), 5, 0)
+
+
+def test_model_without_pipeline_layers():
+    with pytest.raises(TypeError, match=r"Linear has no pipeline_layers\(\) method"):
+        pipeline_layers_of(nn.Linear(2, 2))
+
+
+def test_batch_not_divisible_by_microbatches():
+    model = tiny()
+    engine = PipelineEngine([nn.Sequential(*model.pipeline_layers())], 0, 1, loss_fn=None)
+    ids = torch.zeros(6, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="batch of 6 samples cannot be split into 4 equal"):
+        engine.train_step(ids, ids, 4, "gpipe")
+
+
+def test_world_size_not_divisible_by_stages():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from llmlab.parallel.pipeline.strategy import PipelineStrategy
+
+    env = LightningEnvironment()
+    env.set_world_size(3)
+    strategy = PipelineStrategy(stages=2, microbatches=2, cluster_environment=env)
+    with pytest.raises(ValueError, match=r"world size 3 is not divisible by pipeline \(2\)"):
+        _ = strategy.dims
+
+
+def test_strategy_checks_batch_size_and_schedule_arguments():
+    from llmlab.parallel.mesh import ParallelDims
+    from llmlab.parallel.pipeline.strategy import PipelineStrategy
+
+    with pytest.raises(ValueError, match=r"microbatches \(6\) to be a multiple of stages \(4\)"):
+        PipelineStrategy(stages=4, microbatches=6, schedule="interleaved")
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
+        PipelineStrategy(stages=2, schedule="pipedream")
+    strategy = PipelineStrategy(stages=2, microbatches=4)
+    trainer = types.SimpleNamespace(datamodule=types.SimpleNamespace(batch_size=12))
+    with pytest.raises(ValueError, match="batch size 12 over 2 data-parallel replica"):
+        strategy._check_batch_size(trainer, ParallelDims(data=2, pipeline=2))
+
+
+def test_explicit_and_balanced_boundaries():
+    layers = tiny().pipeline_layers()
+    assert [list(r) for r in split_ranges(layers, 2, [3])] == [[0, 1, 2], [3]]
+    with pytest.raises(ValueError, match="must lie in"):
+        split_ranges(layers, 2, [4])
+    with pytest.raises(ValueError, match="give 3 stages, but 2 are needed"):
+        split_ranges(layers, 2, [1, 2])
+    # the exact min-max split: [4, 1, 1, 4] into 2 parts -> [4, 1] | [1, 4]
+    assert balanced_boundaries([4, 1, 1, 4], 2) == [2]
+    assert balanced_boundaries([1, 1, 1, 1, 8], 2) == [4]
