@@ -78,7 +78,9 @@ def test_resnet50_pp2_matches_micro_batch_accumulation():
         assert sum(counts) == total and max(counts) < total  # no tied weights in ResNet
 
 
-@pytest.mark.parametrize("microbatches", [None, 4])
+@pytest.mark.parametrize(
+    "microbatches", [pytest.param(None, marks=pytest.mark.slow), 4]
+)  # the plain split is the micro-batched one with m=1: only m=4 in the default suite
 def test_two_device_split_matches_single_device(microbatches):
     # On a two-GPU machine these would be "cuda:0", "cuda:1"; here both are the CPU.
     devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu", "cpu"]

@@ -187,6 +187,7 @@ def test_pp2_loss_curve_checkpoint_and_resume(reference, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 4 processes, two Trainers: the 2-rank test above covers the default suite
 def test_dp2_pp2_and_checkpoint_into_pp4(reference, tmp_path):
     cases = [
         {
