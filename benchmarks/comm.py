@@ -109,7 +109,7 @@ def main() -> None:
                 )
     notes = (
         f"world={WORLD} gloo/localhost; alpha={alpha:.3e} s, beta={beta:.3e} s/byte "
-        f"(fitted by least squares on one-way ping-pong times, 1 KiB-64 MiB); "
+        "(relative-error weighted least squares on one-way ping-pong times, 1 KiB-64 MiB); "
         "predictions: ring 2(p-1)a + 2(p-1)/p n b, recursive doubling log2(p)(a + n b), "
         "reduce+broadcast 2 ceil(log2 p)(a + n b); torch predicted as a ring."
     )

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 import torch.distributed as dist
 
 from llmlab.parallel.data.timeline import CommTimeline, clip, union_length
@@ -54,6 +55,8 @@ def _timed_allreduce_hook(timeline: CommTimeline):
 
         return fut.then(finish)
 
+    # DDP checks these annotations as objects; `from __future__ import annotations` made strings
+    hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
     return hook
 
 
