@@ -92,7 +92,7 @@ def test_telemetry_logs_every_metric_in_a_real_fit(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Spy(), TrainingTelemetry(peak_flops_per_device=peak)],
+        callbacks=[TrainingTelemetry(peak_flops_per_device=peak), Spy()],  # Spy reads after
         default_root_dir=tmp_path,
     )
     trainer.fit(task, loader)
