@@ -17,7 +17,6 @@ def test_field_names_exist_in_hf():
     ours = {f.name for f in dataclasses.fields(GenerationConfig)}
     shared = ours - {
         "strategy",
-        "extra",
         "num_assistant_tokens",
         "max_exhaustive_candidates",
         "seed",

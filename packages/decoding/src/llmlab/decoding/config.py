@@ -8,7 +8,7 @@ naming the bad value and what would be valid.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 EARLY_STOPPING_MODES = (True, False, "never")
@@ -47,7 +47,6 @@ class GenerationConfig:
     num_assistant_tokens: int = 4
     # exhaustive search: refuse when vocab_size ** max_new_tokens exceeds this
     max_exhaustive_candidates: int = 200_000
-    extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived views
     @property
