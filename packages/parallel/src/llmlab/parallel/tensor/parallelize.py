@@ -158,7 +158,9 @@ def parallelize(
     # region (attention, MLP). Under SP their input is gathered once, at the parent's entry, so
     # code inside that reads the sequence length from its input sees the full sequence.
     region_parents = _region_parents(resolved) if sequence_parallel else set()
-    shards: dict[int, nn.Parameter] = {}  # id(full weight) -> its shard, so ties survive
+    # id(full weight) -> (full weight, its shard), so ties survive; holding the full weight keeps
+    # its id from being reused while the loop runs.
+    shards: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     entry_modules: list[str] = []  # parents of vocab embeddings: where the model's input enters
     for name, style in resolved.items():
         module = model.get_submodule(name)
@@ -166,7 +168,7 @@ def parallelize(
         if style == "replicate":
             continue
         full_weight = module.weight
-        shared = shards.get(id(full_weight))
+        shared = shards[id(full_weight)][1] if id(full_weight) in shards else None
         if style == "colwise":
             new: nn.Module = ColumnParallelLinear(
                 module,
@@ -187,7 +189,7 @@ def parallelize(
             new = ColumnParallelLinear(
                 module, group, sequence_parallel=sequence_parallel, weight=shared, name=name
             )
-        shards.setdefault(id(full_weight), new.weight)
+        shards.setdefault(id(full_weight), (full_weight, new.weight))
         setattr(parent, child, new)
 
     for parent_name in region_parents:
