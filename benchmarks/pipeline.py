@@ -23,7 +23,7 @@ from llmlab.parallel.pipeline.engine import PipelineEngine
 from llmlab.parallel.pipeline.schedules import theoretical_bubble
 from llmlab.parallel.pipeline.timeline import gather_events, measured_bubble, plot_timeline
 
-STEP_S = 0.06  # forward (and backward) time of one whole stage
+STEP_S = 0.15  # forward (and backward) time of one whole stage: long against comm overhead
 WIDTH = 4096  # activation elements per sample
 MICROBATCHES = (1, 2, 4, 8, 16)
 TIMELINE_M = 8  # draw the Gantt chart of these runs
@@ -73,7 +73,6 @@ def _rank(rank: int, world: int) -> list[dict]:
             measure_memory=True,
         )
         x = torch.ones(m, WIDTH)
-        engine.train_step(x, x, m, name)  # warm-up: shapes exchanged, code paths touched
         result = engine.train_step(x, x, m, name)
         events = gather_events(result.events)
         peaks = [None] * world
@@ -84,7 +83,7 @@ def _rank(rank: int, world: int) -> list[dict]:
                 plot_timeline(
                     events,
                     world,
-                    RESULTS_DIR / "pipeline_timelines" / f"{name}_p{world}_m{m}.png",
+                    RESULTS_DIR / f"pipeline_timeline_{name}_p{world}_m{m}.png",
                     title=f"{name} p={world} m={m}" + (f" v={v}" if v > 1 else ""),
                 )
             results.append(
@@ -146,10 +145,11 @@ def main() -> None:
                     extra={"per_stage_1f1b": one_f, "per_stage_gpipe": gpipe, "worst": worst},
                 )
             )
+    elapsed = time.perf_counter() - started
     notes = (
         f"stage time {STEP_S * 1000:.0f} ms forward and backward; ratio = theory / measured "
-        f"for bubbles (1.0 is exact), gpipe / 1f1b for memory; {time.perf_counter() - started:.0f} s."
-        f" timelines: {RESULTS_DIR / 'pipeline_timelines'}\n"
+        f"for bubbles (1.0 is exact), gpipe / 1f1b for memory; {elapsed:.0f} s.\n"
+        f"timelines: {RESULTS_DIR}/pipeline_timeline_<schedule>_p<p>_m{TIMELINE_M}.png\n"
         + (
             "all bubbles within 10% of theory, 1f1b memory <= p/m of gpipe"
             if not misses
