@@ -216,7 +216,8 @@ def plot_anatomy(summaries: dict[str, dict[str, float]], path: str | Path) -> Pa
             va="bottom",
             fontsize=8,
         )
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xticks(range(len(labels)), [l.removeprefix("anatomy_") for l in labels], fontsize=8)
+    ax.margins(y=0.15)  # room for the totals above the bars
     ax.set_ylabel("mean time per step (ms)")
     ax.set_title("Step anatomy")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
