@@ -51,7 +51,8 @@ for args in json.loads(sys.argv[1]):
 @pytest.fixture(scope="module")
 def three_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compare_runs")
-    runs = [["experiment=gpt_shakespeare", *TINY, *v] for v in VARIANTS]
+    cache = f"paths.cache_dir={tmp_path_factory.getbasetemp() / 'llmlab-data-cache'}"
+    runs = [["experiment=gpt_shakespeare", *TINY, *v, cache] for v in VARIANTS]
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, json.dumps(runs)],
         cwd=REPO,
