@@ -28,3 +28,13 @@ def test_results_come_back_in_rank_order():
 def test_a_failing_rank_reports_its_traceback():
     with pytest.raises(AssertionError, match="boom on rank one"):
         run_distributed(_fail_on_rank_one, 2, timeout=60)
+
+
+def _tensor_result(rank: int, world_size: int) -> torch.Tensor:
+    return torch.full((3,), float(rank))
+
+
+@pytest.mark.distributed
+def test_tensor_results_outlive_their_rank():
+    out = run_distributed(_tensor_result, 2)
+    assert torch.equal(out[1], torch.ones(3))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -47,7 +48,9 @@ def _worker(
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        out = fn(rank, world_size, *args)
+        # Plain pickle (not torch's shared-memory reduction): a tensor result must outlive the
+        # rank that made it.
+        out = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, True, out))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -65,8 +68,8 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
-    ``fn`` and ``args`` must be picklable (``fn`` defined at module level). Results must be
-    picklable too (detach tensors; prefer CPU tensors or plain numbers).
+    ``fn`` and ``args`` must be picklable (``fn`` defined at module level); so must the results
+    (CPU tensors are fine: they are copied by value).
     """
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
@@ -90,7 +93,7 @@ def run_distributed(
                 ) from None
             if not ok:
                 raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)
