@@ -91,8 +91,9 @@ class CausalLMTask(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         val_loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("val/loss", val_loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(val_loss))
+        # Already averaged over ranks by the metric; sync_dist only silences Lightning's check.
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
