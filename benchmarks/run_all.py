@@ -58,6 +58,15 @@ def _fresh_results(since: float, results_dir: Path) -> dict[Path, dict[str, Any]
     return found
 
 
+def owns(name: str, path: Path) -> bool:
+    """Whether ``results/<file>.json`` is benchmark ``name``'s (``name.json``, ``name_*.json``).
+
+    Matching by name, not just by "written while it ran", keeps a file that someone else's
+    concurrent run of another benchmark rewrote from being credited to this one.
+    """
+    return path.stem == name or path.stem.startswith(name + "_")
+
+
 def run_benchmark(name: str, timeout: float, results_dir: Path = RESULTS_DIR) -> Outcome:
     """Run ``python -m benchmarks.<name>``; collect every result JSON it (re)wrote."""
     start = time.time()
@@ -77,7 +86,11 @@ def run_benchmark(name: str, timeout: float, results_dir: Path = RESULTS_DIR) ->
         out = err.stdout or b""
         tail = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-2000:]
     fresh = _fresh_results(start, results_dir)
-    written = [data for path, data in fresh.items() if before.get(path) != path.stat().st_mtime]
+    written = [
+        data
+        for path, data in fresh.items()
+        if before.get(path) != path.stat().st_mtime and owns(name, path)
+    ]
     return Outcome(name, status, time.time() - start, written, tail)
 
 
