@@ -97,7 +97,7 @@ def final_val_loss(name: str, steps: int) -> tuple[float, float, dict[str, float
 BOUNDS = {"fp16-master": 0.02, "bf16-master": 0.02, "fp8": 0.05}
 # Lightning's own autocast plugin, measured for comparison but not ours to bound: it came out
 # +6.6% over fp32 at 300 steps here (bf16-master: +0.5%; plain torch.autocast bf16 in a hand
-# loop: +0.9%), see README-precision.md.
+# loop: +0.9%), see the README section on mixed precision.
 REPORTED = ("bf16-mixed",)
 
 
