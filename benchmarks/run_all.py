@@ -158,7 +158,7 @@ def write_summary(outcomes: list[Outcome], path: Path, total_seconds: float) -> 
     lines += ["", "| benchmark | status | seconds |", "|---|---|---|"]
     lines += [f"| {o.name} | {o.status} | {o.seconds:.0f} |" for o in outcomes]
     notes = [
-        f"- **{r.get('benchmark', o.name)}**: {r['notes']}"
+        f"- **{r.get('benchmark', o.name)}**: " + r["notes"].strip().replace("\n", "<br>")
         for o in outcomes
         for r in o.results
         if r.get("notes")
