@@ -113,6 +113,12 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, str]:
     """The run's directory and W&B id: inherited from rank zero, resumed, or new."""
     if os.environ.get(RUN_DIR_ENV) and os.environ.get(RUN_ID_ENV):
         return Path(os.environ[RUN_DIR_ENV]), os.environ[RUN_ID_ENV]
+    node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+    if node_rank > 0:
+        raise ConfigError(
+            f"node rank {node_rank} cannot choose the run dir on its own: set {RUN_DIR_ENV} and "
+            f"{RUN_ID_ENV} to the same values on every node (see docs/multinode.md)"
+        )
     exp_dir = Path(cfg.paths.output_dir) / cfg.experiment
     latest = exp_dir / "latest"
     if cfg.ckpt_path == "last":
@@ -207,7 +213,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if "vocab_size" in cfg.model and cfg.model.vocab_size is None:
         cfg.model.vocab_size = int(tokenizer.vocab_size)
     validate_config(cfg)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     data = _instantiate(cfg.data, tokenizer=tokenizer)
@@ -250,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         print("experiments:", ", ".join(available_experiments()))
         return 0
+    from llmlab.parallel.deepspeed import DeepSpeedConfigError
+
     try:
         cfg = compose_config(args)
         metrics = train(cfg)
-    except ConfigError as err:
+    except (ConfigError, DeepSpeedConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if metrics.get("val/loss") is not None:
