@@ -36,20 +36,41 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+DECAYED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay only matrices of Linear layers; biases, norms and embeddings are not decayed."""
+    """Decay only the weights of Linear and conv layers; biases, norms and embeddings are not."""
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))  # tied weights appear twice; count them once
-            (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
+            (decay if isinstance(module, DECAYED_LAYERS) and name == "weight" else no_decay).append(
+                p
+            )
     # The LM head's weight is the tied embedding when tie_embeddings: nn.Embedding saw it first.
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def adamw_warmup_cosine(model: nn.Module, hp: Any) -> dict[str, Any]:
+    """AdamW on ``param_groups`` and a per-step warmup + cosine schedule, from a task's
+    hyper-parameters (``lr, weight_decay, betas, eps, warmup_steps, max_steps, min_lr_ratio``)."""
+    optimizer = torch.optim.AdamW(
+        param_groups(model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: warmup_cosine(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio),
+    )
+    return {
+        "optimizer": optimizer,
+        "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+    }
 
 
 class CausalLMTask(L.LightningModule):
@@ -96,15 +117,4 @@ class CausalLMTask(L.LightningModule):
         self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: warmup_cosine(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio),
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
-        }
+        return adamw_warmup_cosine(self.model, self.hparams)

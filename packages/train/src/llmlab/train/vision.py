@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 from torchmetrics import MeanMetric
 
 from llmlab.models import ResNet50
-from llmlab.train.task import param_groups, warmup_cosine
+from llmlab.train.task import adamw_warmup_cosine
 
 
 def digits_tensors(image_size: int = 32) -> tuple[Tensor, Tensor]:
@@ -202,15 +202,4 @@ class ImageClassificationTask(L.LightningModule):
         self.val_acc.reset()
 
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: warmup_cosine(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio),
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
-        }
+        return adamw_warmup_cosine(self.model, self.hparams)
