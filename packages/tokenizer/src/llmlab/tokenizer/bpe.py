@@ -10,13 +10,12 @@ the learned table can be handed to ``tiktoken.Encoding`` unchanged.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from llmlab.tokenizer.base import TokenizerBase
 from llmlab.tokenizer.bpe_encode import ChunkCache
 from llmlab.tokenizer.byte_level import bytes_to_token_string, hf_byte_order, token_string_to_bytes
 from llmlab.tokenizer.merge_trainer import train_merges
@@ -45,7 +44,7 @@ def _check_specials(special_tokens: Sequence[str]) -> list[str]:
     return specials
 
 
-class BPETokenizer:
+class BPETokenizer(TokenizerBase):
     """A byte-level BPE tokenizer with tiktoken's encoding rule and special-token semantics.
 
     ``ranks`` maps each mergeable token's bytes to its id (= rank); all 256 single bytes must be
@@ -305,11 +304,6 @@ class BPETokenizer:
         return self._merges
 
     # ----------------------------------------------------------------- identity
-    @property
-    def fingerprint(self) -> str:
-        """A stable hash of everything that decides the ids (for cache keys)."""
-        return fingerprint(self)
-
     def __getstate__(self) -> dict[str, Any]:
         # The tiktoken Encoding and the chunk cache are rebuilt on demand: pickles stay small
         # and identical for identical tokenizers (HF datasets hashes them for its cache).
@@ -323,12 +317,6 @@ class BPETokenizer:
         self._cache = ChunkCache()
 
     # ----------------------------------------------------------------- files
-    def save(self, path: str | Path, format: str = "llmlab") -> Path:
-        """Write ``format`` = "llmlab" (readable JSON), "hf" (tokenizer.json) or "tiktoken"."""
-        from llmlab.tokenizer import formats
-
-        return formats.save(self, path, format)
-
     def to_dict(self) -> dict[str, Any]:
         ordered = sorted(self.ranks.items(), key=lambda kv: kv[1])
         return {
@@ -363,16 +351,6 @@ class BPETokenizer:
             f"BPETokenizer(vocab_size={self.vocab_size}, specials={len(self.special_tokens)}, "
             f"backend={self.backend!r})"
         )
-
-
-def fingerprint(tok: Any) -> str:
-    """sha1 of the model name and its ``to_dict()`` as canonical JSON, cached on the object."""
-    cached = tok.__dict__.get("_fingerprint")
-    if cached is None:
-        payload = json.dumps({"model": tok.model, **tok.to_dict()}, sort_keys=True)
-        cached = hashlib.sha1(payload.encode("utf-8")).hexdigest()[:16]
-        tok.__dict__["_fingerprint"] = cached
-    return cached
 
 
 def _fix_surrogates(text: str) -> str:
@@ -417,4 +395,4 @@ def _merge_small_below(piece: bytes, ranks: dict[bytes, int], limit: int) -> lis
     return parts
 
 
-__all__ = ["BPETokenizer", "derive_merges", "fingerprint"]
+__all__ = ["BPETokenizer", "derive_merges"]

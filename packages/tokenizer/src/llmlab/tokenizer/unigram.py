@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmlab.tokenizer.base import TokenizerBase
 from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
 
 SPACE = "▁"
@@ -24,7 +25,7 @@ UNK_PENALTY = 10.0
 NORMALIZATIONS = ("identity", "nfkc")
 
 
-class UnigramTokenizer:
+class UnigramTokenizer(TokenizerBase):
     model = "unigram"
 
     def __init__(
@@ -188,19 +189,7 @@ class UnigramTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.pieces[token_id][0] if 0 <= token_id < len(self.pieces) else None
 
-    @property
-    def fingerprint(self) -> str:
-        """A stable hash of everything that decides the ids (for cache keys)."""
-        from llmlab.tokenizer.bpe import fingerprint
-
-        return fingerprint(self)
-
     # ----------------------------------------------------------------- files
-    def save(self, path: str | Path, format: str = "llmlab") -> Path:
-        from llmlab.tokenizer import formats
-
-        return formats.save(self, path, format)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "unk_id": self.unk_id,

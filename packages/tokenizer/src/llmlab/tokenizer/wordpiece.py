@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmlab.tokenizer import bert_text
+from llmlab.tokenizer.base import TokenizerBase
 from llmlab.tokenizer.merge_trainer import train_merges
 from llmlab.tokenizer.pretokenize import iter_file_lines
 from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
@@ -38,7 +39,7 @@ _CLEANUP = (
 )
 
 
-class WordPieceTokenizer:
+class WordPieceTokenizer(TokenizerBase):
     model = "wordpiece"
 
     def __init__(
@@ -217,19 +218,7 @@ class WordPieceTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.inverse.get(token_id)
 
-    @property
-    def fingerprint(self) -> str:
-        """A stable hash of everything that decides the ids (for cache keys)."""
-        from llmlab.tokenizer.bpe import fingerprint
-
-        return fingerprint(self)
-
     # ----------------------------------------------------------------- files
-    def save(self, path: str | Path, format: str = "llmlab") -> Path:
-        from llmlab.tokenizer import formats
-
-        return formats.save(self, path, format)
-
     def options(self) -> dict[str, Any]:
         return {
             "unk_token": self.unk_token,
