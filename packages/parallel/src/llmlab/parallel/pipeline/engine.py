@@ -11,6 +11,16 @@ has a tag built from (kind, micro-batch, virtual stage), so on gloo a receive ca
 own send; NCCL ignores tags and matches by order, which our schedules keep consistent.
 Activation shapes are exchanged once per (boundary, micro-batch shape) and cached; gradients have
 the shape of the output they belong to, which the receiver already knows.
+
+Receives are posted one compute ahead (on gloo): before a forward or backward starts, the
+receives that the *next* forward or backward needs are already posted. This matters because
+gloo's TCP transport is a rendezvous: a send's payload only leaves once the receiver has posted
+the matching receive. A receive posted just before it is needed therefore costs a round trip
+between two processes (plus their wake-ups on a busy machine) even when the sender finished long
+ago; posted one compute ahead, the data lands while this stage computes, and the wait returns at
+once -- which is the free-communication model the simulator assumes. NCCL keeps the plain
+post-and-wait in program order (its point-to-point ops share a stream per peer, where an early
+receive would queue ahead of sends).
 """
 
 from __future__ import annotations
@@ -112,6 +122,7 @@ class PipelineEngine:
         device: torch.device | str | None = None,
         record_timeline: bool = False,
         measure_memory: bool = False,
+        prefetch_receives: bool | None = None,
     ) -> None:
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
@@ -134,6 +145,10 @@ class PipelineEngine:
         self.record_timeline = record_timeline
         self.measure_memory = measure_memory
         self._meter = ActivationMeter(params)
+        if prefetch_receives is None:
+            prefetch_receives = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        self.prefetch_receives = prefetch_receives
+        _preload_lazy_autograd_imports()
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         self._dispatch: dict[Op, Callable[[Instruction], None]] = {
             Op.LOAD_MICROBATCH: self._load,
@@ -216,6 +231,11 @@ class PipelineEngine:
         self._collected: list[Tensor] = []
         self._pending: list[tuple[Any, Tensor]] = []
         self._mailbox: dict[int, Tensor] = {}  # transfers between two chunks of this same rank
+        self._posted: dict[tuple[Op, int, int], tuple[Any, Tensor]] = {}  # receives in flight
+        self._headers: dict[tuple, tuple[Any, Tensor]] = {}  # shape headers in flight
+        prefetch = self._prefetch_plan(program) if self.prefetch_receives else {}
+        if self.prefetch_receives:
+            self._post_headers(program)
         self._in_flight = 0
         self._peak_in_flight = 0
         self._meter.current = self._meter.peak = 0
@@ -223,8 +243,10 @@ class PipelineEngine:
         if self.record_timeline and dist.is_initialized():
             dist.barrier(group=self.group)  # a common start, so stages' clocks line up
         origin = time.perf_counter()
-        for ins in program:
+        for index, ins in enumerate(program):
             start = time.perf_counter()
+            for receive in prefetch.get(index, ()):
+                self._post_receive(receive)
             self._dispatch[ins.op](ins)
             if self.record_timeline:
                 end = time.perf_counter()
@@ -241,6 +263,9 @@ class PipelineEngine:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        if self._posted or self._headers:
+            unused = sorted([*self._posted, *self._headers], key=str)
+            raise RuntimeError(f"stage {self.stage}: receives posted but never used: {unused}")
         leftover = set(self._outputs) | set(self._inputs) if train else set()
         if leftover:
             raise RuntimeError(f"stage {self.stage}: activations never released: {leftover}")
@@ -316,6 +341,81 @@ class PipelineEngine:
         dist.irecv(buf, self.ranks[peer], group=self.group, tag=tag).wait()
         return buf
 
+    # ------------------------------------------------------------ posted receives
+    def _prefetch_plan(self, program: Sequence[Instruction]) -> dict[int, list[Instruction]]:
+        """Program index of each forward/backward -> the receives of the compute after it.
+
+        Receives between two computes belong to the second; they are posted when the first one
+        starts, so a transfer overlaps one compute. Posting further ahead would only keep more
+        receive buffers alive (1F1B's memory bound counts on it not doing so).
+        """
+        plan: dict[int, list[Instruction]] = {}
+        current: int | None = None
+        for index, ins in enumerate(program):
+            if ins.op in (Op.FORWARD, Op.BACKWARD):
+                current = index
+            elif (
+                ins.op in (Op.RECV_ACTIVATION, Op.RECV_GRAD)
+                and current is not None
+                and ins.peer != self.stage
+            ):
+                plan.setdefault(current, []).append(ins)
+        return plan
+
+    def _post_headers(self, program: Sequence[Instruction]) -> None:
+        """Post the shape-header receive of every boundary this step meets for the first time.
+
+        A header has a fixed size, so it can wait from the start of the step; the activation's
+        own receive still needs the header's shape first.
+        """
+        for ins in program:
+            boundary = (ins.virtual_stage, self._signature)
+            if (
+                ins.op is Op.RECV_ACTIVATION
+                and ins.peer != self.stage
+                and boundary not in self._shapes
+                and boundary not in self._headers
+            ):
+                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                tag = self._tag(2, ins, ins.virtual_stage)
+                work = dist.irecv(header, self.ranks[ins.peer], group=self.group, tag=tag)
+                self._headers[boundary] = (work, header)
+
+    def _receive_shape(self, ins: Instruction) -> tuple[torch.Size, torch.dtype] | None:
+        """What ``ins`` will receive, if this rank knows it yet: an activation's shape once its
+        boundary's header has been received, a gradient's once its forward has run."""
+        if ins.op is Op.RECV_ACTIVATION:
+            return self._shapes.get((ins.virtual_stage, self._signature))
+        out = self._outputs.get((ins.chunk, ins.microbatch))
+        return (out.shape, out.dtype) if out is not None else None
+
+    def _post_receive(self, ins: Instruction) -> None:
+        """Post ``ins``'s ``irecv`` now, unless already posted or its shape is not known yet."""
+        key = (ins.op, ins.chunk, ins.microbatch)
+        if key in self._posted:
+            return
+        shape = self._receive_shape(ins)
+        if shape is None:
+            return
+        buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
+        kind = 0 if ins.op is Op.RECV_ACTIVATION else 1
+        tag = self._tag(kind, ins, ins.virtual_stage)
+        work = dist.irecv(buf, self.ranks[ins.peer], group=self.group, tag=tag)
+        self._posted[key] = (work, buf)
+
+    def _take_receive(self, ins: Instruction) -> Tensor:
+        """The data of receive ``ins``: from this rank's mailbox, or its (possibly prefetched)
+        ``irecv``, waited for here, at the last moment."""
+        if ins.peer == self.stage:
+            kind = 0 if ins.op is Op.RECV_ACTIVATION else 1
+            return self._mailbox.pop(self._tag(kind, ins, ins.virtual_stage)).clone()
+        key = (ins.op, ins.chunk, ins.microbatch)
+        if key not in self._posted:
+            self._post_receive(ins)
+        work, buf = self._posted.pop(key)
+        work.wait()
+        return buf
+
     def _tag(self, kind: int, ins: Instruction, receiving_vs: int) -> int:
         return (kind * (self._last_vs() + 2) + receiving_vs) * (self._m + 1) + ins.microbatch
 
@@ -325,23 +425,28 @@ class PipelineEngine:
         tensor = out.detach().contiguous()
         boundary = (ins.virtual_stage + 1, self._signature)
         if boundary not in self._shapes:
+            # the receiver learns the shape from a header, once; a chunk of this same rank
+            # shares this cache and needs none
             self._shapes[boundary] = (tensor.shape, tensor.dtype)
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-            self._isend(header, ins.peer, self._tag(2, ins, boundary[0]))
+            if ins.peer != self.stage:
+                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+                header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+                self._isend(header, ins.peer, self._tag(2, ins, boundary[0]))
         self._isend(tensor, ins.peer, self._tag(0, ins, ins.virtual_stage + 1))
 
     def _recv_activation(self, ins: Instruction) -> None:
         boundary = (ins.virtual_stage, self._signature)
         if boundary not in self._shapes:
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            header = self._recv_into(header, ins.peer, self._tag(2, ins, ins.virtual_stage))
+            if boundary in self._headers:
+                work, header = self._headers.pop(boundary)
+                work.wait()
+            else:
+                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                header = self._recv_into(header, ins.peer, self._tag(2, ins, ins.virtual_stage))
             dtype, ndim = _DTYPES[int(header[0])], int(header[1])
             self._shapes[boundary] = (torch.Size(header[2 : 2 + ndim].tolist()), dtype)
-        shape, dtype = self._shapes[boundary]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        buf = self._recv_into(buf, ins.peer, self._tag(0, ins, ins.virtual_stage))
+        buf = self._take_receive(ins)
         if self._train and buf.is_floating_point():
             buf.requires_grad_(True)
         self._inputs[(ins.chunk, ins.microbatch)] = buf
@@ -356,10 +461,7 @@ class PipelineEngine:
         self._isend(grad.contiguous(), ins.peer, self._tag(1, ins, ins.virtual_stage - 1))
 
     def _recv_grad(self, ins: Instruction) -> None:
-        out = self._outputs[(ins.chunk, ins.microbatch)]
-        buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        buf = self._recv_into(buf, ins.peer, self._tag(1, ins, ins.virtual_stage))
-        self._grads_in[(ins.chunk, ins.microbatch)] = buf
+        self._grads_in[(ins.chunk, ins.microbatch)] = self._take_receive(ins)
 
     def _reduce_grads(self, ins: Instruction) -> None:
         if self.reduce_grads is not None:
@@ -368,3 +470,14 @@ class PipelineEngine:
     def _optimizer_step(self, ins: Instruction) -> None:
         if self.optimizer_step is not None:
             self.optimizer_step()
+
+
+def _preload_lazy_autograd_imports() -> None:
+    """Import now what ``torch.autograd.backward(out, grad)`` imports on its first call.
+
+    With an explicit gradient, torch's ``_make_grads`` imports
+    ``torch.fx.experimental.symbolic_shapes`` (and sympy) lazily: ~0.8 s on these machines,
+    which would otherwise land inside the first backward of a middle stage and stall the whole
+    pipeline behind it (measured as a 0.4 bubble where theory says 0.2).
+    """
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
