@@ -197,7 +197,8 @@ def build_logger(cfg: DictConfig, run_dir: Path, run_id: str) -> Any:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run one experiment; returns the final callback metrics (floats)."""
+    """Run one experiment; returns the final callback metrics (floats) on global rank 0 and an
+    empty dict on the other ranks, so a multi-process run reports its result once."""
     import lightning as L
     import torch
     from hydra.utils import instantiate
@@ -247,6 +248,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     torch.set_float32_matmul_precision("high")
     trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
+    if not trainer.is_global_zero:
+        return {}
     return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
 
 

@@ -24,7 +24,9 @@ from typing import Any, Protocol
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
+
+from llmlab.train.resumable import ResumableDataLoader, ResumableSampler
 
 CORPORA = ("shakespeare",)
 
@@ -218,23 +220,33 @@ class TextDataModule(L.LightningDataModule):
 
     def loader(self, split: str, replicas: int = 1, rank: int = 0) -> DataLoader:
         """Batches of ``split`` for data-parallel replica ``rank`` of ``replicas``; the train
-        split is shuffled by a permutation that depends on the seed and epoch only."""
-        shuffle = split == "train"
-        sampler = DistributedSampler(
+        split is shuffled by a permutation that depends on the seed and epoch only, and its
+        loader is checkpointed so a mid-epoch resume continues where the run stopped."""
+        train = split == "train"
+        sampler = ResumableSampler(
             self.splits[split],
             num_replicas=replicas,
             rank=rank,
-            shuffle=shuffle,
+            shuffle=train,
             seed=self.seed,
             drop_last=True,
         )
-        return DataLoader(
-            self.splits[split],
+        kwargs: dict[str, Any] = dict(
             batch_size=self.per_replica_batch_size(replicas),
             sampler=sampler,
             drop_last=True,
             collate_fn=collate_blocks,
         )
+        if train:
+            return ResumableDataLoader(self.splits[split], progress=self._train_progress, **kwargs)
+        return DataLoader(self.splits[split], **kwargs)
+
+    def _train_progress(self) -> tuple[int, int]:
+        """(epoch, train batches of it finished): what a checkpoint must remember."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 0
+        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", *self._replicas())
