@@ -56,7 +56,7 @@ def shard_loader(
 def make_trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> L.Trainer:
     if hasattr(strategy, "cluster_environment") and strategy.cluster_environment is None:
         strategy.cluster_environment = LightningEnvironment()
-    return L.Trainer(
+    settings: dict[str, Any] = dict(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
@@ -68,8 +68,8 @@ def make_trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> 
         enable_model_summary=False,
         gradient_clip_val=1.0,
         num_sanity_val_steps=0,
-        **kwargs,
     )
+    return L.Trainer(**{**settings, **kwargs})
 
 
 def flat_params(module: nn.Module) -> torch.Tensor:

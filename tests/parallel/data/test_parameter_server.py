@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 from llmlab.parallel.data import ParameterServerStrategy
@@ -81,6 +82,35 @@ def test_sync_matches_ddp_and_async_trains_with_bounded_staleness() -> None:
     # all ranks agree on the final parameters after the owners' broadcast
     finals = [r["async"]["params"] for r in ps]
     assert all(f == finals[0] for f in finals)
+
+
+def ps_resume_fit(rank: int, world: int, ckpt_dir: str) -> dict:
+    """Sync PS: 20 steps in one go, and 10 + resume to 20 (a 10-batch loader: 2 epochs)."""
+    workers, half = world - 1, STEPS // 2
+
+    def fit(max_steps: int, directory: str, resume: bool = False) -> list[float]:
+        task = TinyTask()
+        strategy = ParameterServerStrategy(num_servers=1, mode="sync")
+        checkpoint = ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=half)
+        trainer = make_trainer(
+            strategy, world, max_steps, enable_checkpointing=True, callbacks=[checkpoint]
+        )
+        loader = shard_loader(workers, rank if rank < workers else 0, half)
+        trainer.fit(task, loader, ckpt_path=f"{directory}/last.ckpt" if resume else None)
+        return flat_params(task).tolist()
+
+    straight = fit(STEPS, f"{ckpt_dir}/straight")
+    fit(half, f"{ckpt_dir}/resumed")
+    return {"straight": straight, "resumed": fit(STEPS, f"{ckpt_dir}/resumed", resume=True)}
+
+
+def test_sync_resume_restores_the_servers_optimizer_state(tmp_path) -> None:
+    """The checkpoint carries the servers' AdamW moments: resuming at step 10 ends where the
+    uninterrupted run ends (without them the moments restart from zero and it does not)."""
+    results = run_distributed(ps_resume_fit, WORKERS + 1, str(tmp_path))
+    for rank, r in enumerate(results):
+        diff = (torch.tensor(r["straight"]) - torch.tensor(r["resumed"])).abs().max().item()
+        assert diff <= 1e-6, (rank, diff)
 
 
 @pytest.mark.slow

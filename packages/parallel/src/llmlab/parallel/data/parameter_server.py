@@ -23,8 +23,9 @@ server's slice of the gradients and *pulls* that server's fresh parameters.
 Servers hold no data: ``distributed_sampler_kwargs`` reports ``W`` replicas and a worker's index
 (servers read replica 0's loader only to keep Lightning's loop length; they never run the model
 on it). Before validation and at the end of training the owners broadcast their parameters, so
-every rank evaluates and checkpoints the current model. Limitations: optimizer state lives on the
-servers and is not saved in checkpoints (resume restarts AdamW moments); with several servers
+every rank evaluates and checkpoints the current model. A checkpoint holds the servers' current
+parameters and their optimizer state (each server's AdamW moments for the parameters it owns,
+gathered onto rank 0), so a resumed run continues exactly. Limitations: with several servers
 gradient-norm clipping is per server shard; precision plugins that change ``optimizer_step``
 (fp16 loss scaling) are not supported.
 """
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from llmlab.parallel.data.timeline import CommTimeline
 
@@ -268,6 +270,30 @@ class ParameterServerStrategy(DDPStrategy):
                 version = torch.tensor([self._versions[s]], dtype=torch.int64)
                 dist.broadcast(version, src=src)
                 self._versions[s] = int(version.item())
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The owners' current parameters: in async mode a worker's copy can be a pull behind.
+        Called on every rank when Lightning builds a checkpoint, so the broadcast is safe."""
+        self._sync_from_owners()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full optimizer state on rank 0: only servers step, each for the parameters it
+        owns, so their per-parameter states are disjoint and merge into one state dict that
+        loads into a single-process run or into this strategy again (each rank loads it all;
+        servers use their own part, workers never step)."""
+        state = optimizer.state_dict()
+        if not self._params:
+            return state
+        parts: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(state["state"] if self.is_server else {}, parts, dst=0)
+        if parts is None:
+            return state
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return {**state, "state": dict(sorted(merged.items()))}
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
