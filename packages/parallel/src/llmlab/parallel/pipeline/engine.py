@@ -18,9 +18,10 @@ gloo's TCP transport is a rendezvous: a send's payload only leaves once the rece
 the matching receive. A receive posted just before it is needed therefore costs a round trip
 between two processes (plus their wake-ups on a busy machine) even when the sender finished long
 ago; posted one compute ahead, the data lands while this stage computes, and the wait returns at
-once -- which is the free-communication model the simulator assumes. NCCL keeps the plain
-post-and-wait in program order (its point-to-point ops share a stream per peer, where an early
-receive would queue ahead of sends).
+once -- which is the free-communication model the simulator assumes. Other backends keep the
+plain post-and-wait in program order (``prefetch_receives=None`` turns prefetching on for gloo
+only): ProcessGroupNCCL runs a pair of ranks' sends and receives on one stream, where an early
+receive would hold back this rank's sends to that peer until it completes.
 """
 
 from __future__ import annotations
