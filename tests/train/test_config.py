@@ -36,6 +36,14 @@ def test_bad_head_count_names_the_value_and_valid_choices():
         validate_config(cfg)
 
 
+@pytest.mark.parametrize("precision", ["fp16_master", "bf16_master"])
+def test_master_weight_precision_on_a_parameter_server_is_refused(precision):
+    cfg = compose_config(["experiment=gpt_ps_sync", f"precision={precision}"])
+    with pytest.raises(ConfigError, match=r"cannot run on a parameter server.*fp32, bf16_mixed"):
+        validate_config(cfg)
+    validate_config(compose_config(["experiment=gpt_ps_sync", "precision=fp8"]))
+
+
 def test_unknown_experiment_lists_the_available_ones():
     with pytest.raises(ConfigError, match=r"unknown experiment 'nope'.*gpt_shakespeare"):
         compose_config(["experiment=nope"])

@@ -84,6 +84,9 @@ def compose_config(args: list[str]) -> DictConfig:
 
 
 # --------------------------------------------------------------------------- checks
+MASTER_WEIGHT_PLUGINS = ("FP16MasterPrecision", "BF16MasterPrecision")
+
+
 def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None:
     """Everything checkable without data or processes, with messages that name the values."""
     from llmlab.models import GPTConfig
@@ -104,6 +107,14 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
     max_steps = cfg.trainer.max_steps
     if not isinstance(max_steps, int) or max_steps < 1:
         raise ConfigError(f"trainer.max_steps must be a positive integer, got {max_steps!r}")
+    strategy = str(OmegaConf.select(cfg, "strategy._target_", default=""))
+    plugin = str(OmegaConf.select(cfg, "precision.plugin._target_", default=""))
+    if strategy.endswith("ParameterServerStrategy") and plugin.endswith(MASTER_WEIGHT_PLUGINS):
+        raise ConfigError(
+            f"precision plugin {plugin.rsplit('.', 1)[-1]} cannot run on a parameter server (the "
+            "servers step the optimizer, the plugin's fp32 masters never would); valid there: "
+            "precision=fp32, bf16_mixed or fp8"
+        )
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file (or use ckpt_path=last)")
 

@@ -26,8 +26,9 @@ on it). Before validation and at the end of training the owners broadcast their 
 every rank evaluates and checkpoints the current model. A checkpoint holds the servers' current
 parameters and their optimizer state (each server's AdamW moments for the parameters it owns,
 gathered onto rank 0), so a resumed run continues exactly. Limitations: with several servers
-gradient-norm clipping is per server shard; precision plugins that change ``optimizer_step``
-(fp16 loss scaling) are not supported.
+gradient-norm clipping is per server shard; the master-weight precision plugins (fp16 with loss
+scaling, bf16 with fp32 masters) step in ``optimizer_step``, which servers do not run, so they
+are rejected at set-up (autocast bf16 and fp8 work).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from llmlab.parallel.data.timeline import CommTimeline
+from llmlab.parallel.precision.plugins import MasterWeightPrecision
 
 MODES = ("sync", "async")
 
@@ -103,6 +105,17 @@ class ParameterServerStrategy(DDPStrategy):
         return {"num_replicas": max(self.num_workers, 1), "rank": rank}
 
     # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: Any) -> None:
+        if isinstance(self.precision_plugin, MasterWeightPrecision):
+            # Its optimizer steps fp32 masters (and unscales fp16 grads) in optimizer_step,
+            # which a server never runs: training would silently not update anything.
+            raise ValueError(
+                f"ParameterServerStrategy does not support the master-weight precision plugin "
+                f"{type(self.precision_plugin).__name__} ({self.precision_plugin.precision}); "
+                "valid: precision=fp32 (32-true), bf16_mixed (autocast) or fp8"
+            )
+        super().setup(trainer)
+
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.num_workers < 1:
             raise ValueError(
@@ -151,6 +164,9 @@ class ParameterServerStrategy(DDPStrategy):
             self._serve(optimizer)
         else:
             self._push_pull()
+            # The servers stepped for us; tell torch's LR scheduler, which otherwise warns that
+            # it is stepped before its optimizer (the worker's schedule only mirrors theirs).
+            getattr(optimizer, "_optimizer", optimizer)._opt_called = True
         return loss
 
     # ------------------------------------------------------------------ worker side

@@ -143,7 +143,6 @@ class TensorParallelStrategy(DDPStrategy):
         plan = model.tensor_parallel_plan()
         validate_plan(model, plan, self.tensor)
         self._groups = build_process_groups(dims)
-        self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if getattr(model, "tensor_parallel", None) is None:
             parallelize(
@@ -153,6 +152,8 @@ class TensorParallelStrategy(DDPStrategy):
                 sequence_parallel=self.sequence_parallel,
                 seed=torch.initial_seed(),
             )
+        # After sharding: a master-weight plugin must see the shards the optimizer will hold.
+        self.precision_plugin.convert_module(self.model)
         self.lightning_module.loss_fn = VocabParallelCrossEntropy(self._groups.tensor)
         log.info(
             "tensor parallel: data=%d × tensor=%d, rank %d at (dp, tp)=%s, sequence_parallel=%s",
