@@ -78,6 +78,22 @@ def test_resnet50_pp2_matches_micro_batch_accumulation():
         assert sum(counts) == total and max(counts) < total  # no tied weights in ResNet
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stages", [2, 4])
+def test_resnet50_full_matrix_matches_micro_batch_accumulation(stages):
+    """The issue's matrix for ResNet-50: m in {1, 4, 8} for gpipe and 1f1b, interleaved (v=2)
+    where m is a multiple of p, at p = 2 and 4. ResNet-50 has 6 pipeline layers (stem, four
+    stages, head), so interleaving (p·v chunks) only fits at p = 2."""
+    cases = [(name, m, 1) for name in ("gpipe", "1f1b") for m in (1, 4, 8)]
+    if stages * 2 <= len(ResNet50(num_classes=10).pipeline_layers()):
+        cases += [("interleaved", m, 2) for m in (4, 8) if m % stages == 0]
+    results = run_distributed(_resnet_cases, stages, cases, timeout=1800)
+    total = sum(p.numel() for p in ResNet50(num_classes=10).parameters())
+    for i in range(len(cases)):
+        assert sum(r[i][2] for r in results) == total
+
+
 @pytest.mark.parametrize(
     "microbatches", [pytest.param(None, marks=pytest.mark.slow), 4]
 )  # the plain split is the micro-batched one with m=1: only m=4 in the default suite
