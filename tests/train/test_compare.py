@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from llmlab.train import compare
-from llmlab.train.runs import RunNotFoundError, read_local_run, resolve_local, wandb_run_dir
+from llmlab.train.runs import (
+    RunNotFoundError,
+    local_run_dirs,
+    read_local_run,
+    resolve_local,
+    wandb_run_dir,
+)
 from tests.helpers.runs import REPO, train_env
 
 TINY = [
@@ -161,3 +167,18 @@ def test_unknown_run_exits_2_naming_the_known_runs(three_runs):
     with pytest.raises(RunNotFoundError, match=r"group 'gpt_nope' has no runs.*gpt_shakespeare"):
         resolve_local([], group="gpt_nope", root=three_runs)
     assert compare.main(["--dir", str(three_runs)]) == 2  # nothing selected: say so, not crash
+
+
+def test_runs_started_in_the_same_second_keep_their_creation_order(tmp_path):
+    """Run dirs are named ``<%Y%m%d-%H%M%S>-<random id>``: within one second the id must not
+    decide which run is "latest" (a fresh-clone CI run once made three runs in one second)."""
+    made = []
+    for i, run_id in enumerate(["ffffffff", "00000000", "80000000"]):
+        run = tmp_path / "exp" / f"20261202-163617-{run_id}"
+        (run / "wandb" / f"offline-run-x-{run_id}").mkdir(parents=True)
+        (run / "wandb" / f"offline-run-x-{run_id}" / f"run-{run_id}.wandb").touch()
+        (run / "run_id").write_text(run_id + "\n")
+        os.utime(run / "run_id", ns=(1_000_000_000 + i, 1_000_000_000 + i))
+        made.append(run)
+    assert local_run_dirs(tmp_path) == made
+    assert resolve_local([], last=1, root=tmp_path) == [made[-1].resolve()]

@@ -80,7 +80,16 @@ def local_run_dirs(root: Path | None = None) -> list[Path]:
         and (p / "run_id").is_file()
         and list((p / "wandb").glob("*run-*/run-*.wandb"))
     ]
-    return sorted(dirs, key=lambda p: (p.name, str(p)))  # names start with %Y%m%d-%H%M%S
+    return sorted(dirs, key=creation_order)
+
+
+def creation_order(run_dir: Path) -> tuple[str, int, str]:
+    """Sort key, oldest first: the name's ``%Y%m%d-%H%M%S`` stamp, then (for runs started in the
+    same second, whose random ids would order them by chance) when its ``run_id`` file was
+    written, which happens once, when the run directory is created."""
+    run_id = run_dir / "run_id"
+    written = run_id.stat().st_mtime_ns if run_id.is_file() else 0
+    return run_dir.name[:15], written, str(run_dir)
 
 
 def _leet_command() -> list[str]:
@@ -249,5 +258,5 @@ def resolve_local(
         pool = chosen if (specs or group is not None) else [d.resolve() for d in every]
         if not pool:
             raise RunNotFoundError(f"no runs with a W&B log under {root.resolve()}")
-        chosen = sorted(pool, key=lambda p: p.name)[-last:]
+        chosen = sorted(pool, key=creation_order)[-last:]
     return chosen
