@@ -10,6 +10,7 @@ Each ``run_distributed`` call batches many (schedule, micro-batch) cases to amor
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -142,20 +143,22 @@ def _gpt_dp_pp_cases(rank: int, world: int, n_layer: int, data: int, cases):
         params = unique_params(mods.chunks)
         tied = build_tie_groups(mods, pipelines)
         local = {id(p) for p in params}
+
+        engine_for = functools.partial(
+            PipelineEngine,
+            mods.chunks,
+            stage,
+            dims.pipeline,
+            ranks=pipelines[dp],
+            loss_fn=lm_loss,
+            group=groups.pipeline,
+        )
+
         if index == 0:
             # control: without the data-parallel average a replica's gradient is that of its
             # own half of the batch, which must differ from the oracle (or this test proves
             # nothing about the reduction)
-            engine = PipelineEngine(
-                mods.chunks,
-                stage,
-                dims.pipeline,
-                ranks=pipelines[dp],
-                loss_fn=lm_loss,
-                group=groups.pipeline,
-                reduce_grads=GradientReducer(params, tied),
-            )
-            engine.train_step(xs, ys, m, name)
+            engine_for(reduce_grads=GradientReducer(params, tied)).train_step(xs, ys, m, name)
             differs = [
                 not torch.allclose(p.grad, ref_grads[n], **TOL)
                 for n, p in model.named_parameters()
@@ -164,16 +167,8 @@ def _gpt_dp_pp_cases(rank: int, world: int, n_layer: int, data: int, cases):
             assert all(differs), f"replica {dp} stage {stage}: a local gradient equals the oracle"
             for p in params:
                 p.grad = None
-        engine = PipelineEngine(
-            mods.chunks,
-            stage,
-            dims.pipeline,
-            ranks=pipelines[dp],
-            loss_fn=lm_loss,
-            group=groups.pipeline,
-            reduce_grads=GradientReducer(params, tied, groups.data, data),
-        )
-        result = engine.train_step(xs, ys, m, name)
+        reducer = GradientReducer(params, tied, groups.data, data)
+        result = engine_for(reduce_grads=reducer).train_step(xs, ys, m, name)
         checked = 0
         for n, p in model.named_parameters():
             if id(p) in local:
