@@ -21,26 +21,20 @@ import time
 import torch
 
 from benchmarks.common import Row, report
+from benchmarks.common import best_of as common_best_of
 
 NEW_TOKENS = 256
 PROMPT_LEN = 16
 
 
 def best_of(fn, repeats: int = 2, warmup: int = 0) -> float:
-    """Best CPU time of ``repeats`` calls (``benchmarks.common.best_of`` with CPU time).
+    """Best CPU time of ``repeats`` calls.
 
     Both sides run on one thread, so on an idle machine CPU time equals wall time; on this
     shared machine, with other jobs queued on the cores, CPU time still measures the work done
     while wall time mostly measures the queue.
     """
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best
+    return common_best_of(fn, repeats, warmup, clock=time.process_time)
 
 
 def build_models():
