@@ -19,7 +19,7 @@ reordering above) and logits match ``transformers.GPT2LMHeadModel``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -308,6 +308,22 @@ class GPT(nn.Module):
     def pipeline_layers(self) -> list[nn.Module]:
         """``[embed, *blocks, head]``: each maps one tensor to one tensor, in forward order."""
         return [self.embed, *self.blocks, self.head]
+
+    def repeated_blocks(self) -> list[nn.Module]:
+        """The transformer blocks: what activation checkpointing wraps and compile compiles."""
+        return list(self.blocks)
+
+    def swap_attention(self, wrap: Any) -> int:
+        """Replace each block's attention function ``fn`` by ``wrap(fn)``; returns the count."""
+        for block in self.blocks:
+            attn = block.attn
+            attn.ops = replace(attn.ops, attention=wrap(attn.ops.attention))
+        return len(self.blocks)
+
+    def tensor_parallel_divisors(self) -> dict[str, int]:
+        """Sizes a tensor-parallel degree must divide: whole heads, hidden and vocab shards."""
+        c = self.config
+        return {"n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size}
 
     @staticmethod
     def tensor_parallel_plan() -> dict[str, str]:

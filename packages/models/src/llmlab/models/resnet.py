@@ -102,6 +102,10 @@ class ResNet50(nn.Module):
             x = layer(x)
         return x
 
+    def repeated_blocks(self) -> list[nn.Module]:
+        """The 16 bottleneck blocks: what activation checkpointing wraps."""
+        return [m for m in self.modules() if isinstance(m, Bottleneck)]
+
     def pipeline_layers(self) -> list[nn.Module]:
         """``[stem, layer1, layer2, layer3, layer4, head]``, in forward order."""
         return [self.stem, self.layer1, self.layer2, self.layer3, self.layer4, self.head]
