@@ -176,8 +176,8 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if positions is None:  # (1, T): batch-major like the ids, as sequence sharding expects
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         if int(positions.max()) >= self.block_size:
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's block_size "

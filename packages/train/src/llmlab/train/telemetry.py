@@ -96,12 +96,24 @@ class TrainingTelemetry(L.Callback):
         self._start = time.perf_counter()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads and not _engine_grad_norm(trainer):
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
-            )
+        """``train/grad_norm`` before clipping: the whole model's norm. A strategy that splits
+        the model (tensor or pipeline parallel) knows how its pieces add up and says so through
+        ``global_grad_norm(optimizer)`` (a collective; every rank calls this hook). Otherwise
+        every rank holds the whole, averaged gradient: the norm of the optimizer's own gradients
+        (fp32 master weights' where a precision plugin keeps them)."""
+        if _engine_grad_norm(trainer):
+            pass  # DeepSpeed computes it inside its step: logged after the step
+        elif callable(getattr(trainer.strategy, "global_grad_norm", None)):
+            norm = trainer.strategy.global_grad_norm(optimizer)
             pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        else:
+            params = trainer.precision_plugin.main_params(optimizer)
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                norm = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
+                )
+                pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         pl_module.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:

@@ -1,0 +1,268 @@
+"""``NDParallelStrategy`` in a real ``lightning.Trainer`` with the real ``CausalLMTask``.
+
+Oracle: single-process Lightning training (``strategy="auto"``) of the same task on the same
+global batches, with the same gradient clipping (low enough that it clips every step) and the
+real ``TrainingTelemetry`` callback. Every layout must give, at each of 10 steps, the same loss
+and the same logged ``train/grad_norm`` within 1e-5 (fp32), and the same final weights within
+1e-5 in its consolidated checkpoint. A control run that skips the data-parallel reduction must
+fail the same comparison, so the comparison can fail.
+
+How ranks run: ``run_distributed`` (gloo) gives each rank a process in which it builds its own
+``Trainer`` (Lightning sees the external process group and does not re-launch), so one spawn
+runs several fits in turn.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+
+MODEL = dict(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.0)
+T = 16
+STEPS, HALF, BATCH, CLIP = 10, 5, 8, 0.05  # an epoch is HALF batches: resume at its end
+TOL = dict(atol=1e-5, rtol=0)
+
+
+def make_task():
+    import lightning as L
+
+    from llmlab.train.task import CausalLMTask
+
+    L.seed_everything(0)
+    return CausalLMTask(model=MODEL, lr=1e-2, warmup_steps=2, max_steps=STEPS)
+
+
+def global_batches(count: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MODEL["vocab_size"], (count, BATCH, T + 1), generator=g)
+
+
+def make_data():
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class TinyTokens(L.LightningDataModule):
+        """Fixed global batches in a fixed order; each data-parallel replica gets its rows."""
+
+        batch_size = BATCH  # global, as TextDataModule's (the strategy checks it)
+
+        def _loader(self, count: int, seed: int) -> DataLoader:
+            kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+            replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
+            share = BATCH // replicas
+            ids = global_batches(count, seed)[:, rank * share : (rank + 1) * share]
+            return DataLoader([(b[:, :-1], b[:, 1:]) for b in ids], batch_size=None)
+
+        def train_dataloader(self) -> DataLoader:
+            return self._loader(HALF, 0)
+
+        def val_dataloader(self) -> DataLoader:
+            return self._loader(1, 1)
+
+    return TinyTokens()
+
+
+def fit(strategy, devices: int, max_steps: int, ckpt_path: str | None = None) -> dict:
+    import lightning as L
+    import torch.distributed as dist
+
+    from llmlab.train.telemetry import TrainingTelemetry
+
+    losses: list[float] = []
+    norms: list[float] = []
+
+    class Record(L.Callback):
+        """The global loss (a replica's loss averaged over replicas when the task's own step
+        returns it) and the logged gradient norm, per step."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            loss = outputs["loss"].detach().float().clone()
+            s = trainer.strategy
+            if getattr(s, "pipeline", 1) == 1 and devices > 1 and s.dims.data > 1:
+                dist.all_reduce(loss, group=s.groups.data)
+                loss /= s.dims.data
+            losses.append(float(loss))
+            norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=CLIP,
+        limit_val_batches=1,
+        val_check_interval=HALF,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record()],
+    )
+    task = make_task()
+    trainer.fit(task, datamodule=make_data(), ckpt_path=ckpt_path)
+    return {"trainer": trainer, "losses": losses, "norms": norms}
+
+
+def _nd_runs(rank: int, world: int, root: str, cases: list[dict]) -> dict:
+    from llmlab.parallel.strategy import NDParallelStrategy
+
+    class SkipsDataReduction(NDParallelStrategy):
+        """The control: tied copies are summed, but every replica steps on its own gradient."""
+
+        def reduce_gradients(self) -> None:
+            import torch.distributed as dist
+
+            for p, group in self.parallel.tied:
+                dist.all_reduce(p.grad, group=group)
+
+    out = {}
+    for case in cases:
+        os.environ["WORLD_SIZE"] = str(world)  # Lightning's environment teardown removes it
+        cls = SkipsDataReduction if case.get("control") else NDParallelStrategy
+        strategy = cls(**case["layout"], timeline_every_n_steps=0)
+        ckpt = os.path.join(root, case["resume"]) if case.get("resume") else None
+        steps = case.get("steps", STEPS)
+        run = fit(strategy, world, steps, ckpt_path=ckpt)
+        result = {
+            "losses": run["losses"],
+            "norms": run["norms"],
+            "params": strategy.local_param_count,
+            "coords": strategy.groups.coords,
+            "comm": dict(strategy.last_comm),
+        }
+        if case.get("save"):
+            run["trainer"].save_checkpoint(os.path.join(root, case["save"]))
+        out[case["name"]] = result
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """Single-process Lightning on the global batches: losses, logged norms, final weights."""
+    run = fit("auto", 1, STEPS)
+    norms = run["norms"]
+    assert min(norms) > CLIP, norms  # clipping really acts at every step
+    model = run["trainer"].lightning_module.model
+    return {
+        "losses": run["losses"],
+        "norms": norms,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), (what, got)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=what)
+
+
+def _check_final_weights(path: Path, reference: dict) -> None:
+    from llmlab.models import GPT, GPTConfig
+
+    sd = torch.load(path, weights_only=False)["state_dict"]
+    plain = GPT(GPTConfig(**MODEL))
+    plain.load_state_dict({k.removeprefix("model."): v for k, v in sd.items()})
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(v, reference["state"][k], **TOL, msg=k)
+    # The plain model decodes with those weights: equal logits to the single-process model.
+    ref = GPT(GPTConfig(**MODEL))
+    ref.load_state_dict(reference["state"])
+    x = global_batches(1, 7)[0, :, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), ref(x), atol=1e-4, rtol=0)
+
+
+def _analytical_comm(coords: tuple[int, int, int], sp: bool, m: int) -> dict[str, float]:
+    """Payload bytes one rank sends per step at DP × PP × TP = 2 × 2 × 2, 1F1B (README).
+
+    b = rows per replica, L = blocks per stage (2), C, V, T; fp32 (4 bytes).
+    tp: the Megatron f/g collectives of this stage's layers (see the tensor-parallel tests'
+    ``expected_comm``), per micro-batch where a collective runs per backward.
+    pp: stage 0 sends b·T·C activations, the last stage b·T·C gradients (÷ tp under SP: sequence
+    shards), and both all-reduce their copy of the tied embedding shard (V/tp × C).
+    dp: one all-reduce of every held gradient.
+    """
+    _, stage, _ = coords
+    tp, b, L, C, V = 2, BATCH // 2, MODEL["n_layer"] // 2, MODEL["n_embd"], MODEL["vocab_size"]
+    act = b * T * C * 4
+    loss = 3 * b * T * 4
+    if not sp:
+        tp_bytes = (4 * L + 1) * act + (loss if stage == 1 else 0)
+    else:
+        all_reduce = m * (6 * L + (2 if stage == 1 else 0)) * C * 4 + (loss if stage == 1 else 0)
+        position_table = m * T * C * 4 if stage == 0 else 0
+        tp_bytes = all_reduce + 2 * (4 * L + 1) * act + position_table
+    pp_bytes = act / (tp if sp else 1) + V // tp * C * 4
+    return {"comm/tp_bytes": tp_bytes, "comm/pp_bytes": pp_bytes}
+
+
+def _expected_shares() -> tuple[int, int]:
+    """The model's parameter count, and its duplicates across one data replica at PP × TP =
+    2 × 2: the tied embedding's second copy (V × C, on the last stage) and, for every parameter
+    tensor parallelism replicates (position table, norms, row-parallel biases), tp - 1 copies."""
+    from llmlab.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(**MODEL))
+    total = sum(p.numel() for p in model.parameters())
+    sharded = ("wte", "qkv", "attn.proj.weight", "mlp.fc", "mlp.proj.weight")
+    replicated = sum(
+        p.numel() for n, p in model.named_parameters() if not any(s in n for s in sharded)
+    )
+    return total, MODEL["vocab_size"] * MODEL["n_embd"] + (2 - 1) * replicated
+
+
+@pytest.mark.distributed
+def test_3d_2x2x2_equals_single_process_and_checkpoints_into_other_layouts(
+    reference: dict, tmp_path: Path
+) -> None:
+    layout = dict(data=2, pipeline=2, tensor=2, schedule="1f1b", microbatches=2)
+    cases = [
+        {"name": "3d", "layout": dict(layout, sequence_parallel=True), "save": "3d.ckpt"},
+        {"name": "half", "layout": layout, "steps": HALF, "save": "half.ckpt"},
+        {"name": "control", "layout": layout, "control": True},
+    ]
+    results = run_distributed(_nd_runs, 8, str(tmp_path), cases, timeout=1500)
+    for r in results:  # every rank logs the global loss and the global norm
+        _close(r["3d"]["losses"], reference["losses"], "3d loss")
+        _close(r["3d"]["norms"], reference["norms"], "3d train/grad_norm")
+        _close(r["half"]["losses"], reference["losses"][:HALF], "half loss")
+    _check_final_weights(tmp_path / "3d.ckpt", reference)
+    with pytest.raises(AssertionError):  # the control skips a reduction: it must not pass
+        _close(results[0]["control"]["losses"], reference["losses"], "control")
+
+    # Each rank holds only its shard: one replica's shares add up to the model + duplicates.
+    total, duplicates = _expected_shares()
+    replica = [r["3d"]["params"] for r in results if r["3d"]["coords"][0] == 0]
+    assert len(replica) == 4 and max(replica) < total / 2
+    assert sum(replica) == total + duplicates
+    # The comm bytes of one step equal the analytical count, per dimension.
+    for r in results:
+        want = _analytical_comm(r["3d"]["coords"], sp=True, m=2)
+        got = r["3d"]["comm"]
+        assert got["comm/tp_bytes"] == want["comm/tp_bytes"], (r["3d"]["coords"], got, want)
+        assert got["comm/pp_bytes"] == want["comm/pp_bytes"], (r["3d"]["coords"], got, want)
+        assert got["comm/dp_bytes"] == 4 * r["3d"]["params"]
+
+    # Resume the 2×2×2 checkpoint of step 5 as PP × TP (1×2×2) and DP × TP (2×1×2): the curve
+    # continues the single-process one. And PP × TP with the interleaved schedule from scratch.
+    cases = [
+        {"name": "1x2x2", "layout": dict(pipeline=2, tensor=2, microbatches=2),
+         "resume": "half.ckpt"},
+        {"name": "2x1x2", "layout": dict(data=2, tensor=2), "resume": "half.ckpt"},
+        {"name": "pp2tp2", "layout": dict(pipeline=2, tensor=2, schedule="interleaved",
+                                          microbatches=2)},
+    ]  # fmt: skip
+    results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
+    for r in results:
+        for name in ("1x2x2", "2x1x2"):
+            _close(r[name]["losses"], reference["losses"][HALF:], f"resumed {name} loss")
+            _close(r[name]["norms"], reference["norms"][HALF:], f"resumed {name} grad_norm")
+        _close(r["pp2tp2"]["losses"], reference["losses"], "pp2tp2 interleaved loss")
+        _close(r["pp2tp2"]["norms"], reference["norms"], "pp2tp2 interleaved grad_norm")
