@@ -95,8 +95,10 @@ def train_zero(
     engine: Any = None,
     opt: Any = None,
     sched: Any = None,
+    after_backward: Any = None,
 ) -> dict[str, Any]:
-    """Train on this rank's rows with ``engine_factory(model)``; losses are global means."""
+    """Train on this rank's rows with ``engine_factory(model)``; losses are global means.
+    ``after_backward(model, engine, opt)`` runs once the gradients are reduced, before clipping."""
     if model is None:
         model = tiny_gpt(seed=0 if rank == 0 else 100 + rank, n_layer=n_layer)  # rank 0 wins
         engine = engine_factory(model)
@@ -112,6 +114,8 @@ def train_zero(
                 loss = loss_of(model, *micro_batch(step, micro, rank, world)) / ACCUMULATE
                 loss.backward()
             total += loss.detach()
+        if after_backward is not None:
+            after_backward(model, engine, opt)
         norms.append(engine.clip_grad_norm_(MAX_NORM).item())
         opt.step()
         sched.step()
