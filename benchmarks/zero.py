@@ -14,7 +14,9 @@ Per rank and per stage it reports, measured the same way on both sides:
 * ``state``: bytes of every distinct tensor storage reachable from the ZeRO object (DeepSpeed's
   ZeRO optimizer, llmlab's engine), the optimizer and the model when the reduced gradients are
   ready for the step: parameters, gradients, fp32 partitions or masters, buckets, optimizer state;
-* ``ms/step``: best of the steps after the first, wall time (a shared 2-core machine: context).
+* ``ms/step``: best of the steps after the first, wall time, for context only: DeepSpeed runs
+  inside Lightning's Trainer (about 11 ms/step of loop overhead on a model this small, see
+  FIELD-NOTES) and llmlab in a plain loop, so no speed ratio is reported.
 
     python -m benchmarks.zero [--steps 20] [--world 2] [--markdown benchmarks/results/zero.md]
 """
@@ -22,6 +24,7 @@ Per rank and per stage it reports, measured the same way on both sides:
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Iterable
@@ -131,8 +134,11 @@ def llmlab_rank(rank: int, world: int, stage: int, steps: int) -> dict[str, Any]
     probe: dict[str, Any] = {}
     times: list[float] = []
 
+    lrs: list[float] = []
+
     def after_backward(model, engine, opt) -> None:
         times.append(time.perf_counter())
+        lrs.append(opt.param_groups[0]["lr"])
         if "state" not in probe and len(times) > 1:
             probe["state"] = sum(reachable_storages([engine, opt, model]).values())
 
@@ -142,10 +148,11 @@ def llmlab_rank(rank: int, world: int, stage: int, steps: int) -> dict[str, Any]
     shards = [u.shard for u in engine.units] if stage >= 3 else []
     return {
         "losses": result["losses"],
+        "lrs": lrs,
         "params": param_bytes(model, shards),
         "optim": moment_bytes(opt),
         "state": probe["state"],
-        "step_s": min(b - a for a, b in zip(times[1:], times[2:])),
+        "step_s": min(b - a for a, b in itertools.pairwise(times[1:])),
         "engine": engine.memory_stats(),
     }
 
@@ -157,12 +164,11 @@ def deepspeed_rank(rank: int, world: int, stage: int, steps: int) -> dict[str, A
     from torch.utils.data import DataLoader, TensorDataset
 
     from llmlab.parallel.deepspeed import PortableDeepSpeedStrategy
-    from tests.parallel.data.zero_common import (
-        ACCUMULATE, MAX_NORM, loss_of, micro_batch, optimizer_for, tiny_gpt,
-    )  # fmt: skip
+    from tests.parallel.data import zero_common as common
 
     torch.set_num_threads(1)
-    batches = [micro_batch(s, m, rank, world) for s in range(steps) for m in range(ACCUMULATE)]
+    acc = common.ACCUMULATE
+    batches = [common.micro_batch(s, m, rank, world) for s in range(steps) for m in range(acc)]
     loader = DataLoader(
         TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])),
         batch_size=batches[0][0].shape[0],
@@ -172,49 +178,74 @@ def deepspeed_rank(rank: int, world: int, stage: int, steps: int) -> dict[str, A
     class Task(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = tiny_gpt()
+            self.model = common.tiny_gpt()
             self.losses: list[float] = []
 
         def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-            loss = loss_of(self.model, *batch)
+            loss = common.loss_of(self.model, *batch)
             self.losses.append(loss.item())
-            return loss
+            # Lightning divides the loss by accumulate_grad_batches and DeepSpeed's
+            # engine.backward divides it again: undone here, so both sides clip the same gradient
+            return loss * common.ACCUMULATE
 
         def configure_optimizers(self) -> Any:
-            opt, sched = optimizer_for(self.model)
+            opt, sched = common.optimizer_for(self.model)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     probe: dict[str, Any] = {}
     times: list[float] = []
+    lrs: list[float] = []
+
+    calls = [0]
 
     class Probe(L.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            # Lightning calls this on every micro-batch under DeepSpeed (its engine accumulates);
+            # only the last of each step is an optimizer step with reduced gradients
+            calls[0] += 1
+            if calls[0] % common.ACCUMULATE:
+                return
             times.append(time.perf_counter())
+            lrs.append(optimizer.param_groups[0]["lr"])
             if "state" not in probe and len(times) > 1:
                 zero = trainer.strategy.model.optimizer
                 probe["state"] = sum(reachable_storages([zero, pl_module.model]).values())
 
     task = Task()
-    strategy = PortableDeepSpeedStrategy(stage=stage, cluster_environment=LightningEnvironment())
+    bucket = max(sum(p.numel() for p in b.parameters()) for b in task.model.repeated_blocks())
+    config = {
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": stage,
+            "contiguous_gradients": True,
+            "overlap_comm": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_prefetch_bucket_size": bucket,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    strategy = PortableDeepSpeedStrategy(config=config, cluster_environment=LightningEnvironment())
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
-        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=MAX_NORM, precision="32-true",
+        accumulate_grad_batches=acc, gradient_clip_val=common.MAX_NORM, precision="32-true",
         use_distributed_sampler=False, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()],
     )  # fmt: skip
     trainer.fit(task, loader)
     per_step = [
-        sum(task.losses[i : i + ACCUMULATE]) / ACCUMULATE
-        for i in range(0, len(task.losses), ACCUMULATE)
+        sum(task.losses[i : i + common.ACCUMULATE]) / common.ACCUMULATE
+        for i in range(0, len(task.losses), common.ACCUMULATE)
     ]
     zero = trainer.strategy.model.optimizer
     inner = getattr(zero, "optimizer", zero)
     return {
         "losses": _global_mean(per_step),
+        "lrs": lrs,
         "params": param_bytes(task.model),
         "optim": moment_bytes(inner),
         "state": probe["state"],
-        "step_s": min(b - a for a, b in zip(times[1:], times[2:])),
+        "step_s": min(b - a for a, b in itertools.pairwise(times[1:])),
     }
 
 
@@ -263,9 +294,8 @@ def main(argv: list[str] | None = None) -> None:
         diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
         rows.append(Row(f"zero={s} model state at the step (bytes/rank)", a["state"],
                         b["state"], "DeepSpeed", "B", higher_is_better=False,
-                        extra={"max_loss_diff": diff}))  # fmt: skip
-        rows.append(Row(f"zero={s} step time", a["step_s"], b["step_s"], "DeepSpeed", "s",
-                        higher_is_better=False))  # fmt: skip
+                        extra={"max_loss_diff": diff, "params": (a["params"], b["params"]),
+                               "optim": (a["optim"], b["optim"])}))  # fmt: skip
     table = markdown(ours, theirs, args.steps)
     Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
     Path(args.markdown).write_text(

@@ -78,7 +78,7 @@ def test_dp2_zero1_checkpoint_resumes_at_dp4_zero3_and_loads_into_plain_gpt(tmp_
 
 
 def test_consolidate_names_a_missing_checkpoint(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match="no .metadata file"):
+    with pytest.raises(FileNotFoundError, match=r"no \.metadata file"):
         consolidate(tmp_path / "nothing")
 
 

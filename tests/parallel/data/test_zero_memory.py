@@ -72,9 +72,7 @@ def _grad_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 def _optim_bytes(opt: torch.optim.Optimizer, scalars: bool = False) -> int:
     """Bytes of the optimizer's state tensors (AdamW's 4-byte ``step`` counters only if asked:
     a parameter cut between two ranks has one on each)."""
-    return sum(
-        v.nbytes for s in opt.state.values() for v in s.values() if scalars or v.dim() > 0
-    )
+    return sum(v.nbytes for s in opt.state.values() for v in s.values() if scalars or v.dim() > 0)
 
 
 def _step(model, engine, opt, step: int, rank: int, world: int, meter=None) -> int:

@@ -34,6 +34,7 @@ from llmlab.parallel.checkpoint.boxes import ShardedView
 from llmlab.parallel.data.zero import ZeroEngine
 
 FORMAT = 1
+_SETTING_TYPES = (int, float, str, bool, tuple, list, Tensor)
 Placement = Callable[[str, nn.Parameter], tuple[Sequence[int], Sequence[int]]]
 
 
@@ -51,7 +52,7 @@ def _settings(optimizer: Optimizer | None) -> list[dict[str, Any]]:
             {
                 k: (v.item() if isinstance(v, Tensor) else v)
                 for k, v in group.items()
-                if k != "params" and (isinstance(v, int | float | str | bool | tuple | list | Tensor) or v is None)
+                if k != "params" and (v is None or isinstance(v, _SETTING_TYPES))
             }
         )
     return out
