@@ -157,6 +157,8 @@ class ZeroEngine:
         self._full_grads: set[int] = set()  # stages 2-3: parameters holding a full gradient
         self.peak_bytes = 0
         self._optimizers: list[Optimizer] = []
+        self._members: dict[int, list[list[nn.Parameter]]] = {}  # param groups before rewire
+        self.comm_bytes = 0  # payload of every collective this engine ran (reset by the caller)
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
             for u in self.units
@@ -173,6 +175,7 @@ class ZeroEngine:
         step. Stage 0 leaves the optimizer on the full parameters. Must run before any state."""
         if optimizer in self._optimizers:
             return  # Lightning connects again for validate/test
+        self._members[id(optimizer)] = [list(g["params"]) for g in optimizer.param_groups]
         if self.stage >= 1:
             if len(optimizer.state) > 0:
                 raise RuntimeError(
@@ -196,6 +199,10 @@ class ZeroEngine:
         optimizer.register_step_post_hook(lambda *_: self._measure_optimizer())
         self._optimizers.append(optimizer)
 
+    def group_members(self, optimizer: Optimizer) -> list[list[nn.Parameter]]:
+        """The model parameters of each of ``optimizer``'s param groups, as before ``rewire``."""
+        return self._members[id(optimizer)]
+
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Make the compute parameters follow the master shards (after a step or a load)."""
@@ -205,7 +212,8 @@ class ZeroEngine:
         for u in self.units:
             if u.master is not u.shard:
                 u.shard.copy_(u.master)  # fp32 master -> bf16/fp16 compute shard
-            if self.stage <= 2:
+            if self.stage <= 2 and self.world > 1:
+                self.comm_bytes += u.full.nbytes
                 works.append(_all_gather(u.full.data, u.shard, group=self.group, async_op=True))
             elif u.gathered:
                 self._free(u)  # stale: gathered again when next used
@@ -280,6 +288,8 @@ class ZeroEngine:
             else:
                 out.copy_(flat)
                 work = None
+        if n > 1:
+            self.comm_bytes += flat.numel() * flat.element_size()
         u.pending = (work, keep)
         u.reduced = True
 
@@ -300,6 +310,29 @@ class ZeroEngine:
         for pc in u.pieces:
             at = u.full.offsets[self._slot[id(pc.param)]] + pc.lo - u.start
             pc.master.grad = u.grad_shard[at : at + pc.hi - pc.lo]
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce every unit now, from whatever ``.grad`` holds (missing ones count as zero).
+
+        For callers that run several backward passes per step and combine gradients themselves
+        before the reduction (a pipeline schedule, tied weights summed across stages): they keep
+        ``sync`` False so that backward reduces nothing, then call this once per step.
+        """
+        for u in self.units:
+            if u.grads is not None:
+                for p, view in zip(u.params, u.grads.views):
+                    if p.grad is None:
+                        view.zero_()
+                    elif p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad)
+                    p.grad = view
+            self._reduce(u)
+        for u in self.units:
+            if u.pending is not None:
+                self._complete(u)
+            u.ready = 0
+            u.reduced = False
 
     def _end_of_backward(self) -> None:
         """Autograd's end-of-backward callback: finish every reduction, free what ZeRO-3 holds."""
@@ -394,6 +427,7 @@ class ZeroEngine:
         u.full.allocate()
         self._track(u.full.nbytes)
         if self.world > 1:
+            self.comm_bytes += u.full.nbytes
             u.gather_work = _all_gather(u.full.data, u.shard, group=self.group, async_op=True)
         else:
             u.full.data.copy_(u.shard)
@@ -502,16 +536,117 @@ class ZeroEngine:
     @torch.no_grad()
     def full_params(self) -> dict[str, Tensor]:
         """Every parameter in full (master precision), assembled from the shards: a collective."""
+        if self.stage == 0:
+            return {n: p.detach().clone() for u in self.units for n, p in zip(u.names, u.params)}
+        return self._gather_by_name(
+            {id(pc.param): pc.master for u in self.units for pc in u.pieces}
+        )
+
+    def _gather_by_name(
+        self, values: Mapping[int, Tensor], dtype: torch.dtype | None = None
+    ) -> dict[str, Tensor]:
+        """``values[id(param)]`` is this rank's 1-D piece of a parameter; all-gather each unit
+        over the group and return every parameter at its (local) full shape, by name."""
         out: dict[str, Tensor] = {}
         for u in self.units:
-            if self.stage == 0:
-                out.update({n: p.detach().clone() for n, p in zip(u.names, u.params)})
-                continue
-            flat = u.master.new_empty(u.full.data.numel())
-            _all_gather(flat, u.master, group=self.group)
+            shard = torch.zeros(
+                u.shard_numel, dtype=dtype or u.master.dtype, device=u.master.device
+            )
+            for pc in u.pieces:
+                v = values.get(id(pc.param))
+                if v is not None:
+                    at = u.full.offsets[self._slot[id(pc.param)]] + pc.lo - u.start
+                    shard[at : at + pc.hi - pc.lo].copy_(v.reshape(-1))
+            flat = shard.new_empty(u.full.data.numel())
+            _all_gather(flat, shard, group=self.group)
             for name, offset, p in zip(u.names, u.full.offsets, u.params):
                 out[name] = flat[offset : offset + p.numel()].view(p.shape).clone()
         return out
+
+    @torch.no_grad()
+    def load_full_params(self, values: Mapping[str, Tensor]) -> None:
+        """Set parameters from full (local-shape) tensors by name: each rank copies its pieces
+        into its master shard, then the compute parameters follow."""
+        missing = [n for u in self.units for n in u.names if n not in values]
+        if missing:
+            raise KeyError(f"no value for {len(missing)} parameters, e.g. {missing[:4]}")
+        if self.stage == 0:
+            for u in self.units:
+                for name, p in zip(u.names, u.params):
+                    p.copy_(values[name])
+            return
+        for u in self.units:
+            for pc in u.pieces:
+                pc.master.copy_(values[pc.name].reshape(-1)[pc.lo : pc.hi])
+        self.refresh_params()
+
+    def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, dict[str, Any]]:
+        """``optimizer``'s state by parameter name at the parameters' (local) full shapes: the
+        pieces' element-wise state all-gathered over the group, scalars (AdamW's ``step``) taken
+        from this rank's pieces (they are equal everywhere). A collective."""
+        if self.stage == 0:
+            raise ValueError("at ZeRO stage 0 the optimizer holds the full parameters already")
+        keys: dict[str, Tensor] = {}
+        scalars: dict[str, dict[str, Any]] = {}
+        for u in self.units:
+            for pc in u.pieces:
+                for key, value in optimizer.state.get(pc.master, {}).items():
+                    if (
+                        isinstance(value, Tensor)
+                        and value.dim() == 1
+                        and value.numel() == (pc.hi - pc.lo)
+                    ):
+                        keys.setdefault(key, value)
+                    else:
+                        scalars.setdefault(pc.name, {})[key] = value
+        # every rank must run the same gathers: agree on the element-wise keys
+        names: list[Any] = [None] * self.world
+        dist.all_gather_object(names, sorted(keys), group=self.group)
+        all_keys = sorted({k for part in names for k in part})
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, scalars, group=self.group)
+        out: dict[str, dict[str, Any]] = {}
+        for part in parts:
+            for name, entry in part.items():
+                out.setdefault(name, {}).update(entry)
+        for key in all_keys:
+            values = {
+                id(pc.param): optimizer.state[pc.master][key]
+                for u in self.units
+                for pc in u.pieces
+                if key in optimizer.state.get(pc.master, {})
+            }
+            dtype = keys[key].dtype if key in keys else self.units[0].master.dtype
+            for name, tensor in self._gather_by_name(values, dtype).items():
+                out.setdefault(name, {})[key] = tensor
+        return out
+
+    @torch.no_grad()
+    def load_full_optimizer_state(
+        self, optimizer: Optimizer, state: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """The inverse of :meth:`full_optimizer_state`: each piece gets its elements."""
+        for u in self.units:
+            for pc in u.pieces:
+                saved = state.get(pc.name)
+                if saved is None:
+                    continue
+                entry: dict[str, Any] = {}
+                for key, value in saved.items():
+                    if isinstance(value, Tensor) and value.dim() > 0:
+                        entry[key] = value.reshape(-1)[pc.lo : pc.hi].to(pc.master.device).clone()
+                    else:
+                        entry[key] = value.clone() if isinstance(value, Tensor) else value
+                optimizer.state[pc.master] = entry
+        self._measure_optimizer()
+
+    def named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, model parameter)`` for every parameter this engine manages."""
+        return [(n, p) for u in self.units for n, p in zip(u.names, u.params)]
+
+    def model_param_of(self) -> dict[int, nn.Parameter]:
+        """``id(optimizer tensor) -> model parameter`` (the pieces, at stages 1-3)."""
+        return {id(pc.master): pc.param for u in self.units for pc in u.pieces}
 
     # ================================================================ memory accounting
     def _persistent_bytes(self) -> int:

@@ -49,6 +49,8 @@ class ZeroMasterWeights:
                 "ZeRO stage 0 keeps no master shards; use precision.master.MasterWeights there"
             )
         self.engine = engine
+        # the compute parameters it stands for (a precision plugin compares them with its own)
+        self.model_params = [p for u in engine.units for p in u.params]
         self.scaler = scaler
         self.skip_nonfinite = skip_nonfinite
         self.group = group
