@@ -314,9 +314,10 @@ class NDParallelStrategy(DDPStrategy):
             blocks=blocks,
             named_params=named,
             initial=getattr(self.precision_plugin, "_initial", None),
+            # a pipeline runs a backward per micro-batch and the strategy sums tied weights
+            # across stages first: it reduces once per step itself (reduce_gradients)
+            reduce_in_backward=self._engine is None,
         )
-        if self._engine is not None:  # pipeline: the strategy reduces once per step itself
-            engine.sync = False
         return engine
 
     def _zero_master_weights(self) -> None:
@@ -359,6 +360,9 @@ class NDParallelStrategy(DDPStrategy):
         """Lightning's teardown, except that the module goes back to the CPU tensor by tensor
         (``module.cpu()`` cannot copy the other stages' ``meta`` placeholders)."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        if self.zero_engine is not None:  # full parameters back in the module, hooks removed
+            self.zero_engine.close()
+            self.zero_engine = None
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:

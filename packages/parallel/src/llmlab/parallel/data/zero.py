@@ -82,6 +82,10 @@ class ZeroEngine:
         reduce_dtype: dtype gradients are reduced in; default the parameters' dtype.
         initial: ``id(param) -> value`` before the model was cast down (exact masters).
         prefetch: ZeRO-3 gathers the next unit while the current one computes.
+        reduce_in_backward: reduce each unit as backward finishes it (hooks). ``False`` for a
+            caller that combines several backward passes' gradients itself (a pipeline
+            schedule) and then calls :meth:`reduce_gradients` once per step; backward is then
+            left entirely alone.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class ZeroEngine:
         reduce_dtype: torch.dtype | None = None,
         initial: Mapping[int, Tensor] | None = None,
         prefetch: bool = True,
+        reduce_in_backward: bool = True,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
@@ -163,8 +168,14 @@ class ZeroEngine:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
             for u in self.units
             for p in u.params
+            if reduce_in_backward
         ]
         if stage >= 3:
+            if not reduce_in_backward:
+                raise ValueError(
+                    "ZeRO-3 gathers and frees parameters around each backward pass, so it must "
+                    "reduce in backward too (reduce_in_backward=True)"
+                )
             self._install_stage3_hooks(module, blocks)
         self._live = self._persistent_bytes()
         self.peak_bytes = self._live
@@ -701,7 +712,11 @@ class ZeroEngine:
         return sum(u.full.data.numel() - u.full.numel for u in self.units)
 
     def close(self) -> None:
-        """Remove every hook (the module keeps its current parameter storage)."""
+        """Remove every hook and leave the module a plain one: at stage 3 every unit is gathered
+        first, so the module holds all its parameters again."""
+        if self.stage >= 3:
+            for u in self.units:
+                self._ensure_gathered(u)
         for h in self._handles:
             h.remove()
         self._handles = []
