@@ -22,7 +22,7 @@ ACCUMULATE = 2
 MAX_STEPS = STEPS // ACCUMULATE  # the data module's 20 batches: 10 optimizer steps
 
 
-def fit(strategy, devices: int, root=None):
+def fit(strategy, devices: int, root=None, max_steps=MAX_STEPS, ckpt_path=None, save=None):
     import lightning as L
 
     losses: list[float] = []
@@ -48,7 +48,7 @@ def fit(strategy, devices: int, root=None):
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        max_steps=MAX_STEPS,
+        max_steps=max_steps,
         accumulate_grad_batches=ACCUMULATE,
         logger=False,
         enable_checkpointing=False,
@@ -63,7 +63,9 @@ def fit(strategy, devices: int, root=None):
         callbacks=[Record()],
     )
     task = make_task()
-    trainer.fit(task, datamodule=make_data())
+    trainer.fit(task, datamodule=make_data(), ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)
     last = getattr(trainer.strategy, "last_comm", {})
     memory.append({k: v for k, v in last.items() if k.startswith("memory/")})
     return losses, norms, memory[0]
@@ -75,6 +77,17 @@ def _runs(rank: int, world: int, root: str, cases: list[tuple[str, dict]]) -> di
     out = {}
     for name, kwargs in cases:
         os.environ["WORLD_SIZE"] = str(world)  # Lightning's environment teardown removes it
+        if "resume" in kwargs:  # half the steps in one layout, the rest in another
+            first, second = kwargs["resume"]
+            path = os.path.join(root, f"{name}.ckpt")
+            half = MAX_STEPS // 2
+            losses, *_ = fit(NDParallelStrategy(**first, timeline_every_n_steps=0), world, root,
+                             max_steps=half, save=path)  # fmt: skip
+            os.environ["WORLD_SIZE"] = str(world)
+            more, *_ = fit(NDParallelStrategy(**second, timeline_every_n_steps=0), world, root,
+                           ckpt_path=path)  # fmt: skip
+            out[name] = {"losses": losses + more, "checkpoint": path}
+            continue
         losses, norms, memory = fit(NDParallelStrategy(**kwargs, timeline_every_n_steps=0), world,
                                     root)  # fmt: skip
         out[name] = {"losses": losses, "norms": norms, "memory": memory}
@@ -108,12 +121,27 @@ def check(results: list[dict], reference: list[float], layouts: list[str], stage
 def test_zero_with_tensor_and_pipeline_parallel(tmp_path, single_process) -> None:
     cases = [(f"dp2xtp2 zero={z}", dict(tensor=2, zero=z)) for z in (0, 1, 2, 3)]
     cases += [(f"dp2xpp2 zero={z}", dict(pipeline=2, microbatches=2, zero=z)) for z in (0, 1)]
+    resume = dict(resume=(dict(tensor=2, zero=1), dict(tensor=1, zero=3)))
+    cases += [("dp2xtp2 zero=1 -> dp4 zero=3", resume)]
     results = run_distributed(_runs, 4, str(tmp_path), cases, timeout=900)
     check(results, single_process, ["dp2xtp2"], (1, 2, 3))
     check(results, single_process, ["dp2xpp2"], (1,))
-    for r in results:  # ZeRO-3 keeps a quarter... of what this rank's tensor shard holds: half
+    for r in results:  # ZeRO-3 keeps half of what this rank's tensor shard holds (dp=2)
         z1, z3 = r["dp2xtp2 zero=1"]["memory"], r["dp2xtp2 zero=3"]["memory"]
         assert z3["memory/params_bytes"] * 2 <= z1["memory/params_bytes"] + 64
+    # the checkpoint of a 2x2 ZeRO-1 run resumes at data 4 with ZeRO-3 on the same curve...
+    resumed = results[0]["dp2xtp2 zero=1 -> dp4 zero=3"]
+    assert len(resumed["losses"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], single_process)) <= 1e-5
+    # ... and is one consolidated file that a plain GPT loads
+    import torch
+
+    from llmlab.models import GPT, GPTConfig
+    from tests.parallel.pipeline.test_strategy import MODEL
+
+    state = torch.load(resumed["checkpoint"], weights_only=False)["state_dict"]
+    plain = GPT(GPTConfig(**MODEL))
+    plain.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
 
 
 @pytest.mark.slow

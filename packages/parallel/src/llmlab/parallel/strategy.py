@@ -360,9 +360,8 @@ class NDParallelStrategy(DDPStrategy):
         """Lightning's teardown, except that the module goes back to the CPU tensor by tensor
         (``module.cpu()`` cannot copy the other stages' ``meta`` placeholders)."""
         assert self.cluster_environment is not None and self.accelerator is not None
-        if self.zero_engine is not None:  # full parameters back in the module, hooks removed
-            self.zero_engine.close()
-            self.zero_engine = None
+        if self.zero_engine is not None:  # full parameters back in the module, hooks removed;
+            self.zero_engine.close()  # the shards stay: a checkpoint after fit reads them
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
