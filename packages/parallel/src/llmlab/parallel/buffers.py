@@ -9,7 +9,12 @@ one buffer, a collective on it, and the result copied back. ``FlatBuffer`` is th
 * ``pad_to`` rounds the length up to a multiple (a reduce-scatter over ``n`` ranks needs ``n``
   equal shards); the padding is zeros and never copied back;
 * ``views`` are the per-tensor slices, shaped like the tensors, so a parameter's ``.data`` or
-  ``.grad`` can *be* a view (no copy at all) where the caller wants that.
+  ``.grad`` can *be* a view (no copy at all) where the caller wants that;
+* ``free`` / ``allocate`` release and re-create the storage while the views stay valid objects
+  (ZeRO-3 keeps a block's full parameters only while the block runs: the parameters *are* views,
+  so freeing the storage frees them without touching the module);
+* ``segments`` says which tensors (and which of their elements) fall in a range of the buffer,
+  e.g. in one rank's shard.
 """
 
 from __future__ import annotations
@@ -54,6 +59,48 @@ class FlatBuffer:
             self.views.append(self.data[offset : offset + n].view(shape))
             offset += n
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self._padded = padded
+
+    def bounds(self, index: int, count: int) -> tuple[int, int]:
+        """``[start, end)`` of shard ``index`` of ``count`` in the (padded) buffer."""
+        padded = self._padded
+        if padded % count:
+            raise ValueError(
+                f"a buffer of {padded} elements cannot be cut into {count} equal "
+                f"shards; build it with pad_to={count}"
+            )
+        if not 0 <= index < count:
+            raise ValueError(f"shard index {index} is outside [0, {count})")
+        size = padded // count
+        return index * size, (index + 1) * size
+
+    def segments(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The tensors overlapping ``[start, end)`` of the buffer, as ``(i, lo, hi)``: elements
+        ``lo:hi`` of tensor ``i`` (flattened) lie there. Padding belongs to no tensor."""
+        out = []
+        for i, (offset, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                out.append((i, lo - offset, hi - offset))
+        return out
+
+    # ------------------------------------------------------------------ storage lifetime
+    @property
+    def allocated(self) -> bool:
+        return self.data.untyped_storage().nbytes() > 0 or self._padded == 0
+
+    def free(self) -> None:
+        """Release the storage; ``data`` and ``views`` keep their shapes but hold nothing until
+        ``allocate``. Never read them in between."""
+        self.data.untyped_storage().resize_(0)
+
+    def allocate(self) -> Tensor:
+        """Re-create the storage freed by ``free`` (contents undefined); returns ``data``."""
+        nbytes = self._padded * self.data.element_size()
+        storage = self.data.untyped_storage()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return self.data
 
     def pack(self, tensors: Sequence[Tensor]) -> Tensor:
         """Copy ``tensors`` into the buffer; returns ``self.data``."""
@@ -68,17 +115,13 @@ class FlatBuffer:
 
     def shard(self, index: int, count: int) -> Tensor:
         """Shard ``index`` of ``count`` equal, contiguous shards (``pad_to`` must allow it)."""
-        if self.data.numel() % count:
-            raise ValueError(
-                f"a buffer of {self.data.numel()} elements cannot be cut into {count} equal "
-                f"shards; build it with pad_to={count}"
-            )
-        size = self.data.numel() // count
-        return self.data[index * size : (index + 1) * size]
+        start, end = self.bounds(index, count)
+        return self.data[start:end]
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Bytes of the buffer when allocated (padding included)."""
+        return self._padded * self.data.element_size()
 
 
 def all_reduce_mean_(

@@ -150,11 +150,24 @@ def optimizer_state(
                 tensors[f"{name}\0{key}"] = (value, dim)
             else:
                 scalars[name][key] = value.detach().cpu() if isinstance(value, Tensor) else value
-    full = gather_full(tensors, tensor_group, pipeline_group)
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
         for g in packed["param_groups"]
     ]
+    return named_optimizer_state(tensors, scalars, groups, tensor_group, pipeline_group)
+
+
+def named_optimizer_state(
+    tensors: Named,
+    scalars: dict[str, dict[str, Any]],
+    groups: list[dict[str, Any]],
+    tensor_group: dist.ProcessGroup | None,
+    pipeline_group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """The consolidated optimizer state from this rank's pieces, already keyed by name:
+    ``tensors`` (``"name\0key" -> (tensor, shard dim)``), ``scalars`` (name -> key -> value) and
+    the param ``groups`` with parameter names (a collective over both groups)."""
+    full = gather_full(tensors, tensor_group, pipeline_group)
     if _size(pipeline_group) > 1:
         parts: list[Any] = [None] * _size(pipeline_group)
         dist.all_gather_object(parts, (scalars, groups), group=pipeline_group)

@@ -17,6 +17,11 @@ every optimizer step:
   weights summed over the stages that hold a copy, then every gradient averaged over the data
   group with one flat all-reduce. Sequence-parallel parameters are reduced over the tensor group
   by their own hooks during backward.
+* **ZeRO** (``zero=1|2|3``, :class:`~llmlab.parallel.data.zero.ZeroEngine` on the data group):
+  the optimizer steps this rank's shard of each unit (a repeated block, or the rest), gradients
+  are reduce-scattered (during backward without a pipeline; after the schedule and the tied-weight
+  sum with one), stage 2 frees full gradients, stage 3 full parameters. With a pipeline only
+  ``zero=1`` is accepted (see ``ZERO_WITH_PIPELINE``). ``memory/*_bytes`` are logged each step.
 * **clipping** by the norm of the whole model (:mod:`llmlab.parallel.norm`): shards summed over
   the tensor group, stages over the pipeline group, each parameter counted once; the same norm is
   what ``train/grad_norm`` logs (``global_grad_norm``).
@@ -48,6 +53,9 @@ from torch.optim import Optimizer
 
 from llmlab.parallel import consolidate
 from llmlab.parallel.buffers import all_reduce_mean_
+from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
+from llmlab.parallel.data.zero import ZeroEngine
+from llmlab.parallel.data.zero_precision import ZeroMasterWeights
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 from llmlab.parallel.norm import clip_by_total_norm_, global_grad_norm, piece_weights
 from llmlab.parallel.parallelize import (
@@ -65,6 +73,15 @@ from llmlab.parallel.pipeline.transport import broadcast_tensor
 from llmlab.parallel.tensor.accounting import CommLedger, record_into
 
 log = logging.getLogger(__name__)
+
+ZERO_WITH_PIPELINE = (
+    "a pipeline runs several micro-batch backward passes per step, so ZeRO-2 would either keep "
+    "every full gradient until the step (no saving) or reduce-scatter after every micro-batch "
+    "(microbatches x the data traffic), and ZeRO-3 would gather each block's parameters twice "
+    "per micro-batch while the schedule interleaves the micro-batches' forwards and backwards. "
+    "DeepSpeed refuses ZeRO-2/3 with its pipeline engine for the same reason; use zero=1 with "
+    "pipeline > 1 (or ZeRO-2/3 with data x tensor)"
+)
 
 
 class _PipelinedForward(nn.Module):
@@ -107,9 +124,17 @@ class NDParallelStrategy(DDPStrategy):
         model_attribute: str = "model",
         timeline_every_n_steps: int = 50,
         timeline_dir: str | None = None,
+        zero: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if zero not in ZERO_STAGES:
+            raise ValueError(f"strategy.zero must be one of {ZERO_STAGES}, got {zero!r}")
+        if zero >= 2 and pipeline > 1:
+            raise ValueError(
+                f"strategy.zero={zero} with strategy.pipeline={pipeline} is refused: "
+                f"{ZERO_WITH_PIPELINE}"
+            )
         for name, value in (("pipeline", pipeline), ("tensor", tensor), ("data", data)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"strategy.{name} must be a positive integer, got {value!r}")
@@ -142,6 +167,8 @@ class NDParallelStrategy(DDPStrategy):
         self._pp_bytes = 0  # tied-weight all-reduce; the transport counts activations/gradients
         self.last_comm: dict[str, float] = {}
         self.last_bubble: float | None = None
+        self.zero = zero
+        self.zero_engine: ZeroEngine | None = None
 
     # ------------------------------------------------------------------- layout
     @property
@@ -228,6 +255,8 @@ class NDParallelStrategy(DDPStrategy):
         self.model_to_device()
         if self.parallel.stage is not None:
             self._engine = self._build_engine()
+        if self.zero >= 1 and self.zero_engine is None:
+            self.zero_engine = self._build_zero_engine(model)
         log.info(
             "nd layout %s: rank %d at (dp, pp, tp)=%s holds %d parameters; applied %s",
             layout.dims, self.global_rank, self._groups.coords, self.local_param_count,
@@ -239,6 +268,10 @@ class NDParallelStrategy(DDPStrategy):
             for optimizer in self.optimizers:  # other stages' placeholders are not ours
                 for group in optimizer.param_groups:
                     group["params"] = [p for p in group["params"] if id(p) in held]
+                if self.zero_engine is not None:
+                    self.zero_engine.rewire(optimizer)
+        if self.zero_engine is not None:
+            self._zero_master_weights()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -261,10 +294,55 @@ class NDParallelStrategy(DDPStrategy):
             scale_loss=scale if callable(scale) else None,
         )
 
+    def _build_zero_engine(self, model: nn.Module) -> ZeroEngine:
+        """ZeRO over the data group, for the parameters this rank holds (a tensor-parallel shard,
+        a pipeline stage), named as in the unsplit model; its units are the repeated blocks this
+        rank holds. fp32 masters start from the values the precision plugin kept, if any."""
+        assert self.parallel is not None
+        held = {id(p) for p in self.parallel.params}
+        named = [(n, p) for n, p in model.named_parameters() if id(p) in held]
+        get_blocks = getattr(model, "repeated_blocks", None)
+        blocks = [
+            b
+            for b in (get_blocks() if callable(get_blocks) else [])
+            if any(id(p) in held for p in b.parameters())
+        ]
+        engine = ZeroEngine(
+            model,
+            self.zero,
+            self.groups.data,
+            blocks=blocks,
+            named_params=named,
+            initial=getattr(self.precision_plugin, "_initial", None),
+            # a pipeline runs a backward per micro-batch and the strategy sums tied weights
+            # across stages first: it reduces once per step itself (reduce_gradients)
+            reduce_in_backward=self._engine is None,
+        )
+        return engine
+
+    def _zero_master_weights(self) -> None:
+        """A plugin with fp32 master weights keeps only its loss scale: the engine's fp32
+        shards are the masters (``ZeroMasterWeights`` has ``MasterWeights``' interface, and the
+        plugin's ``connect`` takes it as already built)."""
+        plugin = self.precision_plugin
+        if not hasattr(plugin, "masters") or not hasattr(plugin, "_params"):
+            return
+        assert self.zero_engine is not None
+        masters = ZeroMasterWeights(
+            self.zero_engine,
+            getattr(plugin, "scaler", None),
+            skip_nonfinite=getattr(plugin, "skip_nonfinite", True),
+        )
+        masters.model_params = list(plugin._params)
+        plugin.masters = masters
+        plugin._initial = {}
+
     def _wire_precision_plugin(self) -> None:
         """Clipping (and fp32 master weights in checkpoints) must see the whole model."""
         plugin = self.precision_plugin
         plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        if self.zero_engine is not None:
+            return  # the masters are the engine's shards: checkpointed with the model state
         if getattr(plugin, "masters", None) is not None and not getattr(plugin, "_nd_wired", 0):
             local_state, local_load = plugin.state_dict, plugin.load_state_dict
             plugin.state_dict = lambda: self._master_state(local_state())  # type: ignore[method-assign]
@@ -282,6 +360,8 @@ class NDParallelStrategy(DDPStrategy):
         """Lightning's teardown, except that the module goes back to the CPU tensor by tensor
         (``module.cpu()`` cannot copy the other stages' ``meta`` placeholders)."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        if self.zero_engine is not None:  # full parameters back in the module, hooks removed;
+            self.zero_engine.close()  # the shards stay: a checkpoint after fit reads them
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
@@ -295,10 +375,15 @@ class NDParallelStrategy(DDPStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient-accumulation micro-batches: accumulate locally, reduce nothing."""
         self._sync_grads = False
+        engine = self.zero_engine if self._engine is None else None
+        if engine is not None:
+            engine.sync = False
         try:
             yield
         finally:
             self._sync_grads = True
+            if engine is not None:
+                engine.sync = True
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with record_into(self._ledger):
@@ -370,13 +455,18 @@ class NDParallelStrategy(DDPStrategy):
         averaged over the data group (one flat all-reduce)."""
         assert self.parallel is not None
         params = self.parallel.params
+        zero = self.zero_engine
+        if zero is not None and self._engine is None:
+            return  # ZeRO reduce-scattered during backward (its end-of-backward callback)
         for p in params:
             if p.grad is None:  # every rank must contribute the same layout
                 p.grad = torch.zeros_like(p)
         for p, group in self.parallel.tied:
             dist.all_reduce(p.grad, group=group)
             self._pp_bytes += p.grad.numel() * p.grad.element_size()
-        if self.dims.data > 1:
+        if zero is not None:
+            zero.reduce_gradients()
+        elif self.dims.data > 1:
             self._dp_bytes += all_reduce_mean_([p.grad for p in params], self.groups.data)
 
     def optimizer_step(
@@ -399,6 +489,10 @@ class NDParallelStrategy(DDPStrategy):
             "comm/pp_bytes": float(pp),
             "comm/dp_bytes": float(self._dp_bytes),
         }
+        if self.zero_engine is not None:
+            self.last_comm["comm/dp_bytes"] += float(self.zero_engine.comm_bytes)
+            self.zero_engine.comm_bytes = 0
+            self.last_comm.update(self.zero_engine.memory_stats())
         ledger.clear()
         self._dp_bytes = self._pp_bytes = 0
         trainer = self.lightning_module.trainer
@@ -416,8 +510,16 @@ class NDParallelStrategy(DDPStrategy):
         weights = piece_weights(owners, self.dims.tensor, self.parallel.duplicates)
         return [p.grad for p in params], weights
 
+    def _norm_groups(self) -> tuple[dist.ProcessGroup | None, ...]:
+        """The groups whose ranks hold different pieces: ZeRO adds the data group."""
+        groups = (self.groups.tensor, self.groups.pipeline)
+        return (*groups, self.groups.data) if self.zero_engine is not None else groups
+
     def _model_param_of(self) -> dict[int, nn.Parameter]:
-        """``id(master) -> model parameter`` for plugins with fp32 master weights."""
+        """``id(master) -> model parameter`` for plugins with fp32 master weights (or ZeRO's
+        pieces)."""
+        if self.zero_engine is not None:
+            return self.zero_engine.model_param_of()
         masters = getattr(self.precision_plugin, "masters", None)
         if masters is None:
             return {}
@@ -426,11 +528,11 @@ class NDParallelStrategy(DDPStrategy):
     def global_grad_norm(self, optimizer: Optimizer) -> Tensor:
         """The whole model's gradient norm, identical on every rank (a collective)."""
         grads, weights = self._norm_pieces(optimizer)
-        return global_grad_norm(grads, weights, (self.groups.tensor, self.groups.pipeline))
+        return global_grad_norm(grads, weights, self._norm_groups())
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
         grads, weights = self._norm_pieces(optimizer)
-        total = global_grad_norm(grads, weights, (self.groups.tensor, self.groups.pipeline))
+        total = global_grad_norm(grads, weights, self._norm_groups())
         clip_by_total_norm_(grads, total, float(clip_val))
 
     # -------------------------------------------------------------- validation
@@ -500,6 +602,10 @@ class NDParallelStrategy(DDPStrategy):
         if not self._split():
             return module.state_dict()
         named = consolidate.named_state(module)
+        if self.zero_engine is not None:  # the fp32 masters, assembled from the data shards
+            full = self.zero_engine.full_params()
+            value = {id(p): full[n] for n, p in self.zero_engine.named_params()}
+            named = {k: (value.get(id(t), t), dim) for k, (t, dim) in named.items()}
         return consolidate.gather_full(named, self.groups.tensor, self.groups.pipeline)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -511,6 +617,12 @@ class NDParallelStrategy(DDPStrategy):
             return
         named = consolidate.named_state(module)
         slices = consolidate.local_slices(full, named, self.groups.tensor, strict=strict)
+        zero = self.zero_engine
+        if zero is not None:  # each rank copies its pieces into its master shard
+            name_of = {id(p): n for n, p in zero.named_params()}
+            ours = {k for k in slices if id(named[k][0]) in name_of}
+            zero.load_full_params({name_of[id(named[k][0])]: slices[k] for k in ours})
+            slices = {k: v for k, v in slices.items() if k not in ours}
         consolidate.load_local_(named, slices)
 
     def _param_info(self) -> dict[int, tuple[str, int | None]]:
@@ -526,19 +638,84 @@ class NDParallelStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._split():
             return optimizer.state_dict()
+        if self.zero_engine is not None:
+            return self._zero_optimizer_state(optimizer)
         return consolidate.optimizer_state(
             optimizer, self._param_info(), self.groups.tensor, self.groups.pipeline
         )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            if saved.get("format") == consolidate.FORMAT:
+            if saved.get("format") == consolidate.FORMAT and self.zero_engine is not None:
+                self._load_zero_optimizer_state(optimizer, saved)
+            elif saved.get("format") == consolidate.FORMAT:
                 consolidate.load_optimizer_state(
                     optimizer, saved, self._param_info(), self.groups.tensor
                 )
             else:
                 optimizer.load_state_dict(saved)
             _optimizers_to_device([optimizer], self.root_device)
+
+    def _zero_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """ZeRO's pieces of the optimizer state, gathered over the data group into this rank's
+        tensors, then consolidated like any other layout's (by name, full shape)."""
+        zero = self.zero_engine
+        assert zero is not None
+        info = self._param_info()
+        by_name = dict(zero.named_params())
+        tensors: dict[str, tuple[Tensor, int | None]] = {}
+        scalars: dict[str, dict[str, Any]] = {}
+        for ename, entry in zero.full_optimizer_state(optimizer).items():
+            p = by_name[ename]
+            name, dim = info[id(p)]
+            scalars[name] = {}
+            for key, value in entry.items():
+                if isinstance(value, Tensor) and value.shape == p.shape:
+                    tensors[f"{name}\0{key}"] = (value, dim)
+                else:
+                    scalars[name][key] = (
+                        value.detach().cpu() if isinstance(value, Tensor) else value
+                    )
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [info[id(p)][0] for p in members],
+            }
+            for g, members in zip(
+                optimizer.param_groups, zero.group_members(optimizer), strict=True
+            )
+        ]
+        return consolidate.named_optimizer_state(
+            tensors, scalars, groups, self.groups.tensor, self.groups.pipeline
+        )
+
+    def _load_zero_optimizer_state(self, optimizer: Optimizer, saved: Mapping[str, Any]) -> None:
+        zero = self.zero_engine
+        assert zero is not None
+        if len(saved["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(
+                f"checkpoint has {len(saved['param_groups'])} optimizer parameter groups, this "
+                f"optimizer {len(optimizer.param_groups)}"
+            )
+        info = self._param_info()
+        named, full = {}, {}
+        for _, p in zero.named_params():
+            name, dim = info[id(p)]
+            for key, value in saved["state"].get(name, {}).items():
+                if isinstance(value, Tensor) and value.dim() == p.dim() and value.dim() > 0:
+                    named[f"{name}\0{key}"] = (p, dim)  # the shape of this rank's tensor
+                    full[f"{name}\0{key}"] = value
+        slices = consolidate.local_slices(full, named, self.groups.tensor)
+        state = {
+            ename: {
+                key: slices.get(f"{info[id(p)][0]}\0{key}", value)
+                for key, value in saved["state"].get(info[id(p)][0], {}).items()
+            }
+            for ename, p in zero.named_params()
+        }
+        zero.load_full_optimizer_state(optimizer, state)
+        for group, sg in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+            group.update({k: v for k, v in sg.items() if k != "params"})
 
     def _master_named(self) -> dict[str, tuple[Tensor, int | None]]:
         info = self._param_info()

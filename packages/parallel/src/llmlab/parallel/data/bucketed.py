@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 
+from llmlab.parallel.buffers import FlatBuffer
 from llmlab.parallel.comm import ALL_REDUCE_ALGORITHMS, CommStats, all_reduce
 from llmlab.parallel.data.timeline import CommTimeline
 
@@ -38,7 +39,7 @@ class _Bucket:
     def __init__(self, index: int, params: list[nn.Parameter]) -> None:
         self.index = index
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+        self.buffer = FlatBuffer(params)
         self.ready: set[int] = set()
         self.future: Future | torch.futures.Future | None = None
 
@@ -108,12 +109,8 @@ class GradientBucketer:
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        offset = 0
-        for p in bucket.params:
-            n = p.numel()
-            bucket.buffer[offset : offset + n].copy_(p.grad.reshape(-1))
-            offset += n
-        bucket.buffer.div_(self.world_size)  # average, as DDP does (divide before summing)
+        flat = bucket.buffer.pack([p.grad for p in bucket.params])
+        flat.div_(self.world_size)  # average, as DDP does (divide before summing)
         start = time.perf_counter()
         self.launch_times.append(start)
 
@@ -121,13 +118,13 @@ class GradientBucketer:
             self.timeline.add(start, time.perf_counter())
 
         if self._executor is None:
-            work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
             fut = work.get_future()
             fut.add_done_callback(done)
             bucket.future = fut
         else:
             fut = self._executor.submit(
-                all_reduce, bucket.buffer, self.collective, "sum", self.group, self.stats
+                all_reduce, flat, self.collective, "sum", self.group, self.stats
             )
             fut.add_done_callback(done)
             bucket.future = fut
@@ -148,11 +145,7 @@ class GradientBucketer:
                 bucket.future.result()  # our collective on the comm thread (re-raises its error)
             else:
                 bucket.future.wait()  # torch's async all-reduce
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                p.grad.copy_(bucket.buffer[offset : offset + n].view_as(p.grad))
-                offset += n
+            bucket.buffer.unpack_into([p.grad for p in bucket.params])
             bucket.ready.clear()
             bucket.future = None
         self._next_launch = 0

@@ -1,0 +1,29 @@
+"""Sharded checkpoints: each rank writes only its shards; any layout reads them back.
+
+``save_zero`` / ``load_zero`` move a :class:`~llmlab.parallel.data.zero.ZeroEngine`'s parameters
+and optimizer state through ``torch.distributed.checkpoint`` under the unsharded parameter names;
+``consolidate`` (or ``python -m llmlab.parallel.checkpoint consolidate <dir> <out.pt>``) turns a
+sharded checkpoint into one ``state_dict`` that a plain model loads.
+"""
+
+from llmlab.parallel.checkpoint.boxes import ShardedView, flat_boxes
+from llmlab.parallel.checkpoint.files import load, metadata, read_full, save
+from llmlab.parallel.checkpoint.zero_state import (
+    consolidate,
+    load_zero,
+    save_zero,
+    sharded_state_dict,
+)
+
+__all__ = [
+    "ShardedView",
+    "consolidate",
+    "flat_boxes",
+    "load",
+    "load_zero",
+    "metadata",
+    "read_full",
+    "save",
+    "save_zero",
+    "sharded_state_dict",
+]
