@@ -13,11 +13,13 @@ in one process:
       litgpt's default, where llmlab has learned positions);
   (e) HF ``GPT2LMHeadModel`` of the same shape (SDPA attention) in the same raw loop.
 
-Timing: per-step wall time (perf_counter between consecutive step ends, so the Lightning path
-pays for its data loading, logging and callbacks); the first ``--warmup`` steps are dropped;
-the figure is the best mean over windows of ``--window`` consecutive steps (best of several).
-The raw loops run in interleaved rounds, half before and half after the Lightning runs, so
-drifting machine load hits every candidate alike. Also: the AdamW implementations
+Timing: per-step CPU time of this process (``time.process_time`` between consecutive step ends,
+so the Lightning path pays for its data loading, logging, callbacks and progress-bar thread) on
+``--threads`` torch threads (default 1). On this shared 2-core machine other jobs make wall time
+swing by 3x within a minute (measured); CPU time on one thread counts the work done, and on an
+idle machine it equals wall time. The first ``--warmup`` steps are dropped; the figure is the
+best mean over windows of ``--window`` consecutive steps (best of several). The raw loops run in
+interleaved rounds, half before and half after the Lightning runs. Also: the AdamW implementations
 (``task.optimizer_impl``) and the default experiment's MFU against the measured matmul peak.
 
 Run: ``.venv/bin/python -m benchmarks.train`` (``--quick`` for a smoke run, ``--profile`` to
@@ -32,6 +34,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,6 +43,9 @@ from torch import Tensor, nn
 
 from benchmarks.common import STEP_TIMES, Row, report
 
+CLOCK = time.process_time  # see the module docstring
+
+REPO = Path(__file__).resolve().parents[1]
 VOCAB, BLOCK, LAYERS, HEADS, EMBD, BATCH = 256, 128, 4, 4, 128, 32
 HP = SimpleNamespace(  # conf/train.yaml's task
     lr=2e-3,
@@ -60,6 +66,15 @@ def llmlab_gpt() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=LAYERS, n_head=HEADS,
                           n_embd=EMBD))  # fmt: skip
     return model, model
+
+
+def llmlab_gpt_compiled() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
+    """(a) with ``compile_blocks``: what ``compile=true`` does, without Lightning around it."""
+    from llmlab.parallel.compile import compile_blocks
+
+    model, forward = llmlab_gpt()
+    compile_blocks(model)
+    return model, forward
 
 
 def litgpt_gpt() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
@@ -112,8 +127,11 @@ def hf_gpt2() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
 class RawLoop:
     """forward → cross-entropy → backward → clip 1.0 → AdamW (foreach) → LR step, by hand."""
 
-    def __init__(self, name: str, build: Callable[[], tuple[nn.Module, Callable]]) -> None:
-        from llmlab.train.task import adamw_warmup_cosine
+    def __init__(
+        self, name: str, build: Callable[[], tuple[nn.Module, Callable]], compile: bool = False
+    ) -> None:
+        from llmlab.parallel.compile import compile_loss
+        from llmlab.train.task import adamw_warmup_cosine, causal_lm_loss
 
         torch.manual_seed(0)
         self.name = name
@@ -123,21 +141,20 @@ class RawLoop:
         self.optimizer, self.scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
         g = torch.Generator().manual_seed(0)
         self.batches = [torch.randint(0, VOCAB, (BATCH, BLOCK + 1), generator=g) for _ in range(4)]
+        self.loss_fn = compile_loss(causal_lm_loss) if compile else causal_lm_loss
         self.times: list[float] = []
         self.params = sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
 
     def step(self) -> None:
-        from llmlab.train.task import causal_lm_loss
-
         batch = self.batches[len(self.times) % len(self.batches)]
-        start = time.perf_counter()
-        loss = causal_lm_loss(self.forward(batch[:, :-1]), batch[:, 1:])
+        start = CLOCK()
+        loss = self.loss_fn(self.forward(batch[:, :-1]), batch[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.times.append(time.perf_counter() - start)
+        self.times.append(CLOCK() - start)
 
 
 def best_window(times: list[float], warmup: int, window: int) -> float:
@@ -153,10 +170,10 @@ def _step_timer_class() -> type:
     import lightning as L
 
     class StepTimer(L.Callback):
-        """Appends the wall-clock time at each training step's end to ``STEP_TIMES``."""
+        """Appends the clock's time at each training step's end to ``STEP_TIMES``."""
 
         def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-            STEP_TIMES.append(time.perf_counter())
+            STEP_TIMES.append(CLOCK())
 
     return StepTimer
 
@@ -167,7 +184,8 @@ def StepTimer() -> Any:
 
 
 def lightning_step_times(steps: int, compile: bool, output_dir: str) -> tuple[list[float], float]:
-    """Per-step wall times of ``make train``'s path for ``steps`` steps; and compile seconds."""
+    """Per-step times of ``make train``'s path for ``steps`` steps; and compile seconds."""
+    import wandb
     from torch._dynamo.utils import calculate_time_spent
 
     from llmlab.train.app import compose_config, train
@@ -183,11 +201,13 @@ def lightning_step_times(steps: int, compile: bool, output_dir: str) -> tuple[li
             "trainer.limit_val_batches=1",
             "trainer.max_time=null",
             "+callbacks.step_timer._target_=benchmarks.train.StepTimer",
+            f"paths.cache_dir={REPO / 'outputs' / 'cache'}",  # the tokenized corpus, reused
         ]
     )
     STEP_TIMES.clear()
     before = calculate_time_spent().get("total_wall_time", 0.0)
     train(cfg)
+    wandb.finish()  # the next run in this process gets its own W&B run
     compile_seconds = calculate_time_spent().get("total_wall_time", 0.0) - before
     ends = list(STEP_TIMES)
     return [b - a for a, b in itertools.pairwise(ends)], compile_seconds
@@ -212,9 +232,9 @@ def optimizer_rows(repeats: int) -> list[Row]:
         for impl in OPTIMIZER_IMPLS:  # interleaved: load drifts hit all three
             for p, g in zip(models[impl].parameters(), grads):
                 p.grad = g.clone()
-            start = time.perf_counter()
+            start = CLOCK()
             opts[impl].step()
-            times[impl].append(time.perf_counter() - start)
+            times[impl].append(CLOCK() - start)
     ref = dict(models["default"].named_parameters())
     rows = []
     for impl in ("foreach", "fused"):
@@ -250,15 +270,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6, help="raw-loop rounds (even)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.warmup, args.window, args.rounds = 1, 2, 2
     torch.set_float32_matmul_precision("high")  # what the app sets: the same for every row
+    torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     tokens = BATCH * BLOCK
 
     loops = [RawLoop("llmlab", llmlab_gpt), RawLoop("litgpt", litgpt_gpt), RawLoop("hf", hf_gpt2)]
+    if not args.quick:
+        loops.append(RawLoop("compiled", llmlab_gpt_compiled, compile=True))
     for loop in loops:
         for _ in range(args.warmup):
             loop.step()
@@ -281,7 +305,7 @@ def main() -> None:
     tps = {loop.name: tokens / best_window(loop.times, args.warmup, args.window) for loop in loops}
     tps["lightning"] = tokens / best_window(eager_times, args.warmup, args.window)
     if compiled_times:
-        tps["compiled"] = tokens / best_window(compiled_times, args.warmup, args.window)
+        tps["lightning compiled"] = tokens / best_window(compiled_times, args.warmup, args.window)
     for name, value in tps.items():
         print(f"  {name:<10} {value:8.0f} tokens/s")
 
@@ -339,11 +363,14 @@ def main() -> None:
         )
     )
     rows += optimizer_rows(repeats=12 if args.quick else 40)
+    fused = rows[-1].extra["max_abs_param_diff_vs_default"]
+    foreach = rows[-2].extra["max_abs_param_diff_vs_default"]
 
     params = {loop.name: loop.params for loop in loops}
     notes = (
         f"Default experiment's step: GPT {LAYERS}x{EMBD}, {HEADS} heads, vocab {VOCAB}, context "
-        f"{BLOCK}, batch {BATCH} ({tokens} tokens), fp32, {threads} CPU threads (torch), "
+        f"{BLOCK}, batch {BATCH} ({tokens} tokens), fp32, {threads} torch thread(s), timed in "
+        "CPU seconds of the process, "
         f"AdamW foreach + clip 1.0 + LR schedule. Best mean over windows of {args.window} steps "
         f"after {args.warmup} warm-up steps; raw loops in {args.rounds} interleaved rounds. "
         f"Parameters: llmlab {params['llmlab']:,}, litgpt {params['litgpt']:,} (no position "
@@ -351,7 +378,8 @@ def main() -> None:
         f"compile=true: {compile_s:.1f} s of compilation (dynamo + inductor, forward and backward "
         f"graphs, inductor's on-disk cache as found), not in the step times. MFU "
         f"{achieved / peak:.1%} = {tps['lightning']:.0f} tokens/s x {fpt:,.0f} FLOPs/token / "
-        f"{peak / 1e9:.1f} GFLOP/s peak."
+        f"{peak / 1e9:.1f} GFLOP/s peak. AdamW after {rows[-1].extra['steps']} steps: foreach "
+        f"differs from the for-loop by {foreach:.2g} (max |param|), fused by {fused:.2g}."
     )
     report("train", rows, notes)
     if args.profile:
