@@ -104,3 +104,22 @@ def test_compiled_decode_step_gives_the_eager_tokens():
     cfg = GenerationConfig(max_new_tokens=24, do_sample=True, top_k=10, seed=5)
     eager = generate(model, ids, cfg, attention_mask=mask)
     assert torch.equal(generate(model, ids, cfg, attention_mask=mask, compile=True), eager)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_compiled_decode_step_inside_a_sliding_window():
+    """Re-encodes are eager prefills, the steps between them compiled: still the no-cache
+    window recomputation's tokens."""
+    model = llmlab_model()
+    ids, mask = prompts(100, batch=2, length=6)
+    got = generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        sliding_window=12,
+        window_stride=5,
+        compile=True,
+    )
+    assert torch.equal(got, no_cache_window(model, ids, mask, 30, window=12, stride=5))
