@@ -58,7 +58,6 @@ def test_compile_blocks_refuses_a_model_without_blocks():
 @pytest.mark.parametrize(
     ("experiment", "strategy"),
     [
-        ("gpt_pp2_1f1b", "PipelineStrategy"),
         ("gpt_tp2", "TensorParallelStrategy"),
         ("gpt_zero2", "PortableDeepSpeedStrategy"),
         ("gpt_ps_sync", "ParameterServerStrategy"),
@@ -72,7 +71,10 @@ def test_config_refuses_compile_where_it_was_not_checked(experiment, strategy):
     validate_config(compose_config([f"experiment={experiment}"]))  # the same without compile
 
 
-@pytest.mark.parametrize("experiment", ["gpt_shakespeare", "gpt_ddp", "gpt_dp_bucketed"])
+CHECKED = ["gpt_shakespeare", "gpt_ddp", "gpt_dp_bucketed", "gpt_pp2_1f1b"]
+
+
+@pytest.mark.parametrize("experiment", CHECKED)
 def test_config_accepts_compile_where_it_was_checked(experiment):
     validate_config(compose_config([f"experiment={experiment}", "compile=true"]))
 
@@ -92,7 +94,7 @@ def _losses(output_dir, experiment: str) -> tuple[dict[int, float], list[float]]
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("experiment", ["gpt_shakespeare", "gpt_ddp", "gpt_dp_bucketed"])
+@pytest.mark.parametrize("experiment", CHECKED)
 def test_make_train_compile_true_follows_the_eager_loss_curve(experiment, tmp_path):
     """20 steps of the experiment, eager and compiled: every step's loss within 1e-4, compile
     time logged exactly once."""
