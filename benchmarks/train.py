@@ -78,8 +78,13 @@ def llmlab_gpt_compiled() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
 
 
 def litgpt_gpt() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
-    from litgpt.config import Config
-    from litgpt.model import GPT
+    try:
+        from litgpt.config import Config
+        from litgpt.model import GPT
+    except ImportError as err:
+        raise SystemExit(
+            f"litgpt does not import ({err}); `make install` installs litgpt==0.5.13 --no-deps"
+        ) from err
 
     config = Config(
         name="llmlab-default-shape",

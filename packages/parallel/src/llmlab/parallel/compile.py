@@ -115,6 +115,7 @@ class CompileMonitor(L.Callback):
         self._expected: int | None = None  # graphs compiled during warm-up (and first validation)
         self._val_start: int | None = None
         self._validated = False
+        self._steps = 0  # batches trained in this fit (a resumed run starts at a later step)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._validated and not trainer.sanity_checking:
@@ -129,8 +130,9 @@ class CompileMonitor(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        self._steps += 1
         if self._expected is None:
-            if step >= self.warmup_steps:
+            if self._steps >= self.warmup_steps:
                 self.compile_seconds = _compile_seconds()
                 self._expected = _graphs()
                 log_once(trainer, {"perf/compile_seconds": self.compile_seconds})
@@ -139,8 +141,8 @@ class CompileMonitor(L.Callback):
         if new > self.recompiles:
             warnings.warn(
                 f"torch.compile recompiled {new - self.recompiles} graph(s) at step {step} "
-                f"({new} since the first {self.warmup_steps} steps): a shape, dtype or mode "
-                "changed; set TORCH_LOGS=recompiles to see which guard failed",
+                f"({new} since the first {self.warmup_steps} steps of this run): a shape, dtype "
+                "or mode changed; set TORCH_LOGS=recompiles to see which guard failed",
                 stacklevel=1,
             )
             self.recompiles = new

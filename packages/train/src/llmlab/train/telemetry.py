@@ -204,7 +204,9 @@ class TrainingTelemetry(L.Callback):
         metrics["sys/peak_memory_mb"] = peak_memory_bytes(pl_module.device) / 2**20
         if self._log_peak and self.peak_flops_per_device and trainer.is_global_zero:
             for logger in trainer.loggers:  # once (self.log would repeat it every step)
-                logger.log_metrics({"perf/peak_flops": self.peak_flops_per_device}, step=0)
+                logger.log_metrics(
+                    {"perf/peak_flops": self.peak_flops_per_device}, step=trainer.global_step
+                )
         self._log_peak = False
         for key, value in metrics.items():
             pl_module.log(key, float(value), on_step=True, on_epoch=False, rank_zero_only=True)
