@@ -129,7 +129,8 @@ def test_compile_monitor_warns_on_a_recompile_after_warmup(tmp_path):
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 64, (4, 17), generator=g) for _ in range(4)]
     batches += [torch.randint(0, 64, (4, 9), generator=g) for _ in range(2)]  # shorter: new shape
-    loader = [(b[:, :-1], b[:, 1:]) for b in batches]
+    # Pre-made batches, one per step (batch_size=None: the loader does not collate).
+    loader = torch.utils.data.DataLoader([(b[:, :-1], b[:, 1:]) for b in batches], batch_size=None)
     monitor = CompileMonitor(warmup_steps=2)
     trainer = L.Trainer(
         max_steps=6,
