@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from torch import nn
@@ -52,14 +50,19 @@ def test_strategy_checks_batch_size_and_schedule_arguments():
     from llmlab.parallel.mesh import ParallelDims
     from llmlab.parallel.pipeline.strategy import PipelineStrategy
 
-    with pytest.raises(ValueError, match=r"microbatches \(6\) to be a multiple of stages \(4\)"):
+    with pytest.raises(ValueError, match=r"num_microbatches \(6\) to be a multiple of num_stages \(4\)"):
         PipelineStrategy(stages=4, microbatches=6, schedule="interleaved")
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
         PipelineStrategy(stages=2, schedule="pipedream")
-    strategy = PipelineStrategy(stages=2, microbatches=4)
-    trainer = types.SimpleNamespace(datamodule=types.SimpleNamespace(batch_size=12))
-    with pytest.raises(ValueError, match="batch size 12 over 2 data-parallel replica"):
-        strategy._check_batch_size(trainer, ParallelDims(data=2, pipeline=2))
+    from llmlab.parallel.parallelize import Layout, check_layout
+
+    layout = Layout(ParallelDims(data=2, pipeline=2), microbatches=4)
+    with pytest.raises(ValueError, match=r"global batch 12 is not divisible by data \(2\) × "
+                       r"microbatches \(4\) = 8"):  # fmt: skip
+        check_layout(tiny(), layout, global_batch=12)
+    with pytest.raises(ValueError, match=r"4 pipeline layers, fewer than pipeline \(2\) × "
+                       r"virtual stages \(3\)"):  # fmt: skip
+        check_layout(tiny(), Layout(ParallelDims(pipeline=2), virtual_stages=3))
 
 
 def test_explicit_and_balanced_boundaries():

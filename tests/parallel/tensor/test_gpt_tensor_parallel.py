@@ -222,12 +222,12 @@ def tp2_checks(rank: int, world_size: int, ckpt: str) -> list[int]:
 
 def tp4_and_dp_checks(rank: int, world_size: int) -> None:
     from llmlab.parallel import ParallelDims, build_process_groups
+    from llmlab.parallel.buffers import all_reduce_mean_
     from llmlab.parallel.tensor import (
         consolidated_state_dict,
         load_consolidated_state_dict,
         parallelize,
     )
-    from llmlab.parallel.tensor.grads import average_data_parallel_grads
 
     world = dist.group.WORLD
     for sp in (False, True):
@@ -253,7 +253,7 @@ def tp4_and_dp_checks(rank: int, world_size: int) -> None:
         rows = slice(dp_rank * B, (dp_rank + 1) * B)
         _, loss = _tp_loss(model, x[rows], y[rows], groups.tensor)
         loss.backward()
-        average_data_parallel_grads(model.parameters(), groups.data)
+        all_reduce_mean_([p.grad for p in model.parameters()], groups.data)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, group=groups.data)
         ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
@@ -284,9 +284,7 @@ def test_misconfiguration_names_the_numbers() -> None:
 
     plan = GPT.tensor_parallel_plan()
     model = GPT(GPTConfig(vocab_size=64, n_head=6, n_embd=48, n_layer=1, block_size=8))
-    with pytest.raises(
-        ValueError, match=r"6 attention heads are not divisible by tensor-parallel size 4"
-    ):
+    with pytest.raises(ValueError, match=r"n_head=6 is not divisible by tensor=4"):
         validate_plan(model, plan, 4)
     model = GPT(GPTConfig(vocab_size=66, n_head=4, n_embd=32, n_layer=1, block_size=8))
     with pytest.raises(

@@ -144,8 +144,8 @@ def test_strategy_dp2_tp2_sp_curve_checkpoint_and_resume_at_tp4(tmp_path: Path) 
             torch.tensor(second), torch.tensor(expected[FIRST:]), atol=1e-5, rtol=0
         )
     # Logged per-step comm bytes == the analytical count for SP on 2 rows per replica.
-    assert results[0]["comm"]["tp/comm_bytes"] == sum(expected_comm(2, True, rows=2).values())
-    assert results[0]["comm"]["tp/dp_grad_bytes"] > 0
+    assert results[0]["comm"]["comm/tp_bytes"] == sum(expected_comm(2, True, rows=2).values())
+    assert results[0]["comm"]["comm/dp_bytes"] > 0
     # The checkpoint loads into a plain GPT and holds the single-process weights.
     sd = torch.load(ckpt, weights_only=False)["state_dict"]
     plain = GPT(GPTConfig(**CFG))
@@ -200,18 +200,26 @@ def test_fp16_master_weights_train_the_shards_under_tensor_parallel(tmp_path: Pa
 
 
 def test_layout_mismatch_fails_before_training() -> None:
-    from llmlab.parallel.tensor.strategy import check_model_config, resolve_dims
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from llmlab.parallel.parallelize import Layout, check_layout
+    from llmlab.parallel.tensor import TensorParallelStrategy
+
+    def dims(world: int, **kwargs):
+        env = LightningEnvironment()
+        env.set_world_size(world)
+        return TensorParallelStrategy(cluster_environment=env, **kwargs).dims
 
     with pytest.raises(ValueError, match=r"world size 4 is not divisible by .* tensor \(3\)"):
-        resolve_dims(4, tensor=3)
-    with pytest.raises(ValueError, match=r"tensor \(2\) × data \(3\) = 6, but the world size is 4"):
-        resolve_dims(4, tensor=2, data=3)
-    assert resolve_dims(4, tensor=2).data == 2
+        dims(4, tensor=3)
+    with pytest.raises(ValueError, match=r"data \(3\) × pipeline \(1\) × tensor \(2\) = 6, but"):
+        dims(4, tensor=2, data=3)
+    assert dims(4, tensor=2).data == 2
     model = GPT_like(n_head=6, n_embd=48, vocab_size=66)
     with pytest.raises(
-        ValueError, match=r"heads n_head=6 is not divisible by tensor=4.*vocab_size=66"
+        ValueError, match=r"n_head=6 is not divisible by tensor=4.*vocab_size=66 is not"
     ):
-        check_model_config(model, 4)
+        check_layout(model, Layout(dims(4, tensor=4)))
 
 
 def GPT_like(**fields):

@@ -103,8 +103,9 @@ class ResNet50(nn.Module):
         return x
 
     def repeated_blocks(self) -> list[nn.Module]:
-        """The 16 bottleneck blocks: what activation checkpointing wraps."""
-        return [m for m in self.modules() if isinstance(m, Bottleneck)]
+        """The 16 bottleneck blocks (as their groups hold them): what activation checkpointing
+        wraps."""
+        return [block for group in self.pipeline_layers()[1:-1] for block in group]
 
     def pipeline_layers(self) -> list[nn.Module]:
         """``[stem, layer1, layer2, layer3, layer4, head]``, in forward order."""

@@ -4,11 +4,13 @@ Training memory is dominated by *saved activations*: every op stores the inputs 
 needs until backward runs. Two ways to trade compute for that memory, both applied to a model
 from outside (torchtitan style; this module never imports a model class):
 
-* :func:`apply_activation_checkpointing`: a checkpointed block keeps only its input; its inside
+* :func:`apply_activation_checkpointing`: a checkpointed block (one of the model's
+  ``repeated_blocks()``) keeps only its input; its inside
   is recomputed during backward. Per GPT block (fp32, no dropout) the saved activations drop from
   about ``16·B·T·C`` elements (ln_1 in, qkv in, q/k/v, attention out = proj in, ln_2 in, fc
   in, 4C gelu in, 4C proj in; plus O(B·T) norm statistics) to ``B·T·C``: a factor of ~16.
-* :func:`use_recompute_attention`: attention through :class:`MemoryEfficientAttention`, which
+* :func:`use_recompute_attention`: attention (via the model's ``swap_attention``) through
+  :class:`MemoryEfficientAttention`, which
   saves q, k, v, the output and the per-row log-sum-exp ``L = m + log Σ exp(s - m)`` and
   rebuilds ``P = exp(QKᵀ/√d − L)`` block by block in backward (FlashAttention's recipe), so the
   T×T matrix is never stored: saved bytes grow like ``T`` instead of ``T²``.
@@ -19,7 +21,6 @@ hooks, attributed to the innermost module running when each tensor was saved.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -32,6 +33,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
+
+from llmlab.parallel.contracts import AttentionSwappable, HasRepeatedBlocks, require
 
 # ----------------------------------------------------------------------------- attention
 
@@ -158,26 +161,14 @@ def memory_efficient_attention(
 # ------------------------------------------------------------- applying to a model
 
 
-def _swap_attention(model: nn.Module, attention: Callable[..., Tensor], tag: str) -> int:
-    """Replace ``attention`` in every module's ``ops`` table (a dataclass such as
-    ``llmlab.models.ops.Ops``); returns how many modules changed."""
-    swapped = 0
-    for module in model.modules():
-        ops = getattr(module, "ops", None)
-        if ops is None or not dataclasses.is_dataclass(ops) or not hasattr(ops, "attention"):
-            continue
-        changes: dict[str, Any] = {"attention": attention}
-        if hasattr(ops, "name"):
-            base = str(ops.name).split("+")[0]
-            changes["name"] = f"{base}+{tag}"
-        module.ops = dataclasses.replace(ops, **changes)
-        swapped += 1
-    if swapped == 0:
-        raise ValueError(
-            f"{type(model).__name__} has no module with an `ops` table that has an `attention` "
-            "entry; nothing to swap (see llmlab.models.ops.Ops)"
-        )
-    return swapped
+def _swap_attention(model: nn.Module, attention: Callable[..., Tensor], what: str) -> int:
+    """Route every attention of ``model`` through ``attention`` (the ``swap_attention``
+    contract); returns how many modules changed, and refuses a model where that is none."""
+    swap = require(model, AttentionSwappable, what).swap_attention
+    changed = swap(lambda _previous: attention)
+    if changed == 0:
+        raise ValueError(f"{what}: {type(model).__name__}.swap_attention changed no module")
+    return changed
 
 
 def use_recompute_attention(model: nn.Module, block_size: int = 128) -> int:
@@ -190,16 +181,17 @@ def use_recompute_attention(model: nn.Module, block_size: int = 128) -> int:
     ) -> Tensor:
         return memory_efficient_attention(q, k, v, causal, dropout_p, block_size)
 
-    return _swap_attention(model, attention, "recompute")
+    return _swap_attention(model, attention, "recompute attention")
 
 
 def use_math_attention(model: nn.Module) -> int:
     """Route the model's attention through :func:`math_attention` (the quadratic baseline)."""
-    return _swap_attention(model, math_attention, "math")
+    return _swap_attention(model, math_attention, "math attention")
 
 
 def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> list[int]:
-    """Checkpoint every ``every``-th block of ``model.blocks``, in place; returns their indices.
+    """Checkpoint every ``every``-th of the model's ``repeated_blocks()``, in place; returns
+    their indices (blocks already wrapped are left as they are and not counted).
 
     Blocks are counted from 1 as torchtitan does (``every=2`` wraps blocks 1, 3, ... 0-based).
     The wrapper is PyTorch's ``checkpoint_wrapper`` (non-reentrant): its state-dict hooks drop
@@ -209,21 +201,40 @@ def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> list[int
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"activation checkpointing `every` must be a positive integer, "
                          f"got {every!r}")  # fmt: skip
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList | nn.Sequential):
+    blocks = require(model, HasRepeatedBlocks, "activation checkpointing").repeated_blocks()
+    if not blocks:
         raise ValueError(
-            f"{type(model).__name__} has no `blocks` ModuleList to checkpoint "
-            f"(found {type(blocks).__name__})"
+            f"{type(model).__name__}.repeated_blocks() is empty: nothing to checkpoint"
         )
+    parents = _parents_of(model, blocks)
     wrapped = []
-    for i in range(len(blocks)):
-        if (i + 1) % every != 0 or _is_checkpointed(blocks[i]):
+    for i, block in enumerate(blocks):
+        if (i + 1) % every != 0 or _is_checkpointed(block):
             continue
-        blocks[i] = checkpoint_wrapper(
-            blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True
+        parent, name = parents[id(block)]
+        setattr(
+            parent,
+            name,
+            checkpoint_wrapper(
+                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True
+            ),
         )
         wrapped.append(i)
     return wrapped
+
+
+def _parents_of(model: nn.Module, modules: Sequence[nn.Module]) -> dict[int, tuple[nn.Module, str]]:
+    """``id(module) -> (parent, attribute name)`` for each of ``modules`` inside ``model``."""
+    wanted = {id(m) for m in modules}
+    found: dict[int, tuple[nn.Module, str]] = {}
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if id(child) in wanted:
+                found.setdefault(id(child), (parent, name))
+    missing = [i for i, m in enumerate(modules) if id(m) not in found]
+    if missing:
+        raise ValueError(f"repeated_blocks() {missing} are not submodules of the model")
+    return found
 
 
 def _is_checkpointed(module: nn.Module) -> bool:

@@ -7,7 +7,7 @@
 """
 
 from llmlab.parallel.pipeline.engine import PipelineEngine, StepResult
-from llmlab.parallel.pipeline.grads import GradientReducer, clip_grad_norm_global
+from llmlab.parallel.pipeline.grads import GradientReducer
 from llmlab.parallel.pipeline.partition import balanced_boundaries, split_ranges
 from llmlab.parallel.pipeline.schedules import (
     SCHEDULES,
@@ -24,13 +24,18 @@ from llmlab.parallel.pipeline.simulator import (
     check_programs,
     simulate,
 )
-from llmlab.parallel.pipeline.stage import StageModules, build_tie_groups, cut_stage
+from llmlab.parallel.pipeline.stage import (
+    StageModules,
+    build_tie_groups,
+    cut_stage,
+    prune_to_stage,
+)
 from llmlab.parallel.pipeline.timeline import measured_bubble, plot_timeline
 
 
 def __getattr__(name: str):
     # The strategy pulls in Lightning (seconds to import); schedules and the engine do not need it.
-    if name in ("PipelineStrategy", "prune_to_stage"):
+    if name == "PipelineStrategy":
         from llmlab.parallel.pipeline import strategy
 
         return getattr(strategy, name)
@@ -53,7 +58,6 @@ __all__ = [
     "balanced_boundaries",
     "build_tie_groups",
     "check_programs",
-    "clip_grad_norm_global",
     "cut_stage",
     "measured_bubble",
     "plot_timeline",

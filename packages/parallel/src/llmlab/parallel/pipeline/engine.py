@@ -5,12 +5,9 @@ The engine holds this rank's model chunks and, during a step, four small maps ke
 input-gradients to send. An entry is dropped as soon as its backward has run, so the memory a
 schedule keeps alive is exactly what the simulator counts.
 
-Transfers are ``isend``/``irecv`` between the ranks of one pipeline. Sends are not waited for
-until the end of the step (so a stage never blocks on a send); a receive blocks. Every message
-has a tag built from (kind, micro-batch, virtual stage), so on gloo a receive can only match its
-own send; NCCL ignores tags and matches by order, which our schedules keep consistent.
-Activation shapes are exchanged once per (boundary, micro-batch shape) and cached; gradients have
-the shape of the output they belong to, which the receiver already knows.
+Transfers go through :class:`~llmlab.parallel.pipeline.transport.Transport` (tags, shape
+headers, posted receives). Sends are not waited for until the end of the step (so a stage never
+blocks on a send); a receive blocks.
 
 Receives are posted one compute ahead (on gloo): before a forward or backward starts, the
 receives that the *next* forward or backward needs are already posted. This matters because
@@ -37,18 +34,7 @@ from torch import Tensor, nn
 
 from llmlab.parallel.pipeline.schedules import Instruction, Op, schedule
 from llmlab.parallel.pipeline.simulator import TimelineEvent
-
-_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.bool,
-    torch.uint8,
-]
-_HEADER_LEN = 10  # [dtype code, ndim, *shape] padded; activations of up to 8 dimensions
+from llmlab.parallel.pipeline.transport import Tag, Transport
 
 
 @dataclass
@@ -124,6 +110,7 @@ class PipelineEngine:
         record_timeline: bool = False,
         measure_memory: bool = False,
         prefetch_receives: bool | None = None,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
@@ -134,6 +121,7 @@ class PipelineEngine:
         if len(self.ranks) != num_stages:
             raise ValueError(f"ranks {self.ranks} must list one rank per stage ({num_stages})")
         self.loss_fn = loss_fn
+        self.scale_loss = scale_loss
         self.group = group
         self.reduce_grads = reduce_grads
         self.optimizer_step = optimizer_step
@@ -150,7 +138,7 @@ class PipelineEngine:
             prefetch_receives = dist.is_initialized() and dist.get_backend(group) == "gloo"
         self.prefetch_receives = prefetch_receives
         _preload_lazy_autograd_imports()
-        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self.transport = Transport(stage, self.ranks, group, self.device)
         self._dispatch: dict[Op, Callable[[Instruction], None]] = {
             Op.LOAD_MICROBATCH: self._load,
             Op.RECV_ACTIVATION: self._recv_activation,
@@ -230,13 +218,12 @@ class PipelineEngine:
         self._grads_out: dict[tuple[int, int], Tensor | None] = {}
         self._losses: list[Tensor] = []
         self._collected: list[Tensor] = []
-        self._pending: list[tuple[Any, Tensor]] = []
-        self._mailbox: dict[int, Tensor] = {}  # transfers between two chunks of this same rank
-        self._posted: dict[tuple[Op, int, int], tuple[Any, Tensor]] = {}  # receives in flight
-        self._headers: dict[tuple, tuple[Any, Tensor]] = {}  # shape headers in flight
+        self.transport.begin_step(self._last_vs() + 1, m, self._signature)
         prefetch = self._prefetch_plan(program) if self.prefetch_receives else {}
         if self.prefetch_receives:
-            self._post_headers(program)
+            for ins in program:  # a header has a fixed size: it can wait from the start
+                if ins.op is Op.RECV_ACTIVATION:
+                    self.transport.post_header(ins.peer, ins.virtual_stage, ins.microbatch)
         self._in_flight = 0
         self._peak_in_flight = 0
         self._meter.current = self._meter.peak = 0
@@ -261,12 +248,7 @@ class PipelineEngine:
                         end - origin,
                     )
                 )
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
-        if self._posted or self._headers:
-            unused = sorted([*self._posted, *self._headers], key=str)
-            raise RuntimeError(f"stage {self.stage}: receives posted but never used: {unused}")
+        self.transport.end_step()
         leftover = set(self._outputs) | set(self._inputs) if train else set()
         if leftover:
             raise RuntimeError(f"stage {self.stage}: activations never released: {leftover}")
@@ -308,6 +290,8 @@ class PipelineEngine:
                 loss = self.loss_fn(out, target)
                 self._losses.append(loss.detach())
                 out = loss / self._m  # backward of the mean over micro-batches
+                if self.scale_loss is not None:  # e.g. fp16's dynamic loss scale
+                    out = self.scale_loss(out)
         if not self._train:
             self._inputs.pop(key, None)
             if ins.virtual_stage != self._last_vs():
@@ -329,20 +313,7 @@ class PipelineEngine:
             self._grads_out[key] = x.grad if x is not None else None
         self._in_flight -= 1
 
-    def _isend(self, tensor: Tensor, peer: int, tag: int) -> None:
-        if peer == self.stage:  # interleaved on one rank: a chunk feeds the next chunk locally
-            self._mailbox[tag] = tensor
-            return
-        work = dist.isend(tensor, self.ranks[peer], group=self.group, tag=tag)
-        self._pending.append((work, tensor))
-
-    def _recv_into(self, buf: Tensor, peer: int, tag: int) -> Tensor:
-        if peer == self.stage:
-            return self._mailbox.pop(tag).clone()
-        dist.irecv(buf, self.ranks[peer], group=self.group, tag=tag).wait()
-        return buf
-
-    # ------------------------------------------------------------ posted receives
+    # ------------------------------------------------------------------ transfers
     def _prefetch_plan(self, program: Sequence[Instruction]) -> dict[int, list[Instruction]]:
         """Program index of each forward/backward -> the receives of the compute after it.
 
@@ -363,91 +334,29 @@ class PipelineEngine:
                 plan.setdefault(current, []).append(ins)
         return plan
 
-    def _post_headers(self, program: Sequence[Instruction]) -> None:
-        """Post the shape-header receive of every boundary this step meets for the first time.
-
-        A header has a fixed size, so it can wait from the start of the step; the activation's
-        own receive still needs the header's shape first.
-        """
-        for ins in program:
-            boundary = (ins.virtual_stage, self._signature)
-            if (
-                ins.op is Op.RECV_ACTIVATION
-                and ins.peer != self.stage
-                and boundary not in self._shapes
-                and boundary not in self._headers
-            ):
-                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-                tag = self._tag(2, ins, ins.virtual_stage)
-                work = dist.irecv(header, self.ranks[ins.peer], group=self.group, tag=tag)
-                self._headers[boundary] = (work, header)
-
     def _receive_shape(self, ins: Instruction) -> tuple[torch.Size, torch.dtype] | None:
         """What ``ins`` will receive, if this rank knows it yet: an activation's shape once its
         boundary's header has been received, a gradient's once its forward has run."""
         if ins.op is Op.RECV_ACTIVATION:
-            return self._shapes.get((ins.virtual_stage, self._signature))
+            return self.transport.known_activation_shape(ins.virtual_stage)
         out = self._outputs.get((ins.chunk, ins.microbatch))
         return (out.shape, out.dtype) if out is not None else None
 
     def _post_receive(self, ins: Instruction) -> None:
-        """Post ``ins``'s ``irecv`` now, unless already posted or its shape is not known yet."""
-        key = (ins.op, ins.chunk, ins.microbatch)
-        if key in self._posted:
-            return
         shape = self._receive_shape(ins)
-        if shape is None:
-            return
-        buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
-        kind = 0 if ins.op is Op.RECV_ACTIVATION else 1
-        tag = self._tag(kind, ins, ins.virtual_stage)
-        work = dist.irecv(buf, self.ranks[ins.peer], group=self.group, tag=tag)
-        self._posted[key] = (work, buf)
-
-    def _take_receive(self, ins: Instruction) -> Tensor:
-        """The data of receive ``ins``: from this rank's mailbox, or its (possibly prefetched)
-        ``irecv``, waited for here, at the last moment."""
-        if ins.peer == self.stage:
-            kind = 0 if ins.op is Op.RECV_ACTIVATION else 1
-            return self._mailbox.pop(self._tag(kind, ins, ins.virtual_stage)).clone()
-        key = (ins.op, ins.chunk, ins.microbatch)
-        if key not in self._posted:
-            self._post_receive(ins)
-        work, buf = self._posted.pop(key)
-        work.wait()
-        return buf
-
-    def _tag(self, kind: int, ins: Instruction, receiving_vs: int) -> int:
-        return (kind * (self._last_vs() + 2) + receiving_vs) * (self._m + 1) + ins.microbatch
+        if shape is not None:
+            kind = Tag.ACTIVATION if ins.op is Op.RECV_ACTIVATION else Tag.GRADIENT
+            self.transport.post(kind, ins.peer, ins.virtual_stage, ins.microbatch, shape)
 
     def _send_activation(self, ins: Instruction) -> None:
         key = (ins.chunk, ins.microbatch)
         out = self._outputs[key] if self._train else self._outputs.pop(key)
-        tensor = out.detach().contiguous()
-        boundary = (ins.virtual_stage + 1, self._signature)
-        if boundary not in self._shapes:
-            # the receiver learns the shape from a header, once; a chunk of this same rank
-            # shares this cache and needs none
-            self._shapes[boundary] = (tensor.shape, tensor.dtype)
-            if ins.peer != self.stage:
-                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-                header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-                header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-                self._isend(header, ins.peer, self._tag(2, ins, boundary[0]))
-        self._isend(tensor, ins.peer, self._tag(0, ins, ins.virtual_stage + 1))
+        self.transport.send_activation(out, ins.peer, ins.virtual_stage + 1, ins.microbatch)
 
     def _recv_activation(self, ins: Instruction) -> None:
-        boundary = (ins.virtual_stage, self._signature)
-        if boundary not in self._shapes:
-            if boundary in self._headers:
-                work, header = self._headers.pop(boundary)
-                work.wait()
-            else:
-                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-                header = self._recv_into(header, ins.peer, self._tag(2, ins, ins.virtual_stage))
-            dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-            self._shapes[boundary] = (torch.Size(header[2 : 2 + ndim].tolist()), dtype)
-        buf = self._take_receive(ins)
+        vs, mb = ins.virtual_stage, ins.microbatch
+        shape = self.transport.activation_shape(ins.peer, vs, mb)
+        buf = self.transport.take(Tag.ACTIVATION, ins.peer, vs, mb, shape)
         if self._train and buf.is_floating_point():
             buf.requires_grad_(True)
         self._inputs[(ins.chunk, ins.microbatch)] = buf
@@ -459,10 +368,13 @@ class PipelineEngine:
                 f"stage {self.stage}: no gradient reached the input of virtual stage "
                 f"{ins.virtual_stage}; every pipeline layer must use its input differentiably"
             )
-        self._isend(grad.contiguous(), ins.peer, self._tag(1, ins, ins.virtual_stage - 1))
+        self.transport.send_gradient(grad, ins.peer, ins.virtual_stage - 1, ins.microbatch)
 
     def _recv_grad(self, ins: Instruction) -> None:
-        self._grads_in[(ins.chunk, ins.microbatch)] = self._take_receive(ins)
+        out = self._outputs[(ins.chunk, ins.microbatch)]
+        self._grads_in[(ins.chunk, ins.microbatch)] = self.transport.take(
+            Tag.GRADIENT, ins.peer, ins.virtual_stage, ins.microbatch, (out.shape, out.dtype)
+        )
 
     def _reduce_grads(self, ins: Instruction) -> None:
         if self.reduce_grads is not None:

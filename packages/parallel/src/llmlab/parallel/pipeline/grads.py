@@ -1,4 +1,4 @@
-"""Gradient bookkeeping across stages: tied weights, data parallelism, the global norm.
+"""Gradient bookkeeping across stages: tied weights and data parallelism.
 
 Tied weights: GPT ties its input embedding to its LM head. When those layers land on different
 stages, each stage holds a copy of the one weight and computes half of its gradient, so the two
@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
+
+from llmlab.parallel.buffers import all_reduce_mean_
 
 
 def find_tied_parameters(layers: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
@@ -43,13 +45,16 @@ class GradientReducer:
 
     ``tied``: (parameter, group of the stages that hold it) for each tied weight this rank holds
     and shares with another stage. ``data_group`` of size ``data_size`` > 1 averages every
-    gradient (one flat bucket, like DDP's, to keep the message count small).
+    gradient (one flat buffer, like DDP's bucket, to keep the message count small).
+    ``tied_bytes`` / ``data_bytes`` count what was reduced since the last ``reset_counts``.
     """
 
     params: list[nn.Parameter]
     tied: list[tuple[nn.Parameter, dist.ProcessGroup]] = field(default_factory=list)
     data_group: dist.ProcessGroup | None = None
     data_size: int = 1
+    tied_bytes: int = 0
+    data_bytes: int = 0
 
     def __call__(self) -> None:
         for p in self.params:
@@ -57,57 +62,10 @@ class GradientReducer:
                 p.grad = torch.zeros_like(p)
         for p, group in self.tied:
             dist.all_reduce(p.grad, group=group)
-        if self.data_size > 1 and self.params:
+            self.tied_bytes += p.grad.numel() * p.grad.element_size()
+        if self.data_size > 1:
             grads = [p.grad for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.data_group)
-            flat /= self.data_size
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            self.data_bytes += all_reduce_mean_(grads, self.data_group, self.data_size)
 
-
-def global_grad_norm(
-    params: Sequence[nn.Parameter],
-    pipeline_group: dist.ProcessGroup | None,
-    exclude: Sequence[nn.Parameter] = (),
-    norm_type: float = 2.0,
-) -> Tensor:
-    """The norm of the whole model's gradient, from the stages' pieces.
-
-    ``exclude``: copies of tied weights held by a non-owning stage, so each weight counts once.
-    Gradients are already equal across data-parallel replicas, so only the pipeline group sums.
-    """
-    skip = {id(p) for p in exclude}
-    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
-    device = params[0].device if params else torch.device("cpu")
-    if norm_type == float("inf"):
-        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
-        local = local.to(device, torch.float32)
-        if pipeline_group is not None:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pipeline_group)
-        return local
-    local = torch.zeros((), device=device, dtype=torch.float32)
-    for g in grads:
-        local += g.detach().float().norm(norm_type) ** norm_type
-    if pipeline_group is not None:
-        dist.all_reduce(local, group=pipeline_group)
-    return local ** (1.0 / norm_type)
-
-
-def clip_grad_norm_global(
-    params: Sequence[nn.Parameter],
-    max_norm: float,
-    pipeline_group: dist.ProcessGroup | None,
-    exclude: Sequence[nn.Parameter] = (),
-    norm_type: float = 2.0,
-) -> Tensor:
-    """Scale every stage's gradients by ``min(1, max_norm / global_norm)`` (as
-    ``torch.nn.utils.clip_grad_norm_`` does on one process); returns the global norm."""
-    total = global_grad_norm(params, pipeline_group, exclude, norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
-    return total
+    def reset_counts(self) -> None:
+        self.tied_bytes = self.data_bytes = 0

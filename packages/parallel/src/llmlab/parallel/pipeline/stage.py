@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from llmlab.parallel.pipeline.grads import find_tied_parameters
 from llmlab.parallel.pipeline.partition import local_virtual_stages, split_ranges
@@ -90,3 +91,54 @@ def build_tie_groups(
             if me in ranks:
                 groups[t] = group
     return [(param, groups[t]) for param, t in modules.tied_local]
+
+
+def prune_to_stage(model: nn.Module, keep: Sequence[nn.Module]) -> int:
+    """Replace every parameter and buffer of ``model`` that no module in ``keep`` uses by a
+    storage-less ``meta`` tensor of the same shape; returns the parameters actually held.
+
+    The module tree, names and shapes stay those of the unsplit model, so code that only reads
+    metadata (``numel()`` for a FLOP count, the task's grouping of parameters by module type)
+    still works; the memory goes. A tied weight used by a kept layer survives under every name
+    it has, and a dropped tied weight stays tied (one placeholder per original tensor).
+    """
+    keep_params = {id(p) for m in keep for p in m.parameters()}
+    keep_buffers = {id(b) for m in keep for b in m.buffers()}
+    placeholders: dict[int, Tensor] = {}
+
+    def placeholder(t: Tensor, param: bool) -> Tensor:
+        if id(t) not in placeholders:
+            empty = torch.empty_like(t, device="meta")
+            placeholders[id(t)] = nn.Parameter(empty, t.requires_grad) if param else empty
+        return placeholders[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in keep_params:
+                module._parameters[name] = placeholder(p, True)
+        for name, b in list(module._buffers.items()):
+            if b is not None and id(b) not in keep_buffers:
+                module._buffers[name] = placeholder(b, False)
+    return held_parameter_count(model)
+
+
+def held_parameter_count(model: nn.Module) -> int:
+    """Parameters with storage on this rank (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters() if not p.is_meta)
+
+
+def move_held_tensors(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for the tensors this rank holds, leaving ``meta`` placeholders
+    (which cannot be copied) alone and keeping tied parameters tied."""
+    moved: dict[int, Tensor] = {}
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in list(store.items()):
+                if t is None or t.is_meta or t.device == device:
+                    continue
+                if id(t) not in moved:
+                    data = t.data.to(device)
+                    moved[id(t)] = (
+                        nn.Parameter(data, t.requires_grad) if isinstance(t, nn.Parameter) else data
+                    )
+                store[name] = moved[id(t)]

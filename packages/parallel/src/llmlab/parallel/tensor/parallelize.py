@@ -17,19 +17,24 @@ dropout, residual adds) live in sequence shards (B, T/tp, d):
   all-reduced over the tensor-parallel group (a gradient hook, so a plain training loop works);
 * dropout draws from the per-rank stream (``TensorParallelRNG``), as it does inside attention.
 
-Divisibility (heads, hidden size, vocabulary) is checked for the whole plan before any module is
-touched, with a message that names the numbers.
+Divisibility is checked for the whole plan before any module is touched, with a message that
+names the numbers: the model's own ``tensor_parallel_divisors()`` (heads, KV heads, hidden size,
+vocabulary) and every sharded layer's dimension.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from llmlab.parallel.contracts import (
+    AttentionSwappable,
+    TensorParallelShardable,
+    tensor_parallel_problems,
+)
 from llmlab.parallel.tensor import collectives as C
 from llmlab.parallel.tensor.collectives import Group
 from llmlab.parallel.tensor.layers import (
@@ -87,21 +92,16 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
         raise ValueError(f"tensor-parallel size must be a positive integer, got {tp!r}")
     resolved = resolve_plan(model, plan)
     problems: list[str] = []
+    if isinstance(model, TensorParallelShardable):  # whole heads, KV heads, vocab: by name
+        problems += tensor_parallel_problems(model.tensor_parallel_divisors(), tp)
     for name, style in resolved.items():
         module = model.get_submodule(name)
-        parent, parent_name, _ = _parent(model, name)
         if style == "colwise":
             if not isinstance(module, nn.Linear):
                 raise TypeError(
                     f"{name}: 'colwise' needs an nn.Linear, got {type(module).__name__}"
                 )
-            heads = getattr(parent, "local_heads", None)
-            if heads is not None and heads % tp:
-                problems.append(
-                    f"{parent_name}: {heads} attention heads are not divisible by tensor-parallel "
-                    f"size {tp} (each rank must hold whole heads)"
-                )
-            elif module.out_features % tp:
+            if module.out_features % tp:
                 problems.append(
                     f"{name}: out_features={module.out_features} (hidden size) is not divisible "
                     f"by tensor-parallel size {tp}"
@@ -195,7 +195,7 @@ def parallelize(
     for parent_name in region_parents:
         parent = model.get_submodule(parent_name) if parent_name else model
         parent.register_forward_pre_hook(_gather_first_input(group))
-    _fork_attention_dropout(model, resolved, rng)
+    _fork_attention_dropout(model, rng)
     if sequence_parallel:
         _apply_sequence_parallel(model, resolved, entry_modules, group, rng)
     model.tensor_parallel = info
@@ -216,21 +216,10 @@ def _gather_first_input(group: Group):
     return hook
 
 
-def _fork_attention_dropout(
-    model: nn.Module, resolved: dict[str, str], rng: TensorParallelRNG
-) -> None:
-    """Attention's dropout acts on this rank's heads: run its op under the per-rank stream."""
-    for name, style in resolved.items():
-        if style != "colwise":
-            continue
-        parent, _, _ = _parent(model, name)
-        ops = getattr(parent, "ops", None)
-        if (
-            hasattr(parent, "local_heads")
-            and dataclasses.is_dataclass(ops)
-            and hasattr(ops, "attention")
-        ):
-            parent.ops = dataclasses.replace(ops, attention=forked(ops.attention, rng))
+def _fork_attention_dropout(model: nn.Module, rng: TensorParallelRNG) -> None:
+    """Attention's dropout acts on this rank's heads: run it under the per-rank stream."""
+    if isinstance(model, AttentionSwappable):
+        model.swap_attention(lambda attention: forked(attention, rng))
 
 
 def _apply_sequence_parallel(

@@ -1,0 +1,87 @@
+"""The gradient norm of the whole model, from whatever pieces of it this rank holds.
+
+Every layout splits the model differently: tensor parallelism shards a weight across the tensor
+group but *replicates* norms and biases there; pipeline parallelism puts layers on different
+stages and keeps a copy of a tied weight (GPT's embedding = LM head) on two of them; ZeRO cuts the
+flat gradient into data-parallel shards. The single-process norm counts each parameter once, so
+each piece gets a weight -- the share of its parameter it stands for -- and one sum over the
+groups that split the model gives the same number on every rank:
+
+    ‖g‖² = Σ_groups Σ_pieces w · ‖piece‖²,   w = 1 for a shard, 1/n for a copy held by n ranks
+                                               of a summed group, 0 for a tied duplicate.
+
+Weights are exact powers of two for n = 2, 4, 8, so the sum is as exact as the single-process one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
+
+
+def piece_weights(
+    params: Sequence[nn.Parameter], tensor_size: int, duplicates: Iterable[nn.Parameter] = ()
+) -> list[float]:
+    """The weight of each parameter of this rank in a norm summed over the tensor group.
+
+    A tensor-parallel shard stands for itself (1); a parameter replicated on the ``tensor_size``
+    ranks of the tensor group for a ``1/tensor_size`` share; a copy of a tied weight held by a
+    stage that does not own it for nothing (0).
+    """
+    skip = {id(p) for p in duplicates}
+    weights = []
+    for p in params:
+        if id(p) in skip:
+            weights.append(0.0)
+        elif hasattr(p, SHARD_DIM_ATTR):
+            weights.append(1.0)
+        else:
+            weights.append(1.0 / tensor_size)
+    return weights
+
+
+def global_grad_norm(
+    grads: Sequence[Tensor | None],
+    weights: Sequence[float],
+    groups: Iterable[dist.ProcessGroup | None] = (),
+    norm_type: float = 2.0,
+) -> Tensor:
+    """The norm of the whole model's gradient (a collective over every group in ``groups``).
+
+    ``grads[i]`` is this rank's piece with weight ``weights[i]`` (``None``: no gradient, skipped);
+    ``groups``: the groups whose ranks hold different pieces (tensor, pipeline, data under ZeRO),
+    each summed once. Every rank gets the same value.
+    """
+    groups = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
+    present = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None and w > 0]
+    device = present[0][0].device if present else _device_of(grads)
+    if norm_type == float("inf"):
+        local = torch.zeros((), device=device, dtype=torch.float32)
+        for g, _ in present:
+            local = torch.maximum(local, g.detach().abs().max().float())
+        for group in groups:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    for g, w in present:
+        total += w * g.detach().double().norm(norm_type) ** norm_type
+    for group in groups:
+        dist.all_reduce(total, group=group)
+    return (total ** (1.0 / norm_type)).float()
+
+
+def clip_by_total_norm_(grads: Iterable[Tensor | None], total: Tensor, max_norm: float) -> None:
+    """Scale ``grads`` by ``min(1, max_norm / (total + 1e-6))``, as ``clip_grad_norm_`` does."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        if g is not None:
+            g.detach().mul_(coef.to(g.device, g.dtype))
+
+
+def _device_of(grads: Sequence[Tensor | None]) -> torch.device:
+    return next((g.device for g in grads if g is not None), torch.device("cpu"))

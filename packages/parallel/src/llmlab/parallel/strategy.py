@@ -1,0 +1,571 @@
+"""``NDParallelStrategy``: data × pipeline × tensor parallelism on one mesh, as one Lightning
+strategy (registered as ``"nd"``; ``strategy=pipeline`` and ``strategy=tensor`` are presets).
+
+Layout: ``world_size = data × pipeline × tensor`` (``llmlab.parallel.mesh``: tensor innermost,
+then pipeline, then data), checked before the process group starts. In ``setup`` the strategy
+builds the process groups and hands the task's plain model to
+:func:`~llmlab.parallel.parallelize.parallelize_model`, which shards it (tensor, sequence),
+applies the memory transforms, keeps this rank's pipeline stage and converts its precision. Then,
+every optimizer step:
+
+* **forward and backward.** With ``pipeline == 1`` they are the task's own (Lightning's
+  ``training_step`` and backward on the sharded model). With ``pipeline > 1`` the strategy owns
+  the step: a schedule (naive, gpipe, 1f1b, interleaved) runs the micro-batches through the
+  stages; the gradients it computes are kept aside and handed back in ``backward`` (Lightning
+  zeroes gradients between the two), scaled by the precision plugin's loss scale.
+* **gradient reduction**, once per optimizer step (not on accumulation micro-batches): tied
+  weights summed over the stages that hold a copy, then every gradient averaged over the data
+  group with one flat all-reduce. Sequence-parallel parameters are reduced over the tensor group
+  by their own hooks during backward.
+* **clipping** by the norm of the whole model (:mod:`llmlab.parallel.norm`): shards summed over
+  the tensor group, stages over the pipeline group, each parameter counted once; the same norm is
+  what ``train/grad_norm`` logs (``global_grad_norm``).
+* **accounting**: ``comm/tp_bytes`` (every tensor-parallel collective's payload), ``comm/pp_bytes``
+  (activations and gradients sent to other stages, plus the tied-weight all-reduce) and
+  ``comm/dp_bytes`` (the gradient all-reduce), per optimizer step and rank; ``pipeline/bubble``
+  from a recorded timeline every ``timeline_every_n_steps``.
+* **checkpoints** are consolidated (:mod:`llmlab.parallel.consolidate`): the unsplit model's
+  weights, optimizer state and fp32 master weights by parameter name, so a checkpoint from any
+  layout loads into a plain model or resumes in any other layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from llmlab.parallel import consolidate
+from llmlab.parallel.buffers import all_reduce_mean_
+from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
+from llmlab.parallel.norm import clip_by_total_norm_, global_grad_norm, piece_weights
+from llmlab.parallel.parallelize import (
+    Layout,
+    ModelTransforms,
+    ParallelModel,
+    check_layout,
+    parallelize_model,
+)
+from llmlab.parallel.pipeline.engine import PipelineEngine
+from llmlab.parallel.pipeline.schedules import validate_schedule_args
+from llmlab.parallel.pipeline.stage import move_held_tensors
+from llmlab.parallel.pipeline.timeline import gather_events, measured_bubble, plot_timeline
+from llmlab.parallel.pipeline.transport import broadcast_tensor
+from llmlab.parallel.tensor.accounting import CommLedger, record_into
+
+log = logging.getLogger(__name__)
+
+
+class _PipelinedForward(nn.Module):
+    """Stands in for ``module.model`` during validation: ``forward(x)`` runs the forward-only
+    schedule and returns the last stage's output on every rank of the pipeline."""
+
+    def __init__(self, run: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self._run = run
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._run(x)
+
+
+class NDParallelStrategy(DDPStrategy):
+    """Data × pipeline × tensor parallelism of ``lightning_module.<model_attribute>``.
+
+    ``data``: optional, inferred as ``world_size / (pipeline × tensor)`` and checked if given.
+    ``pipeline``, ``schedule`` ("naive", "gpipe", "1f1b", "interleaved"), ``microbatches``,
+    ``virtual_stages`` (interleaved: chunks per rank, default 2), ``boundaries`` (first layer
+    index of every virtual stage after the first; default: balanced by parameter count).
+    ``tensor``, ``sequence_parallel``. ``transforms``: memory options (``ModelTransforms`` or
+    its config mapping). ``timeline_every_n_steps``: how often a pipeline records its timeline,
+    logs ``pipeline/bubble`` and (rank 0) draws the Gantt chart; 0 turns it off.
+    """
+
+    strategy_name = "nd"
+
+    def __init__(
+        self,
+        data: int | None = None,
+        pipeline: int = 1,
+        tensor: int = 1,
+        sequence_parallel: bool = False,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        virtual_stages: int | None = None,
+        boundaries: Sequence[int] | None = None,
+        transforms: ModelTransforms | Mapping[str, Any] | None = None,
+        model_attribute: str = "model",
+        timeline_every_n_steps: int = 50,
+        timeline_dir: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        for name, value in (("pipeline", pipeline), ("tensor", tensor), ("data", data)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"strategy.{name} must be a positive integer, got {value!r}")
+        if microbatches is None:
+            microbatches = 4 if pipeline > 1 else 1
+        if virtual_stages is None:
+            virtual_stages = 2 if schedule == "interleaved" else 1
+        validate_schedule_args(schedule, pipeline, microbatches, virtual_stages)
+        if sequence_parallel and tensor == 1:
+            raise ValueError("strategy.sequence_parallel=true needs strategy.tensor > 1")
+        self.data = data
+        self.pipeline = pipeline
+        self.tensor = tensor
+        self.sequence_parallel = bool(sequence_parallel)
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.virtual_stages = virtual_stages
+        self.boundaries = tuple(boundaries) if boundaries is not None else None
+        self.transforms = ModelTransforms.from_config(transforms)
+        self.model_attribute = model_attribute
+        self.timeline_every_n_steps = timeline_every_n_steps
+        self.timeline_dir = timeline_dir
+        self._groups: ProcessGroups | None = None
+        self.parallel: ParallelModel | None = None
+        self._engine: PipelineEngine | None = None
+        self._kept_grads: list[tuple[nn.Parameter, Tensor]] = []
+        self._sync_grads = True
+        self._ledger = CommLedger()
+        self._dp_bytes = 0
+        self._pp_bytes = 0  # tied-weight all-reduce; the transport counts activations/gradients
+        self.last_comm: dict[str, float] = {}
+        self.last_bubble: float | None = None
+
+    # ------------------------------------------------------------------- layout
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout for this world size; fails naming the numbers when they do not fit."""
+        dims = ParallelDims.infer(self.world_size, pipeline=self.pipeline, tensor=self.tensor)
+        if self.data is not None and self.data != dims.data:
+            raise ValueError(
+                f"data ({self.data}) × pipeline ({self.pipeline}) × tensor ({self.tensor}) = "
+                f"{self.data * self.pipeline * self.tensor}, but the world size is "
+                f"{self.world_size}; set data={dims.data} or change trainer.devices / num_nodes"
+            )
+        return dims
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(
+            self.dims,
+            self.sequence_parallel,
+            self.schedule,
+            self.microbatches,
+            self.virtual_stages,
+            self.boundaries,
+        )
+
+    @property
+    def groups(self) -> ProcessGroups:
+        if self._groups is None:
+            raise RuntimeError(f"{type(self).__name__}.setup has not run yet")
+        return self._groups
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data-parallel replicas only: every pipeline stage and tensor rank of one replica
+        reads the same batch."""
+        dims = self.dims
+        return {"num_replicas": dims.data, "rank": dims.coords(self.global_rank)[0]}
+
+    @property
+    def stage_index(self) -> int:
+        return self.dims.coords(self.global_rank)[1]
+
+    @property
+    def local_param_count(self) -> int:
+        """Parameters this rank holds (a tied weight once)."""
+        return self.parallel.held_parameter_count if self.parallel is not None else 0
+
+    def setup_environment(self) -> None:
+        _ = self.dims  # fail before the process group starts when the layout cannot fit
+        super().setup_environment()
+
+    # -------------------------------------------------------------------- setup
+    def _target_model(self) -> nn.Module:
+        module = self.lightning_module
+        model = getattr(module, self.model_attribute, None)
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"{type(module).__name__} has no module attribute {self.model_attribute!r}; "
+                f"{type(self).__name__} parallelizes lightning_module.<model_attribute>"
+            )
+        return model
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        layout = self.layout
+        model = self._target_model()
+        check_layout(
+            model, layout, getattr(getattr(trainer, "datamodule", None), "batch_size", None)
+        )
+        self._groups = build_process_groups(layout.dims)
+        self.model_to_device()
+        self.parallel = parallelize_model(
+            model,
+            layout,
+            self._groups,
+            self.transforms,
+            convert_precision=self.precision_plugin.convert_module,
+            seed=torch.initial_seed(),
+        )
+        module = self.lightning_module
+        if self.parallel.loss_fn is not None:
+            module.loss_fn = self.parallel.loss_fn
+        self.model_to_device()
+        if self.parallel.stage is not None:
+            self._engine = self._build_engine()
+        log.info(
+            "nd layout %s: rank %d at (dp, pp, tp)=%s holds %d parameters; applied %s",
+            layout.dims, self.global_rank, self._groups.coords, self.local_param_count,
+            self.parallel.applied,
+        )  # fmt: skip
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            held = {id(p) for p in self.parallel.params}
+            for optimizer in self.optimizers:  # other stages' placeholders are not ours
+                for group in optimizer.param_groups:
+                    group["params"] = [p for p in group["params"] if id(p) in held]
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._wire_precision_plugin()
+
+    def _build_engine(self) -> PipelineEngine:
+        assert self.parallel is not None and self.parallel.stage is not None
+        dims, (dp, pp, tp) = self.dims, self.groups.coords
+        module = self.lightning_module
+        plugin = self.precision_plugin
+        scale = getattr(plugin, "scale_loss", None)
+        return PipelineEngine(
+            self.parallel.stage.chunks,
+            pp,
+            dims.pipeline,
+            ranks=[dims.rank_of(dp, s, tp) for s in range(dims.pipeline)],
+            loss_fn=lambda out, target: module.loss_fn(out, target),
+            group=self.groups.pipeline,
+            device=self.root_device,
+            scale_loss=scale if callable(scale) else None,
+        )
+
+    def _wire_precision_plugin(self) -> None:
+        """Clipping (and fp32 master weights in checkpoints) must see the whole model."""
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        if getattr(plugin, "masters", None) is not None and not getattr(plugin, "_nd_wired", 0):
+            local_state, local_load = plugin.state_dict, plugin.load_state_dict
+            plugin.state_dict = lambda: self._master_state(local_state())  # type: ignore[method-assign]
+            plugin.load_state_dict = lambda s: local_load(self._local_master_state(s))  # type: ignore[method-assign]
+            plugin._nd_wired = 1  # type: ignore[attr-defined]
+
+    def configure_ddp(self) -> None:  # no DDP wrapper: gradients are reduced in ``backward``
+        pass
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        move_held_tensors(self.model, self.root_device)
+
+    def teardown(self) -> None:
+        """Lightning's teardown, except that the module goes back to the CPU tensor by tensor
+        (``module.cpu()`` cannot copy the other stages' ``meta`` placeholders)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None:
+            move_held_tensors(self.lightning_module, torch.device("cpu"))
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # ---------------------------------------------------------------- training
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient-accumulation micro-batches: accumulate locally, reduce nothing."""
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = True
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with record_into(self._ledger):
+            if self._engine is None:
+                return super().training_step(*args, **kwargs)
+            return self._pipelined_training_step(args[0] if args else kwargs["batch"])
+
+    def _pipelined_training_step(self, batch: Any) -> Tensor:
+        assert self._engine is not None and self.parallel is not None
+        inputs, targets = (
+            (batch["input"], batch["target"]) if isinstance(batch, Mapping) else batch[:2]
+        )
+        step = self.lightning_module.trainer.global_step
+        record = self.timeline_every_n_steps > 0 and step % self.timeline_every_n_steps == 0
+        self._engine.record_timeline = record
+        # The schedule accumulates into .grad; what is there now belongs to Lightning (the
+        # previous step's gradients, cleared by the zero_grad that follows this training_step,
+        # or earlier batches of an accumulation window), so set it aside and put it back.
+        params = self.parallel.params
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            result = self._engine.train_step(inputs, targets, self.microbatches, self.schedule)
+        self._kept_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for p, grad in zip(params, previous, strict=True):
+            p.grad = grad
+        loss = self._pipeline_loss(result.loss)
+        self.lightning_module.log("train/loss", loss, prog_bar=True, sync_dist=False)
+        if record:
+            self._log_timeline(result.events, step)
+        return loss
+
+    def _pipeline_loss(self, loss: Tensor | None) -> Tensor:
+        """The last stage's loss on every rank, averaged over data-parallel replicas."""
+        value = torch.zeros((), device=self.root_device, dtype=torch.float32)
+        if loss is not None:
+            value += loss.detach().float()
+        dims = self.dims
+        dist.broadcast(value, self._engine.ranks[-1], group=self.groups.pipeline)  # type: ignore[union-attr]
+        if dims.data > 1:
+            dist.all_reduce(value, group=self.groups.data)
+            value /= dims.data
+        return value
+
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        module = self.lightning_module
+        with record_into(self._ledger):
+            if self._engine is None:
+                closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            else:  # no autograd here: restore what the schedule computed in training_step
+                self.pre_backward(closure_loss)
+                closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+                accumulate = max(1, int(module.trainer.accumulate_grad_batches))
+                for p, grad in self._kept_grads:
+                    grad = grad / accumulate if accumulate > 1 else grad
+                    p.grad = grad if p.grad is None else p.grad + grad
+                self._kept_grads = []
+                closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+                self.post_backward(closure_loss)
+        if self._sync_grads:
+            self.reduce_gradients()
+        return closure_loss
+
+    def reduce_gradients(self) -> None:
+        """Once per optimizer step: tied copies summed over their stages, then every gradient
+        averaged over the data group (one flat all-reduce)."""
+        assert self.parallel is not None
+        params = self.parallel.params
+        for p in params:
+            if p.grad is None:  # every rank must contribute the same layout
+                p.grad = torch.zeros_like(p)
+        for p, group in self.parallel.tied:
+            dist.all_reduce(p.grad, group=group)
+            self._pp_bytes += p.grad.numel() * p.grad.element_size()
+        if self.dims.data > 1:
+            self._dp_bytes += all_reduce_mean_([p.grad for p in params], self.groups.data)
+
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Any, model: Any = None, **kw: Any
+    ) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kw)
+        self._log_comm()
+        return out
+
+    def _log_comm(self) -> None:
+        ledger = self._ledger
+        pp = self._pp_bytes
+        if self._engine is not None:
+            pp += self._engine.transport.bytes_sent
+            self._engine.transport.bytes_sent = 0
+        self.last_comm = {
+            "comm/tp_bytes": float(ledger.total_bytes),
+            "comm/tp_wire_bytes": float(ledger.total_wire_bytes),
+            **{f"comm/tp_{kind}_bytes": float(v) for kind, v in ledger.totals().items()},
+            "comm/pp_bytes": float(pp),
+            "comm/dp_bytes": float(self._dp_bytes),
+        }
+        ledger.clear()
+        self._dp_bytes = self._pp_bytes = 0
+        trainer = self.lightning_module.trainer
+        if self.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_metrics(self.last_comm, step=trainer.global_step)
+
+    # ----------------------------------------------------------- gradient norm
+    def _norm_pieces(self, optimizer: Optimizer) -> tuple[list[Tensor | None], list[float]]:
+        """This rank's gradients (the optimizer's: fp32 masters where a plugin keeps them) and
+        each one's share of the whole model (see :mod:`llmlab.parallel.norm`)."""
+        assert self.parallel is not None
+        params = list(self.precision_plugin.main_params(optimizer))
+        model_param = self._model_param_of()
+        owners = [model_param.get(id(p), p) for p in params]
+        weights = piece_weights(owners, self.dims.tensor, self.parallel.duplicates)
+        return [p.grad for p in params], weights
+
+    def _model_param_of(self) -> dict[int, nn.Parameter]:
+        """``id(master) -> model parameter`` for plugins with fp32 master weights."""
+        masters = getattr(self.precision_plugin, "masters", None)
+        if masters is None:
+            return {}
+        return {id(m): p for p, m in zip(masters.model_params, masters.masters, strict=True)}
+
+    def global_grad_norm(self, optimizer: Optimizer) -> Tensor:
+        """The whole model's gradient norm, identical on every rank (a collective)."""
+        grads, weights = self._norm_pieces(optimizer)
+        return global_grad_norm(grads, weights, (self.groups.tensor, self.groups.pipeline))
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        grads, weights = self._norm_pieces(optimizer)
+        total = global_grad_norm(grads, weights, (self.groups.tensor, self.groups.pipeline))
+        clip_by_total_norm_(grads, total, float(clip_val))
+
+    # -------------------------------------------------------------- validation
+    def _pipelined_forward(self, inputs: Tensor) -> Tensor:
+        assert self._engine is not None
+        m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
+        result = self._engine.eval_step(inputs, None, m, self.schedule)
+        output = result.output.float() if result.output is not None else None
+        return broadcast_tensor(
+            output, self._engine.ranks[-1], self.groups.pipeline, self.root_device
+        )
+
+    @contextmanager
+    def _model_replaced(self) -> Generator[None, None, None]:
+        if self._engine is None:
+            yield
+            return
+        module = self.lightning_module
+        real = getattr(module, self.model_attribute)
+        setattr(module, self.model_attribute, _PipelinedForward(self._pipelined_forward))
+        try:
+            yield
+        finally:
+            setattr(module, self.model_attribute, real)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._model_replaced():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._model_replaced():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._model_replaced():
+            return super().predict_step(*args, **kwargs)
+
+    # ---------------------------------------------------------------- timeline
+    def _log_timeline(self, events: list, step: int) -> None:
+        pipeline = self.dims.pipeline
+        merged = gather_events(events, self.groups.pipeline)
+        self.last_bubble = measured_bubble(merged, pipeline)
+        self.lightning_module.log("pipeline/bubble", self.last_bubble, sync_dist=False)
+        if not self.is_global_zero:
+            return
+        out_dir = Path(self.timeline_dir or self.lightning_module.trainer.default_root_dir)
+        path = plot_timeline(
+            merged,
+            pipeline,
+            out_dir / "timelines" / f"pipeline-step{step:06d}.png",
+            title=f"{self.schedule} p={pipeline} m={self.microbatches} step {step}",
+        )
+        logger = self.lightning_module.trainer.logger
+        if logger is not None and hasattr(logger, "log_image"):
+            try:
+                logger.log_image("pipeline/timeline", [str(path)], step=step)
+            except Exception as err:  # a disabled or offline logger must not stop training
+                log.warning("could not log the pipeline timeline: %s", err)
+
+    # -------------------------------------------------------------- checkpoints
+    def _split(self) -> bool:
+        return self.parallel is not None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unsplit model's state dict, full tensors (a collective)."""
+        module = self.lightning_module
+        if not self._split():
+            return module.state_dict()
+        named = consolidate.named_state(module)
+        return consolidate.gather_full(named, self.groups.tensor, self.groups.pipeline)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Full weights: loaded as they are before ``setup``, sliced to this rank after."""
+        module = self.lightning_module
+        full = checkpoint["state_dict"]
+        if not self._split():
+            module.load_state_dict(full, strict=strict)
+            return
+        named = consolidate.named_state(module)
+        slices = consolidate.local_slices(full, named, self.groups.tensor, strict=strict)
+        consolidate.load_local_(named, slices)
+
+    def _param_info(self) -> dict[int, tuple[str, int | None]]:
+        """``id(optimizer parameter) -> (state-dict name, shard dim)``, masters included."""
+        module = self.lightning_module
+        info: dict[int, tuple[str, int | None]] = {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            info.setdefault(id(t), (name, consolidate.shard_dim(t)))
+        for master_id, p in self._model_param_of().items():
+            info[master_id] = info[id(p)]
+        return info
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._split():
+            return optimizer.state_dict()
+        return consolidate.optimizer_state(
+            optimizer, self._param_info(), self.groups.tensor, self.groups.pipeline
+        )
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            if saved.get("format") == consolidate.FORMAT:
+                consolidate.load_optimizer_state(
+                    optimizer, saved, self._param_info(), self.groups.tensor
+                )
+            else:
+                optimizer.load_state_dict(saved)
+            _optimizers_to_device([optimizer], self.root_device)
+
+    def _master_named(self) -> dict[str, tuple[Tensor, int | None]]:
+        info = self._param_info()
+        masters = self.precision_plugin.masters  # type: ignore[attr-defined]
+        return {info[id(m)][0]: (m, info[id(m)][1]) for m in masters.masters}
+
+    def _master_state(self, local: dict[str, Any]) -> dict[str, Any]:
+        """The plugin's state with its fp32 masters consolidated by name (a collective)."""
+        full = consolidate.gather_full(
+            self._master_named(), self.groups.tensor, self.groups.pipeline
+        )
+        return {**{k: v for k, v in local.items() if k != "masters"}, "masters_by_name": full}
+
+    def _local_master_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        if "masters_by_name" not in state:
+            return state
+        named = self._master_named()
+        slices = consolidate.local_slices(state["masters_by_name"], named, self.groups.tensor)
+        masters = [slices[name] for name in named]
+        return {**{k: v for k, v in state.items() if k != "masters_by_name"}, "masters": masters}
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="llmlab data × pipeline × tensor parallelism"
+        )
+
+
+if "nd" not in StrategyRegistry:
+    NDParallelStrategy.register_strategies(StrategyRegistry)
