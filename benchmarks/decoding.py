@@ -4,8 +4,11 @@ A random-initialised 5.4M-parameter GPT-2 (4 layers, d=256, 4 heads, vocab 8192)
 ``transformers`` and loaded into ``llmlab.models.GPT`` with ``GPT.from_hf_gpt2``. Each case
 generates 256 new tokens (no eos, so every run does the same work) at batch 1 and 8, and
 reports new tokens per second (batch x 256 / best CPU time), llmlab over HF. Greedy outputs are
-checked to be identical. Speculative decoding uses the target's own first block as the draft
-(layer skipping: same embeddings and head) and is compared with llmlab greedy.
+checked to be identical. Greedy also runs with ``generate(..., compile=True)`` (the static-shape
+decode step through ``torch.compile``; compile time reported in the notes, not in the rate),
+against HF and against llmlab's uncompiled path, with the same tokens. Speculative decoding uses
+the target's own first block as the draft (layer skipping: same embeddings and head) and is
+compared with llmlab greedy.
 
 Run: ``.venv/bin/python -m benchmarks.decoding`` (``--quick`` for a smoke run). One intra-op
 thread for both sides (on a shared 2-core machine extra threads mostly spin, see
@@ -35,6 +38,26 @@ def best_of(fn, repeats: int = 2, warmup: int = 0) -> float:
     while wall time mostly measures the queue.
     """
     return common_best_of(fn, repeats, warmup, clock=time.process_time)
+
+
+def compiled_rows(ours, ids, cfg, tokens, t_hf, t_eager, compile_seconds) -> list[Row]:
+    """Greedy through the compiled decode step: against HF generate and the eager path."""
+    from llmlab.decoding import generate
+
+    start = time.perf_counter()
+    first = generate(ours, ids, cfg, compile=True)  # compiles (static shapes: this length)
+    compile_seconds[ids.shape[0]] = time.perf_counter() - start
+    same = torch.equal(first, generate(ours, ids, cfg))
+    t = best_of(lambda: generate(ours, ids, cfg, compile=True), repeats=2, warmup=0)
+    batch = ids.shape[0]
+    common = dict(unit="new tokens/s", extra={"identical": same})
+    print(f"  greedy compiled, batch {batch}: {tokens / t:.0f} tok/s")
+    return [
+        Row(f"greedy compile=True, batch {batch}", tokens / t, tokens / t_hf, "HF generate",
+            target=2.0 if batch == 1 else None, **common),
+        Row(f"greedy compile=True / eager, batch {batch}", tokens / t, tokens / t_eager,
+            "llmlab greedy, uncompiled", **common),
+    ]  # fmt: skip
 
 
 def build_models():
@@ -93,6 +116,7 @@ def main() -> None:
     ]
     rows: list[Row] = []
     identical = True
+    compile_seconds: dict[int, float] = {}
     with torch.no_grad():
         for name, batch, fields in cases:
             ids = torch.randint(0, 8192, (batch, PROMPT_LEN), generator=g)
@@ -124,6 +148,9 @@ def main() -> None:
                 )
             )
             print(f"  {rows[-1].name}: llmlab {tokens / t_ours:.0f} tok/s, HF {tokens / t_hf:.0f}")
+            if name == "greedy":
+                rows += compiled_rows(ours, ids, cfg, tokens, t_hf, t_ours, compile_seconds)
+                identical &= rows[-1].extra["identical"]
 
         # speculative: layer-skip draft (the target's first block), k = 4, greedy, batch 1
         ids = torch.randint(0, 8192, (1, PROMPT_LEN), generator=g)
@@ -149,7 +176,9 @@ def main() -> None:
                 },
             )
         )
+    compiled = ", ".join(f"batch {b}: {t:.0f} s" for b, t in compile_seconds.items())
     notes = (
+        f"compile=True: first call (compilation) {compiled} wall time, excluded from the rate. "
         f"{new_tokens} new tokens, prompt {PROMPT_LEN}, GPT-2 4x256 vocab 8192 (random init), "
         f"1 thread, best CPU time of {repeats}. Greedy/speculative tokens identical to HF/plain: "
         f"{identical}. Speculative acceptance rate {stats.acceptance_rate:.2f} "

@@ -97,6 +97,26 @@ def test_sample_cli_rejects_bad_settings_before_work(checkpoint, capsys):
     assert "top_p" in capsys.readouterr().err
     assert sample_main([f"ckpt={path}", "prompt=R", "temprature=1"]) == 2
     assert "unknown setting 'temprature'" in capsys.readouterr().err
-    assert sample_main([f"ckpt={path}", "prompt=R", "max_new_tokens=100"]) == 2
+    args = [f"ckpt={path}", "prompt=R", "max_new_tokens=100", "sliding_window=null"]
+    assert sample_main(args) == 2
     assert "block_size=32" in capsys.readouterr().err
+    assert sample_main([f"ckpt={path}", "prompt=R", "sliding_window=64"]) == 2
+    assert "sliding_window=64 exceeds the model's block_size=32" in capsys.readouterr().err
     assert sample_main(["ckpt=/nonexistent.ckpt"]) == 2
+
+
+def test_sample_cli_slides_past_the_context_by_default(checkpoint, capsys):
+    """100 new tokens from a block_size=32 model: the default sliding window keeps going, and
+    the text equals nanoGPT's loop (crop to the last block_size tokens, full forward, argmax)."""
+    path, _ = checkpoint
+    assert (
+        sample_main([f"ckpt={path}", "prompt=ROMEO:", "do_sample=false", "max_new_tokens=100"]) == 0
+    )
+    printed = capsys.readouterr().out.rstrip("\n")
+    model, tok = load_checkpoint(str(path))
+    seq = torch.tensor([tok.encode("ROMEO:")])
+    with torch.no_grad():
+        for _ in range(100):
+            logits = model(seq[:, -32:])[:, -1]
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    assert printed == tok.decode(seq[0].tolist()).rstrip("\n")

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from llmlab.models import GPT, GPTConfig
-from llmlab.train.telemetry import GPU_PEAK_FLOPS, TrainingTelemetry, mfu
+from llmlab.train.telemetry import (
+    GPU_PEAK_FLOPS,
+    TrainingTelemetry,
+    cached_cpu_peak_flops,
+    measure_cpu_peak_flops,
+    mfu,
+)
 
 GPT2_SMALL = dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 
@@ -57,11 +63,19 @@ def test_mfu_rejects_a_missing_peak():
         mfu(1.0, 1.0, 0.0)
 
 
+def csv_rows(root) -> list[dict[str, str]]:
+    import csv
+
+    with open(root / "csv" / "version_0" / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def test_telemetry_logs_every_metric_in_a_real_fit(tmp_path):
     """tokens/s, samples/s, MFU, LR, grad norm and peak memory each step of a Lightning fit;
     MFU equals the formula applied to the logged throughput; grad norm equals torch's
     ``clip_grad_norm_`` total norm of the same gradients (pre-clipping)."""
     import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
 
     from llmlab.train.task import CausalLMTask
 
@@ -88,7 +102,7 @@ def test_telemetry_logs_every_metric_in_a_real_fit(tmp_path):
         accelerator="cpu",
         devices=1,
         max_steps=3,
-        logger=False,
+        logger=CSVLogger(tmp_path, name="csv", version=0),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -112,3 +126,72 @@ def test_telemetry_logs_every_metric_in_a_real_fit(tmp_path):
         assert metrics["train/lr"] == pytest.approx([5e-4, 1e-3, 1e-3][step], rel=1e-6)
         assert metrics["train/grad_norm"] == pytest.approx(norms[step], rel=1e-5)
         assert metrics["sys/peak_memory_mb"] > 10  # a Python process with torch loaded
+    logged = [r for r in csv_rows(tmp_path) if r.get("perf/peak_flops")]
+    assert [float(r["perf/peak_flops"]) for r in logged] == [peak]  # once, the MFU denominator
+
+
+def test_mfu_counts_the_whole_model_when_the_strategy_shards_it(tmp_path):
+    """A strategy that keeps only part of the model on this rank (as pipeline stages and ZeRO-3
+    shards do) runs ``setup`` after the callbacks' ``setup``: MFU must use the whole model's
+    FLOPs per token, read before the strategy touched it."""
+    import lightning as L
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from llmlab.train.task import CausalLMTask
+
+    class KeepFirstBlock(SingleDeviceStrategy):
+        def setup(self, trainer):
+            self.lightning_module.model.blocks = self.lightning_module.model.blocks[:1]
+            super().setup(trainer)
+
+    cfg = dict(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    task = CausalLMTask(model=cfg, warmup_steps=1, max_steps=2)
+    whole = task.model.flops_per_token()
+    seen: list[dict[str, float]] = []
+
+    class Spy(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    data = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:])), batch_size=4)
+    peak = 1e9
+    trainer = L.Trainer(
+        strategy=KeepFirstBlock(device=torch.device("cpu")),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TrainingTelemetry(peak_flops_per_device=peak), Spy()],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(task, loader)
+    local = task.model.flops_per_token()
+    assert local < 0.6 * whole  # control: the strategy really shrank the local model
+    for metrics in seen:
+        assert metrics["train/mfu"] == pytest.approx(
+            metrics["train/tokens_per_sec"] * whole / peak, rel=1e-5
+        )
+
+
+def test_peak_probe_keeps_the_best_rate_this_machine_has_shown(tmp_path, monkeypatch):
+    """The cached peak only moves up: a probe taken while the cores are busy (low) does not
+    lower the MFU denominator; a better one raises it. One entry per machine key."""
+    import json
+
+    monkeypatch.setenv("LLMLAB_CACHE_DIR", str(tmp_path))
+    assert cached_cpu_peak_flops(measured=1e9) == 1e9
+    assert cached_cpu_peak_flops(measured=4e8) == 1e9  # a busy moment
+    assert cached_cpu_peak_flops(measured=2e9) == 2e9
+    cache = json.loads((tmp_path / "peak_flops.json").read_text())
+    assert list(cache.values()) == [2e9]
+    assert "threads" in next(iter(cache))
+    (tmp_path / "peak_flops.json").write_text("not json")  # a damaged cache loses only history
+    assert cached_cpu_peak_flops(measured=3e8) == 3e8
+
+
+def test_peak_probe_measures_a_plausible_matmul_rate():
+    # Any CPU that runs this suite does between 0.1 and 10,000 GFLOP/s in fp32 matmul.
+    rate = measure_cpu_peak_flops(sizes=(256,), rounds=2, repeats=2, pause=0.0)
+    assert 1e8 < rate < 1e13

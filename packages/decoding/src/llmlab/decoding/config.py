@@ -47,6 +47,11 @@ class GenerationConfig:
     num_assistant_tokens: int = 4
     # exhaustive search: refuse when vocab_size ** max_new_tokens exceeds this
     max_exhaustive_candidates: int = 200_000
+    # generation past the model's context (greedy and sampling): the model sees at most
+    # sliding_window tokens; when full, the context restarts at the last
+    # sliding_window - window_stride + 1 tokens, re-encoded (stride 1: nanoGPT's crop)
+    sliding_window: int | None = None
+    window_stride: int = 1
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -183,6 +188,22 @@ class GenerationConfig:
         )
         for s in self.stop_string_list:
             need(isinstance(s, str) and s != "", f"stop_strings must be non-empty strings: {s!r}")
+        if self.sliding_window is not None:
+            need(
+                is_int(self.sliding_window) and self.sliding_window >= 2,
+                f"sliding_window must be None or an integer >= 2 (the model's context, e.g. "
+                f"its block_size), got {self.sliding_window!r}",
+            )
+            need(
+                is_int(self.window_stride) and 1 <= self.window_stride < self.sliding_window,
+                f"window_stride must be an integer in [1, sliding_window - 1 = "
+                f"{self.sliding_window - 1}], got {self.window_stride!r}",
+            )
+            need(
+                strategy in ("greedy", "sample"),
+                f"sliding_window works with greedy decoding and sampling, not "
+                f"strategy={strategy!r}",
+            )
         need(
             is_int(self.num_assistant_tokens) and self.num_assistant_tokens >= 1,
             f"num_assistant_tokens must be an integer >= 1, got {self.num_assistant_tokens!r}",

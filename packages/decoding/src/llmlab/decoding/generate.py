@@ -52,12 +52,16 @@ def generate(
     *,
     tokenizer: Any = None,
     draft_model: Any = None,
+    compile: bool = False,
     **overrides: Any,
 ) -> Tensor:
     """Continue ``input_ids`` (B, P) with ``model`` as ``config`` says; see the module docstring.
 
     ``overrides`` replace config fields (``generate(m, ids, max_new_tokens=5)``).
     ``tokenizer`` is needed for ``stop_strings``; ``draft_model`` selects speculative decoding.
+    ``compile=True`` (greedy and sampling) runs each one-token step through
+    ``torch.compile(model.decode_step)`` with static shapes: the same tokens, less per-step
+    overhead once compiled (the first call compiles, later calls reuse the graph).
     """
     config = config or GenerationConfig()
     if overrides:
@@ -68,6 +72,12 @@ def generate(
     config.validate()
     _check_inputs(input_ids, attention_mask)
     strategy = config.resolved_strategy(has_draft=draft_model is not None)
+    if compile and strategy not in ("greedy", "sample"):
+        raise ValueError(
+            f"compile=True works with greedy decoding and sampling, not strategy={strategy!r}"
+        )
+    if compile and not config.use_cache:
+        raise ValueError("compile=True compiles the cached decode step; it needs use_cache=True")
     if strategy == "speculative" and draft_model is None:
         raise ValueError("strategy='speculative' needs generate(..., draft_model=small_model)")
     if streamer is not None:
@@ -103,7 +113,15 @@ def generate(
             )
         else:
             out = decode_one_by_one(
-                model, ids, config, mask, streamer, tokenizer, generator, strategy == "sample"
+                model,
+                ids,
+                config,
+                mask,
+                streamer,
+                tokenizer,
+                generator,
+                strategy == "sample",
+                compile=compile,
             )
     if streamer is not None:
         streamer.end()

@@ -11,12 +11,28 @@ any model honouring the contract, cached or not:
 
 The runner also keeps the running attention mask (left padding), extending it by ones as tokens
 arrive; a batch without padding passes no mask at all, so the model keeps its fused causal path.
+
+Two options change *how* the tokens reach the model, never which tokens come out:
+
+* ``window``/``stride`` (sliding window, for generating past the model's context): the model
+  sees at most ``window`` tokens. When the next feed would overflow, the context restarts at the
+  last ``window - stride + 1`` tokens and is re-encoded from scratch (a fresh prefill: with
+  learned absolute positions every kept token changes position, so no cached key is valid).
+  ``stride=1`` is nanoGPT's ``idx[:, -block_size:]``: always the last ``window`` tokens, one
+  full forward per new token; a larger stride re-encodes every ``stride`` tokens and decodes
+  from the cache in between (the context then varies between ``window - stride + 1`` and
+  ``window`` tokens). :func:`window_start` is the rule, for the runner and its tests alike.
+* ``compile``: one-token steps go through the model's static-shape ``decode_step`` (the
+  :class:`StaticDecodable` contract) compiled with ``torch.compile``: the preallocated cache is
+  written at a tensor index and attended over in full under a key mask, so no shape changes
+  from step to step and a single graph serves the whole generation. Prefills stay eager.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import weakref
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -30,6 +46,48 @@ def _accepts(fn: Any, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+@runtime_checkable
+class StaticDecodable(Protocol):
+    """What ``compile=True`` needs from a model besides the decoding contract.
+
+    ``decode_step(input_ids (B, 1), cache, index (1,), positions (B, 1), key_mask (B, max_len))
+    -> logits (B, 1, V)``: write the new token's keys/values into cache slot ``index`` and attend
+    over every slot where ``key_mask`` is True; shapes never depend on the step.
+    """
+
+    def decode_step(
+        self, input_ids: Tensor, cache: Any, index: Tensor, positions: Tensor, key_mask: Tensor
+    ) -> Tensor: ...
+
+
+# One compiled step per model object: a second ``generate`` call reuses the graph.
+_COMPILED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def compiled_decode_step(model: Any) -> Any:
+    """``torch.compile(model.decode_step)`` (static shapes, whole graph), cached per model."""
+    if not isinstance(model, StaticDecodable):
+        raise ValueError(
+            f"compile=True needs a model with a static-shape decode_step(input_ids, cache, index, "
+            f"positions, key_mask); {type(model).__name__} has none (llmlab.models.GPT has)"
+        )
+    step = _COMPILED.get(model)
+    if step is None:
+        step = torch.compile(model.decode_step, dynamic=False, fullgraph=True)
+        _COMPILED[model] = step
+    return step
+
+
+def window_start(start: int, total: int, window: int | None, stride: int = 1) -> int:
+    """Where the model's context begins once it holds tokens ``[start, total)``.
+
+    Unchanged while at most ``window`` tokens; otherwise the last ``window - stride + 1``.
+    """
+    if window is None or total - start <= window:
+        return start
+    return total - (window - stride + 1)
+
+
 class ModelRunner:
     """Incremental forward passes over a batch of ``batch_size`` rows of at most ``max_len``."""
 
@@ -40,17 +98,33 @@ class ModelRunner:
         max_len: int,
         use_cache: bool = True,
         attention_mask: Tensor | None = None,
+        window: int | None = None,
+        stride: int = 1,
+        compile: bool = False,
     ) -> None:
+        """``max_len``: the longest sequence this runner will see (prompt + new tokens); with a
+        ``window`` the cache only ever holds ``min(max_len, window)`` tokens."""
         self.model = model
         self.use_cache = use_cache
-        self.cache = model.new_cache(batch_size, max_len) if use_cache else None
+        self.window, self.stride = window, stride
+        cache_len = max_len if window is None else min(max_len, window)
+        self.cache = model.new_cache(batch_size, cache_len) if use_cache else None
         forward = getattr(model, "forward", model)
         self._keep_logits = _accepts(forward, "logits_to_keep")
         if attention_mask is not None and bool(attention_mask.bool().all()):
             attention_mask = None  # no padding: the plain causal path is exact and faster
         self.mask = attention_mask.long() if attention_mask is not None else None
-        self.tokens: Tensor | None = None  # the full sequence, only kept when uncached
-        self.length = 0
+        # The full sequence: needed without a cache, and to re-encode a sliding window.
+        self.keep_tokens = not use_cache or window is not None
+        self.tokens: Tensor | None = None
+        self.total = 0  # tokens fed so far
+        self.start = 0  # first token of the model's current context (sliding window)
+        self.step = compiled_decode_step(model) if compile and use_cache else None
+
+    @property
+    def length(self) -> int:
+        """Tokens in the model's current context (what its cache holds)."""
+        return self.total - self.start
 
     def feed(self, new_ids: Tensor, keep: int = 1) -> Tensor:
         """Run ``new_ids`` (N, T); return float32 logits (N, keep, V) of the last ``keep`` tokens.
@@ -58,20 +132,53 @@ class ModelRunner:
         The mask given at construction covers the first call's tokens; later tokens are real.
         """
         T = new_ids.shape[1]
-        if self.mask is not None and self.mask.shape[1] < self.length + T:
-            pad = self.mask.new_ones(self.mask.shape[0], self.length + T - self.mask.shape[1])
+        total = self.total + T
+        if self.mask is not None and self.mask.shape[1] < total:
+            pad = self.mask.new_ones(self.mask.shape[0], total - self.mask.shape[1])
             self.mask = torch.cat([self.mask, pad], dim=1)
-        mask = self.mask[:, : self.length + T] if self.mask is not None else None
+        if self.keep_tokens:
+            self.tokens = new_ids if self.tokens is None else torch.cat([self.tokens, new_ids], 1)
+        start = window_start(self.start, total, self.window, self.stride)
+        if not self.use_cache or start != self.start:
+            # No cache, or the window slid: (re-)encode the whole context from scratch.
+            if self.cache is not None:
+                self.cache.crop(0)
+            self.start = start
+            logits = self._forward(self.tokens[:, start:total], total, keep)
+        elif self.step is not None and T == 1 and self.total > 0:
+            logits = self._static_step(new_ids)
+        else:
+            logits = self._forward(new_ids, total, keep)
+        self.total = total
+        return logits[:, -keep:].float()
+
+    def _forward(self, ids: Tensor, total: int, keep: int) -> Tensor:
+        """Eager forward of ``ids``, the tokens up to ``total`` not yet in the cache."""
+        mask = self.mask[:, self.start : total] if self.mask is not None else None
         kwargs: dict[str, Any] = {"attention_mask": mask}
         if self._keep_logits:
             kwargs["logits_to_keep"] = keep
-        if self.use_cache:
-            logits = self.model(new_ids, cache=self.cache, **kwargs)
+        if self.cache is not None:
+            return self.model(ids, cache=self.cache, **kwargs)
+        return self.model(ids, **kwargs)
+
+    def _static_step(self, new_ids: Tensor) -> Tensor:
+        """One token through the compiled ``decode_step``; the cache advances here."""
+        cache, n = self.cache, self.length
+        if n >= cache.max_len:
+            raise ValueError(f"KV cache overflow: {n + 1} tokens do not fit in {cache.max_len}")
+        rows = new_ids.shape[0]
+        key_mask = torch.zeros(rows, cache.max_len, dtype=torch.bool, device=new_ids.device)
+        if self.mask is not None:
+            key_mask[:, : n + 1] = self.mask[:, self.start : self.total + 1].bool()
+            positions = key_mask.sum(-1, keepdim=True) - 1  # real tokens before, as HF
         else:
-            self.tokens = new_ids if self.tokens is None else torch.cat([self.tokens, new_ids], 1)
-            logits = self.model(self.tokens, **kwargs)
-        self.length += T
-        return logits[:, -keep:].float()
+            key_mask[:, : n + 1] = True
+            positions = torch.full((rows, 1), n, dtype=torch.long, device=new_ids.device)
+        index = torch.tensor([n], device=new_ids.device)
+        logits = self.step(new_ids, cache, index, positions, key_mask)
+        cache.advance(1)
+        return logits
 
     def reorder(self, rows: Tensor) -> None:
         """Keep (or repeat) rows ``rows`` of the batch, e.g. the parents of the surviving beams."""
@@ -84,8 +191,10 @@ class ModelRunner:
 
     def crop(self, length: int) -> None:
         """Forget everything after ``length`` tokens (speculative decoding's rejected drafts)."""
+        if self.start:
+            raise ValueError("crop after the sliding window moved is not supported")
         if self.cache is not None:
             self.cache.crop(length)
         if self.tokens is not None:
             self.tokens = self.tokens[:, :length]
-        self.length = length
+        self.total = length

@@ -30,14 +30,29 @@ def decode_one_by_one(
     tokenizer: Any = None,
     generator: torch.Generator | None = None,
     sample: bool | None = None,
+    compile: bool = False,
 ) -> Tensor:
-    """Greedy (``sample=False``) or ancestral sampling (``sample=True``) for every row."""
+    """Greedy (``sample=False``) or ancestral sampling (``sample=True``) for every row.
+
+    ``compile``: one-token steps through the model's compiled static-shape ``decode_step``
+    (see ``llmlab.decoding.runner``); ``config.sliding_window`` lets generation run past the
+    model's context.
+    """
     sample = config.do_sample if sample is None else sample
     N, P = input_ids.shape
     pad = config.effective_pad_token_id
     processors = build_processors(config, P, attention_mask, sampling=sample)
     stop = StopCondition(config.eos_token_ids, config.stop_string_list, tokenizer)
-    runner = ModelRunner(model, N, P + config.max_new_tokens, config.use_cache, attention_mask)
+    runner = ModelRunner(
+        model,
+        N,
+        P + config.max_new_tokens,
+        config.use_cache,
+        attention_mask,
+        window=config.sliding_window,
+        stride=config.window_stride,
+        compile=compile,
+    )
 
     out = torch.empty(N, P + config.max_new_tokens, dtype=torch.long, device=input_ids.device)
     out[:, :P] = input_ids

@@ -198,6 +198,20 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class _SlotWriter:
+    """The cache seen by ``GPT.decode_step``: writes the new key/value at a tensor index and
+    hands back the whole preallocated buffers (static shapes, no Python-int slicing)."""
+
+    def __init__(self, cache: KVCache, index: Tensor) -> None:
+        self.cache, self.index = cache, index
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys.index_copy_(2, self.index, k)
+        values.index_copy_(2, self.index, v)
+        return keys, values
+
+
 class GPT(nn.Module):
     """Decoder-only transformer; ``forward(input_ids) -> logits`` of shape (B, T, vocab)."""
 
@@ -259,6 +273,26 @@ class GPT(nn.Module):
             cache.advance(T)
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
+        return self.head(x)
+
+    def decode_step(
+        self, input_ids: Tensor, cache: KVCache, index: Tensor, positions: Tensor, key_mask: Tensor
+    ) -> Tensor:
+        """One decoding step with static shapes, for ``torch.compile`` (and CUDA graphs).
+
+        ``input_ids`` and ``positions``: (B, 1); ``index``: a 1-element LongTensor, the cache slot
+        to write (the same for every row); ``key_mask``: (B, max_len) bool, True for the cached
+        keys each row may see (its own new slot included). Every layer attends over all
+        ``max_len`` slots of the preallocated cache with that mask, so no shape depends on how
+        far decoding has got: one compiled graph serves every step. Returns logits (B, 1, V);
+        the caller advances the cache. Same maths as ``forward`` with the cache (the masked
+        slots contribute exact zeros to the softmax).
+        """
+        x = self.embed.drop(self.embed.wte(input_ids) + self.embed.wpe(positions))
+        slots = _SlotWriter(cache, index)
+        mask = key_mask[:, None, None, :]
+        for block in self.blocks:
+            x = block(x, slots, mask, False)
         return self.head(x)
 
     @staticmethod

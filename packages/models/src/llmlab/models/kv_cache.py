@@ -4,6 +4,11 @@ Every layer writes its new keys and values at ``[length, length + T)`` of fixed 
 (batch, heads, max_len, head_dim) and attends over the prefix ``[0, length + T)``; the model
 calls ``advance(T)`` once all layers have written. Rows of a batch share the write position: left
 padding (and the attention mask) keeps them aligned, as in HF.
+
+Each layer has its own pair of buffers (lists, not one (layers, ...) tensor): a compiled decode
+step that writes into a *view* of one big input tensor makes torch.compile copy the whole base
+per write (measured: 33 ms instead of 6.6 ms per step at batch 8), while separate buffers are
+updated in place.
 """
 
 from __future__ import annotations
@@ -23,16 +28,16 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (n_layer, batch_size, n_head, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch_size, n_head, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.max_len = max_len
         self.length = 0  # tokens already stored (same for every row)
-        self._spare: tuple[Tensor, Tensor] | None = None  # reorder's second buffer, on demand
+        self._spare: tuple[list[Tensor], list[Tensor]] | None = None  # reorder's second buffers
 
     @property
     def batch_size(self) -> int:
-        return self.keys.shape[1]
+        return self.keys[0].shape[0]
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new ``k``/``v`` (B, H, T, D) of one layer; return that layer's full prefix."""
@@ -42,9 +47,9 @@ class KVCache:
                 f"KV cache overflow: {end} tokens do not fit in max_len={self.max_len}; "
                 f"create the cache with a larger max_len"
             )
-        self.keys[layer_idx, :, :, self.length : end] = k
-        self.values[layer_idx, :, :, self.length : end] = v
-        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+        self.keys[layer_idx][:, :, self.length : end] = k
+        self.values[layer_idx][:, :, self.length : end] = v
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
     def advance(self, num_tokens: int) -> None:
         """Commit ``num_tokens`` new positions once every layer has written them."""
@@ -54,19 +59,22 @@ class KVCache:
         """Reorder (or repeat) rows, e.g. to follow the surviving beams in beam search."""
         if batch_indices.numel() == self.batch_size:
             # Same batch size (beam search, every step): gather only the filled prefix into a
-            # second buffer and swap, instead of copying whole max_len buffers (measured 1.7x
-            # faster for a 4-layer, 32-row, 272-position cache at half fill).
+            # second set of buffers and swap, instead of copying whole max_len buffers (measured
+            # 1.7x faster for a 4-layer, 32-row, 272-position cache at half fill).
             n = self.length
             if self._spare is None:
-                self._spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
+                self._spare = (
+                    [torch.empty_like(t) for t in self.keys],
+                    [torch.empty_like(t) for t in self.values],
+                )
             spare_k, spare_v = self._spare
-            torch.index_select(self.keys[:, :, :, :n], 1, batch_indices, out=spare_k[:, :, :, :n])
-            torch.index_select(self.values[:, :, :, :n], 1, batch_indices, out=spare_v[:, :, :, :n])
+            for src, dst in zip([*self.keys, *self.values], [*spare_k, *spare_v]):
+                torch.index_select(src[:, :, :n], 0, batch_indices, out=dst[:, :, :n])
             self._spare = (self.keys, self.values)
             self.keys, self.values = spare_k, spare_v
             return
-        self.keys = self.keys.index_select(1, batch_indices)
-        self.values = self.values.index_select(1, batch_indices)
+        self.keys = [t.index_select(0, batch_indices) for t in self.keys]
+        self.values = [t.index_select(0, batch_indices) for t in self.values]
         self._spare = None  # the batch size changed
 
     def crop(self, length: int) -> None:

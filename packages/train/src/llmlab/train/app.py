@@ -115,6 +115,17 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             "servers step the optimizer, the plugin's fp32 masters never would); valid there: "
             "precision=fp32, bf16_mixed or fp8"
         )
+    if cfg.get("compile"):
+        from llmlab.parallel.compile import compile_refusal
+
+        refusal = compile_refusal(strategy or str(OmegaConf.select(cfg, "strategy.name")))
+        if refusal:
+            raise ConfigError(refusal)
+    impl = OmegaConf.select(cfg, "task.optimizer_impl", default="foreach")
+    if impl not in ("default", "foreach", "fused"):
+        raise ConfigError(
+            f"task.optimizer_impl={impl!r} is not one of ['default', 'foreach', 'fused']"
+        )
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file (or use ckpt_path=last)")
 
@@ -239,6 +250,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
         apply_memory_options(task.model, **OmegaConf.to_container(cfg.model_transforms))
     callbacks = [_instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    # ---- compile=true: the last model transform before the strategy wraps the model (perf
+    # branch; to move into the N-D strategy's model-transform function).
+    if cfg.get("compile"):
+        from llmlab.parallel.compile import CompileMonitor, compile_blocks, compile_loss
+
+        compile_blocks(task.model)
+        task.loss_fn = compile_loss(task.loss_fn)
+        callbacks.append(CompileMonitor())
+    # ---- end compile
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, L.pytorch.callbacks.ProgressBar)]
     logger = build_logger(cfg, run_dir, run_id)

@@ -5,8 +5,11 @@ Loads a Lightning checkpoint written by ``llmlab.train`` (``CausalLMTask``: the 
 the tokenizer, and prints the prompt's continuation, streamed as it is generated. Every
 ``llmlab.decoding.GenerationConfig`` field can be overridden (``max_new_tokens=100
 temperature=0.7 top_k=50 num_beams=4 seed=0``); values are parsed as YAML (``true``, ``0.7``,
-``[1, 2]``). Defaults: sampling at temperature 0.8 with top-k 50, as many new tokens as the
-model's block size allows (at most 256).
+``[1, 2]``). Defaults: sampling at temperature 0.8 with top-k 50, 256 new tokens, and a sliding
+window of the model's block size (``sliding_window=<block_size> window_stride=1``): past the
+model's context it keeps going on the last ``block_size`` tokens, as nanoGPT's sampler does
+(``sliding_window=null`` stops at the context instead; a larger ``window_stride`` re-encodes the
+window less often). ``compile=true`` compiles the decode step (worth it for long generations).
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from llmlab.decoding import GenerationConfig, TextStreamer, generate
 from llmlab.models import GPT, GPTConfig
 
 USAGE = 'usage: python -m llmlab.train.sample ckpt=PATH prompt="TEXT" [field=value ...]'
-DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 50}
+DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 50, "max_new_tokens": 256}
 
 
 def parse_args(args: list[str]) -> tuple[str, str, dict[str, Any]]:
-    """``key=value`` arguments -> (checkpoint path, prompt, GenerationConfig overrides)."""
-    known = {f.name for f in fields(GenerationConfig)}
+    """``key=value`` arguments -> (checkpoint path, prompt, GenerationConfig overrides); the
+    overrides may also hold ``compile`` (an argument of ``generate``)."""
+    known = {f.name for f in fields(GenerationConfig)} | {"compile"}
     ckpt, prompt, overrides = None, None, {}
     for arg in args:
         if "=" not in arg:
@@ -85,13 +89,22 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_checkpoint(ckpt)
         ids = tokenizer.encode(prompt)
         block = model.config.block_size
-        if not ids or len(ids) >= block:
-            raise ValueError(f"the prompt has {len(ids)} tokens; it needs 1 to {block - 1}")
-        settings = {**DEFAULTS, "max_new_tokens": min(256, block - len(ids)), **overrides}
-        if len(ids) + settings["max_new_tokens"] > block:
+        compile_step = bool(overrides.pop("compile", False))
+        settings = {**DEFAULTS, "sliding_window": block, **overrides}
+        strategy = GenerationConfig(**{**settings, "sliding_window": None}).resolved_strategy()
+        if "sliding_window" not in overrides and strategy not in ("greedy", "sample"):
+            settings["sliding_window"] = None  # beam search stays within the context
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens; give at least one character")
+        if settings["sliding_window"] is None and len(ids) + settings["max_new_tokens"] > block:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens={settings['max_new_tokens']} "
-                f"exceeds the model's block_size={block}"
+                f"exceeds the model's block_size={block} (drop sliding_window=null to slide)"
+            )
+        if settings["sliding_window"] is not None and settings["sliding_window"] > block:
+            raise ValueError(
+                f"sliding_window={settings['sliding_window']} exceeds the model's "
+                f"block_size={block}"
             )
         config = GenerationConfig(**settings)
         config.validate()
@@ -102,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     one_stream = config.num_return_sequences == 1 and config.num_beams == 1
     if one_stream:
         streamer = TextStreamer(tokenizer, skip_prompt=False, on_text=_print)
-        generate(model, input_ids, config, streamer=streamer, tokenizer=tokenizer)
+        generate(
+            model, input_ids, config, streamer=streamer, tokenizer=tokenizer, compile=compile_step
+        )
         print(flush=True)
     else:
-        out = generate(model, input_ids, config, tokenizer=tokenizer)
+        out = generate(model, input_ids, config, tokenizer=tokenizer, compile=compile_step)
         for i, row in enumerate(out.tolist()):
             print(f"--- sequence {i + 1}")
             print(tokenizer.decode(row), flush=True)

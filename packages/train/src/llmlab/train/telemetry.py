@@ -4,16 +4,28 @@ MFU (model FLOPs utilisation) = achieved model FLOP/s ÷ peak FLOP/s of the devi
 
     MFU = tokens_per_second × flops_per_token / (peak_flops_per_device × devices)
 
-with ``flops_per_token`` from the model (6·N + 12·L·d·T for the GPT; PaLM, appendix B). Peak
-FLOP/s comes from the GPU model's datasheet, or on a CPU from a short matmul probe (what this
-machine actually sustains), or from ``peak_flops_per_device`` when given.
+* ``flops_per_token``: the *whole* model's training FLOPs per token (6·N + 12·L·d·T for the GPT;
+  PaLM, appendix B), read in the callback's ``setup`` hook, which Lightning runs before the
+  strategy shards or splits the model (after sharding a rank would count only its shard).
+* ``peak_flops_per_device`` (logged once as ``perf/peak_flops``), in this order: the value
+  configured; the GPU's dense bf16/fp16 tensor-core peak from its datasheet; or, on a CPU, the
+  best fp32 matmul rate this machine has shown with this process's thread count — the best of
+  several probes now, and of every earlier probe on the same machine (cached in
+  ``$LLMLAB_CACHE_DIR/peak_flops.json``, default ``~/.cache/llmlab``). A single probe taken while
+  other jobs share the cores reads low and inflates MFU (43 % one run, 85 % the next); the
+  running best only moves up, towards what the cores sustain alone, so MFU on a CPU means
+  "fraction of the best matmul rate this machine ever measured".
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -38,15 +50,73 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> 
     return tokens_per_second * flops_per_token / peak_flops
 
 
-def measure_cpu_peak_flops(size: int = 512, repeats: int = 5) -> float:
-    """Best fp32 matmul FLOP/s of this process's threads: the ceiling a CPU run can reach."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+def measure_cpu_peak_flops(
+    sizes: tuple[int, ...] = (512, 1024), rounds: int = 3, repeats: int = 5, pause: float = 0.05
+) -> float:
+    """Best fp32 matmul FLOP/s of this process's threads: the ceiling a CPU run can reach.
+
+    ``rounds`` bursts of ``repeats`` products per size, ``pause`` seconds apart, after one
+    untimed product: the best single product wins, so a moment when the cores were free
+    anywhere in the probe sets the figure (~0.5 s on 2 cores).
+    """
+    best = 0.0
+    mats = {n: (torch.randn(n, n), torch.randn(n, n)) for n in sizes}
+    for a, b in mats.values():
+        a @ b  # warm-up: first-call allocations and thread start-up
+    for r in range(rounds):
+        for n, (a, b) in mats.items():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                best = max(best, 2 * n**3 / (time.perf_counter() - start))
+        if r + 1 < rounds:
+            time.sleep(pause)
+    return best
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("LLMLAB_CACHE_DIR") or Path.home() / ".cache" / "llmlab"
+    return Path(root) / "peak_flops.json"
+
+
+def _machine_key() -> str:
+    """CPU model, thread count and torch version: what the matmul rate depends on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def cached_cpu_peak_flops(measured: float | None = None) -> float:
+    """The best CPU matmul rate this machine has shown: max(a new probe, every earlier one).
+
+    The cache is one JSON object, machine key -> FLOP/s; an unreadable or unwritable cache only
+    loses the history, never the run.
+    """
+    measured = measure_cpu_peak_flops() if measured is None else measured
+    path, key = _cache_file(), _machine_key()
+    try:
+        cache = json.loads(path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    earlier = cache.get(key)
+    best = max(measured, float(earlier)) if isinstance(earlier, (int, float)) else measured
+    if best != earlier:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**cache, key: best}, indent=1))
+            tmp.replace(path)  # atomic: concurrent ranks never read half a file
+        except OSError:
+            pass
+    return best
 
 
 def device_peak_flops(device: torch.device) -> float:
@@ -56,7 +126,7 @@ def device_peak_flops(device: torch.device) -> float:
             if key in name:
                 return peak
         return 0.0  # unknown GPU: configure peak_flops_per_device
-    return measure_cpu_peak_flops()
+    return cached_cpu_peak_flops()
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -84,13 +154,19 @@ class TrainingTelemetry(L.Callback):
         self.peak_flops_per_device = peak_flops_per_device
         self._start: float | None = None
         self._flops_per_token: float | None = None
+        self._log_peak = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning calls this before strategy.setup: the model is still whole here.
+        model = getattr(pl_module, "model", None)
+        fpt = getattr(model, "flops_per_token", None)
+        if self._flops_per_token is None and callable(fpt):
+            self._flops_per_token = float(fpt())
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = device_peak_flops(pl_module.device)
-        model = getattr(pl_module, "model", None)
-        fpt = getattr(model, "flops_per_token", None)
-        self._flops_per_token = fpt() if callable(fpt) else None
+        self._log_peak = True
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
@@ -138,5 +214,11 @@ class TrainingTelemetry(L.Callback):
         if norm is not None:
             metrics["train/grad_norm"] = float(norm)
         metrics["sys/peak_memory_mb"] = peak_memory_bytes(pl_module.device) / 2**20
+        if self._log_peak and self.peak_flops_per_device and trainer.is_global_zero:
+            for logger in trainer.loggers:  # once (self.log would repeat it every step)
+                logger.log_metrics(
+                    {"perf/peak_flops": self.peak_flops_per_device}, step=trainer.global_step
+                )
+        self._log_peak = False
         for key, value in metrics.items():
             pl_module.log(key, float(value), on_step=True, on_epoch=False, rank_zero_only=True)

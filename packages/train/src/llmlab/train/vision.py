@@ -155,6 +155,7 @@ class ImageClassificationTask(L.LightningModule):
         max_steps: int = 1000,
         min_lr_ratio: float = 0.1,
         model_parallel: dict[str, Any] | None = None,
+        optimizer_impl: str = "foreach",
     ) -> None:
         """``model_parallel``: ``{"devices": [...], "microbatches": m}`` splits the ResNet over
         devices inside this one process (the naive model parallelism of the seed notes;
