@@ -35,8 +35,9 @@ def gelu_tanh_grad(x):
 
 @triton.jit
 def sigmoid(x):
-    """``1 / (1 + exp(-x))``: for x -> -inf, exp overflows to inf and the result is exactly 0."""
-    return 1.0 / (1.0 + tl.exp(-x))
+    """``1 / (1 + exp(-x))`` from ``e = exp(-|x|)`` in (0, 1]: nothing overflows for any ``x``."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 @triton.jit
