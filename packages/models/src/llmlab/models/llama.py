@@ -15,7 +15,7 @@ The contracts of DESIGN §3 are the GPT's, met the same way:
   ``tensor_parallel_divisors()`` includes ``n_kv_head``), gate and up column-wise, down and o
   row-wise. Separate q/k/v projections make every contiguous column shard hold whole heads, and a
   rank's query heads ``[r·H/tp, (r+1)·H/tp)`` read exactly its KV heads ``[r·H_kv/tp, ...)``.
-  Attention reads its local head counts from its (possibly sharded) weights.
+  Attention takes its local head counts from its (possibly sharded) projections, never the config.
 * **Decoding**: ``forward(input_ids, cache=None, positions=None, attention_mask=None,
   logits_to_keep=0)`` with a ``KVCache`` from ``new_cache`` that stores only the KV heads: a
   GQA model's cache is ``n_kv_head / n_head`` of a multi-head one's. Positions follow the
@@ -188,11 +188,12 @@ class Attention(nn.Module):
     ) -> Tensor:
         B, T, _ = x.shape
         D = self.head_dim
-        # (B, T, heads, D): token-major, as the projections produce them; RoPE works in place
-        # there, then the heads move forward for attention.
-        q = self.q_proj(x).view(B, T, self.local_heads, D)
-        k = self.k_proj(x).view(B, T, self.local_kv_heads, D)
-        v = self.v_proj(x).view(B, T, self.local_kv_heads, D).transpose(1, 2)
+        # (B, T, heads, D): token-major, as the projections produce them; RoPE works there, then
+        # the heads move forward for attention. The head counts are whatever the (possibly
+        # sharded) projections return -- a plain, Megatron-sharded or DTensor-sharded q_proj.
+        q = self.q_proj(x).view(B, T, -1, D)
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
         if positions is None:  # a block run on its own (a pipeline stage): a fresh sequence
             positions = torch.arange(T, device=x.device).unsqueeze(0)
         cos, sin = self.rotary(positions, q.dtype)
@@ -207,7 +208,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, enable_gqa=True
             )
-        y = y.transpose(1, 2).reshape(B, T, self.local_heads * D)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.o_proj(y))
 
 

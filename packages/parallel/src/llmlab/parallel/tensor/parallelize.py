@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from llmlab.parallel.contracts import tensor_parallel_problems
 from llmlab.parallel.tensor import collectives as C
 from llmlab.parallel.tensor.collectives import Group
 from llmlab.parallel.tensor.layers import (
@@ -86,7 +87,10 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor-parallel size must be a positive integer, got {tp!r}")
     resolved = resolve_plan(model, plan)
-    problems: list[str] = []
+    # The model's own sizes first (whole query *and* KV heads, hidden, vocabulary): a per-module
+    # check cannot tell that k/v projections hold fewer heads than q (grouped-query attention).
+    divisors = getattr(model, "tensor_parallel_divisors", None)
+    problems = tensor_parallel_problems(divisors(), tp) if callable(divisors) else []
     for name, style in resolved.items():
         module = model.get_submodule(name)
         parent, parent_name, _ = _parent(model, name)
@@ -219,11 +223,14 @@ def _gather_first_input(group: Group):
 def _fork_attention_dropout(
     model: nn.Module, resolved: dict[str, str], rng: TensorParallelRNG
 ) -> None:
-    """Attention's dropout acts on this rank's heads: run its op under the per-rank stream."""
+    """Attention's dropout acts on this rank's heads: run its op under the per-rank stream (once
+    per attention module, however many column-parallel projections it has: q, k, v)."""
+    forked_parents: set[str] = set()
     for name, style in resolved.items():
-        if style != "colwise":
+        parent, parent_name, _ = _parent(model, name)
+        if style != "colwise" or parent_name in forked_parents:
             continue
-        parent, _, _ = _parent(model, name)
+        forked_parents.add(parent_name)
         ops = getattr(parent, "ops", None)
         if (
             hasattr(parent, "local_heads")
