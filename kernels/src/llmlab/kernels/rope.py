@@ -29,17 +29,20 @@ from llmlab.kernels._runtime import (
 )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, D/2): one angle for every head
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rotate(q), rotate(k))`` with torch ops (autograd by torch)."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    """``(rotate(q), rotate(k))`` with torch ops (autograd by torch).
+
+    Written as ``x · [cos, cos] + roll(x, D/2) · [-sin, sin]``: ``roll`` turns ``(x1, x2)`` into
+    ``(x2, x1)``, so this is HF's ``x · cos + rotate_half(x) · sin`` product for product (the
+    sign moves from ``x2`` to ``sin``, which is exact), in four full-size ops per tensor instead
+    of seven; the (T, D) tables are small.
+    """
+    half = q.shape[-1] // 2
+    cos2 = torch.cat((cos, cos), dim=-1).unsqueeze(2)  # (B|1, T, 1, D): one angle for all heads
+    sin2 = torch.cat((-sin, sin), dim=-1).unsqueeze(2)
+    return q * cos2 + q.roll(half, -1) * sin2, k * cos2 + k.roll(half, -1) * sin2
 
 
 def triton_rope(
