@@ -90,8 +90,8 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"LlamaConfig: head dim n_embd / n_head = {self.head_dim} must be even (RoPE "
-                "rotates dimensions in pairs)"
+                f"LlamaConfig.n_embd={self.n_embd} / n_head={self.n_head} = {self.head_dim}, "
+                "the head dim, must be even (RoPE rotates dimensions in pairs)"
             )
         if not self.rope_theta > 0:
             raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta!r}")
