@@ -1,7 +1,7 @@
 """The Llama against HF ``transformers``' ``LlamaForCausalLM`` with the same weights, on CPU.
 
 A random-initialised Llama (4 layers, d=256, 8 query heads sharing 2 KV heads, SwiGLU 688 wide,
-vocab 8192, untied head; 7.2M parameters) is built in ``transformers`` and loaded with
+vocab 8192, untied head; 7.0M parameters) is built in ``transformers`` and loaded with
 ``Llama.from_hf``. Cases, each llmlab over HF (> 1: llmlab faster):
 
 * a training step (forward + backward of the cross-entropy, batch 8 × 256 tokens), CPU seconds;
