@@ -125,3 +125,23 @@ def test_padded_rows_decode_like_unpadded_rows_and_like_the_hf_adapter():
         assert batched[b, ids.shape[1] :].tolist() == alone[0, int(mask[b].sum()) :].tolist()
     # the HF model driven through llmlab's own loop (HFModel + DynamicCache) agrees as well
     assert_same(generate(HFModel(hf_llama()), ids, cfg, attention_mask=mask), batched)
+
+
+def test_speculative_greedy_with_a_gqa_cache_equals_greedy():
+    """Speculative decoding crops the KV-heads-only cache on rejected drafts: the Llama target
+    with a one-layer Llama draft (the target's first block, layer skipping) decodes the same
+    tokens as plain greedy, batched with left padding."""
+    import copy
+
+    from llmlab.decoding import speculative_generate
+
+    target = llmlab_llama()
+    draft = copy.deepcopy(target)
+    draft.blocks = draft.blocks[:1]
+    draft.config.n_layer = 1
+    ids, mask = prompts(VOCAB, 3, 6, seed=4)
+    cfg = GenerationConfig(max_new_tokens=12, pad_token_id=1, num_assistant_tokens=3)
+    plain = generate(target, ids, cfg, attention_mask=mask)
+    assert torch.equal(generate(target, ids, cfg, attention_mask=mask, draft_model=draft), plain)
+    _, stats = speculative_generate(target, draft, ids[1:2], cfg)
+    assert stats.proposed > 0 and 0.0 <= stats.acceptance_rate < 1.0
