@@ -137,6 +137,13 @@ def bench_fusions(b: Bench, rows: list[Row], dry: bool) -> None:
     def bias_gelu(x, bias):
         return F.gelu(x + bias, approximate="tanh")
 
+    def rms_norm(x, w):  # HF LlamaRMSNorm
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def swiglu(a, c):
+        return F.silu(a) * c
+
     # (name, llmlab fn, eager fn, inputs, forward bytes, forward+backward bytes)
     cases = [
         ("bias+gelu", K.bias_gelu, bias_gelu, [x, bias], 2 * n * es, 5 * n * es),
@@ -148,6 +155,9 @@ def bench_fusions(b: Bench, rows: list[Row], dry: bool) -> None:
             4 * n * es,
             8 * n * es,
         ),
+        ("rmsnorm", lambda x, w: K.rms_norm(x, w, 1e-6), rms_norm, [x, w], 2 * n * es, 5 * n * es),
+        # forward: read a, b, write y; backward: read dy, a, b, write da, db
+        ("swiglu", K.swiglu, swiglu, [x, r], 3 * n * es, 8 * n * es),
         (
             "softmax causal",
             lambda t: K.softmax(t, causal=True),
@@ -183,24 +193,33 @@ def bench_fusions(b: Bench, rows: list[Row], dry: bool) -> None:
 
 def bench_attention(b: Bench, rows: list[Row], dry: bool) -> None:
 
-    shapes = [(1, 1, 20, 16)] if dry else [(4, 16, 2048, 64), (2, 16, 4096, 128)]
+    # (B, H, T, D, H_kv): the last is grouped-query (Llama-style, 4 query heads per KV head)
+    shapes = (
+        [(1, 1, 20, 16, 1), (1, 2, 20, 16, 1)]
+        if dry
+        else [(4, 16, 2048, 64, 16), (2, 16, 4096, 128, 16), (4, 32, 2048, 128, 8)]
+    )
     dt = torch.float32 if dry else torch.bfloat16
-    for B, H, T, D in shapes:
-        _attention_case(b, rows, B, H, T, D, dt)
+    for B, H, T, D, H_kv in shapes:
+        _attention_case(b, rows, B, H, T, D, dt, H_kv)
 
 
-def _attention_case(b: Bench, rows: list[Row], B: int, H: int, T: int, D: int, dt) -> None:
+def _attention_case(
+    b: Bench, rows: list[Row], B: int, H: int, T: int, D: int, dt, H_kv: int
+) -> None:
     import llmlab.kernels as K
 
-    q, k, v = (
-        torch.randn(B, H, T, D, device=b.device, dtype=dt, requires_grad=True) for _ in range(3)
+    q = torch.randn(B, H, T, D, device=b.device, dtype=dt, requires_grad=True)
+    k, v = (
+        torch.randn(B, H_kv, T, D, device=b.device, dtype=dt, requires_grad=True) for _ in range(2)
     )
     fwd_flops = 4 * B * H * T * T * D / 2  # causal: half the score matrix
 
     def sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H_kv != H)
 
     def eager(q, k, v):
+        k, v = k.repeat_interleave(H // H_kv, 1), v.repeat_interleave(H // H_kv, 1)
         s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
@@ -214,7 +233,7 @@ def _attention_case(b: Bench, rows: list[Row], B: int, H: int, T: int, D: int, d
         if compiled is not None:
             refs["torch.compile"] = b.ms(lambda: compiled(q, k, v))
         ours = b.ms(lambda: ours_fn(q, k, v))
-    label = f"attention causal B{B} H{H} T{T} D{D}"
+    label = f"attention causal B{B} H{H} T{T} D{D}" + (f" GQA kv{H_kv}" if H_kv != H else "")
     compare(rows, f"{label} fwd", "TFLOP/s", 1e12, fwd_flops, ours, refs, "SDPA", 0.8)
     refs = {"SDPA": b.ms(_fwd_bwd(sdpa, [q, k, v])), "eager": b.ms(_fwd_bwd(eager, [q, k, v]))}
     if compiled is not None:

@@ -14,8 +14,11 @@ from llmlab.kernels.gelu import bias_gelu, gelu
 from llmlab.kernels.layer_norm import add_layer_norm, layer_norm
 from llmlab.kernels.matmul import matmul
 from llmlab.kernels.memory import copy, transpose
+from llmlab.kernels.rms_norm import rms_norm
+from llmlab.kernels.rope import rope
 from llmlab.kernels.softmax import softmax
 from llmlab.kernels.sparse import CSRMatrix, ELLMatrix, coo_spmm_reference, spmm, spmv
+from llmlab.kernels.swiglu import swiglu
 
 __all__ = [
     "CSRMatrix",
@@ -30,9 +33,12 @@ __all__ = [
     "interpreter_requested",
     "layer_norm",
     "matmul",
+    "rms_norm",
+    "rope",
     "softmax",
     "spmm",
     "spmv",
+    "swiglu",
     "transpose",
     "triton_available",
 ]

@@ -4,8 +4,10 @@ Faces (DESIGN §3): :func:`reference` (the textbook ``softmax(q k^T * scale + ma
 materialises the T x T matrix), :func:`triton_forward` / :func:`triton_backward` (the kernels in
 ``_jit/attention.py``: online softmax forward saving log-sum-exp, FlashAttention-2 backward that
 recomputes probabilities), and the public :func:`attention`, whose semantics are those of
-``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` for q (B, H, L, D)
-and k, v (B, H, S, D).
+``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)`` for
+q (B, H, L, D) and k, v (B, H_kv, S, D), where ``H_kv`` divides ``H``: grouped-query attention
+(Llama, Mistral) reads each KV head for ``H / H_kv`` query heads by index, without repeating K
+and V in memory (``H_kv == H`` is ordinary multi-head attention).
 
 Memory: the forward keeps O(T) extra floats per head (the lse) instead of the O(T^2)
 probabilities an eager implementation saves for backward; that is the seed's "attention
@@ -40,9 +42,12 @@ def reference(
     causal: bool = True,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Eager attention, computed in fp32 (fp64 for fp64) and cast back."""
+    """Eager attention, computed in fp32 (fp64 for fp64) and cast back. The oracle repeats
+    GQA's K/V heads explicitly (what the kernel avoids)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
     if causal:
         L, S = s.shape[-2:]
@@ -58,15 +63,16 @@ def _blocks(device: torch.device, D: int) -> tuple[int, int]:
 
 
 def triton_forward(q, k, v, causal: bool, scale: float, autotune: bool | None = None):
-    """``(o, lse)`` for contiguous (BH, L, D) / (BH, S, D) tensors."""
+    """``(o, lse)`` for contiguous (B·H, L, D) q and (B·H_kv, S, D) k, v."""
     BH, L, D = q.shape
     S = k.shape[1]
+    group = BH // k.shape[0]
     o = torch.empty_like(q)
     lse = torch.empty(
         (BH, L), device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32
     )
     jit = jit_module("attention")
-    args = (q, k, v, o, lse, scale, L, S, D)
+    args = (q, k, v, o, lse, scale, L, S, D, group)
     flags = {
         "CAUSAL": causal,
         "COMPUTE": compute_dtype(q.dtype),
@@ -92,7 +98,8 @@ def triton_forward(q, k, v, causal: bool, scale: float, autotune: bool | None = 
 def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     """``(dq, dk, dv)``; ``delta = rowsum(dO * O)`` is computed by torch first."""
     BH, L, D = q.shape
-    S = k.shape[1]
+    BH_kv, S = k.shape[:2]
+    group = BH // BH_kv
     do = do.contiguous()
     delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -109,11 +116,11 @@ def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     }
     if q.is_cuda:  # two (BLOCK, D) fp32 accumulators per program: more warps for wide heads
         flags["num_warps"] = 4 if D <= 64 else 8
-    jit.attn_bwd_dkdv_kernel[((S + bn - 1) // bn, BH)](
-        q, k, v, do, lse, delta, dk, dv, scale, L, S, D, **flags
+    jit.attn_bwd_dkdv_kernel[((S + bn - 1) // bn, BH_kv)](
+        q, k, v, do, lse, delta, dk, dv, scale, L, S, D, group, **flags
     )
     jit.attn_bwd_dq_kernel[((L + bm - 1) // bm, BH)](
-        q, k, v, do, lse, delta, dq, scale, L, S, D, **flags
+        q, k, v, do, lse, delta, dq, scale, L, S, D, group, **flags
     )
     return dq, dk, dv
 
@@ -122,10 +129,10 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
         B, H, L, D = q.shape
-        S = k.shape[2]
+        H_kv, S = k.shape[1:3]
         q3 = q.reshape(B * H, L, D).contiguous()
-        k3 = k.reshape(B * H, S, D).contiguous()
-        v3 = v.reshape(B * H, S, D).contiguous()
+        k3 = k.reshape(B * H_kv, S, D).contiguous()
+        v3 = v.reshape(B * H_kv, S, D).contiguous()
         o, lse = triton_forward(q3, k3, v3, causal, scale)
         ctx.save_for_backward(q3, k3, v3, o, lse)
         ctx.causal, ctx.scale, ctx.shapes = causal, scale, (q.shape, k.shape)
@@ -150,9 +157,10 @@ def _validate(q, k, v, scale):
             raise TypeError(f"attention: {name} is {t.dtype} but q is {q.dtype}; they must match")
     if k.shape != v.shape:
         raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must match")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
         raise ValueError(
-            f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, H and D"
+            f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B and D, and "
+            f"k's {k.shape[1]} heads must divide q's {q.shape[1]} (grouped-query attention)"
         )
     if q.shape[3] > MAX_HEAD_DIM:
         raise ValueError(f"attention: head dim {q.shape[3]} exceeds the {MAX_HEAD_DIM} supported")
@@ -168,9 +176,12 @@ def attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Same as ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` for
-    q (B, H, L, D), k and v (B, H, S, D); ``scale`` defaults to ``1 / sqrt(D)``. Autograd."""
+    q (B, H, L, D), k and v (B, H_kv, S, D) with ``H_kv`` dividing ``H`` (GQA when smaller);
+    ``scale`` defaults to ``1 / sqrt(D)``. Autograd."""
     _validate(q, k, v, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if use_triton("attention", q, k, v):
         return _FlashAttention.apply(q, k, v, causal, scale)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )

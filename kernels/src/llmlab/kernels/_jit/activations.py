@@ -1,4 +1,4 @@
-"""Device functions shared by several kernels: GELU (tanh form) and its derivative.
+"""Device functions shared by several kernels: GELU (tanh form), SiLU, and their derivatives.
 
 GPT-2's GELU is ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``. ``tanh`` is written as
 ``sign(u) (1 - e) / (1 + e)`` with ``e = exp(-2|u|)`` because ``tl`` has no portable tanh
@@ -31,3 +31,22 @@ def gelu_tanh_grad(x):
     t = tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
     d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+
+
+@triton.jit
+def sigmoid(x):
+    """``1 / (1 + exp(-x))`` from ``e = exp(-|x|)`` in (0, 1]: nothing overflows for any ``x``."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
+def silu(x):
+    return x * sigmoid(x)
+
+
+@triton.jit
+def silu_grad(x):
+    """d/dx x * s(x) = s + x s (1 - s) = s (1 + x (1 - s)), with s = sigmoid(x)."""
+    s = sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))

@@ -12,6 +12,12 @@ Backward (FlashAttention-2): probabilities are recomputed from q, k and ``lse`` 
 ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ = dS K * scale``,
 ``dK = dS^T Q * scale``. One kernel owns a K/V tile and sweeps the queries (dK, dV); another
 owns a Q tile and sweeps the keys (dQ): no atomics, each output written once.
+
+Grouped-query attention (GQA): q has ``GROUP`` times as many heads as k and v. Query head
+``bh = b·H + h`` reads KV head ``bh // GROUP`` (= ``b·H_kv + h // GROUP``, because ``H`` is a
+multiple of ``GROUP``), so the shared K/V are indexed, never repeated in memory. The dK/dV
+kernel owns a tile of one KV head and sweeps the queries of all ``GROUP`` heads that read it,
+so the group's gradients are summed in registers, still without atomics.
 """
 
 import triton
@@ -32,6 +38,7 @@ def attn_fwd_kernel(
     T_Q,
     T_K,
     D,
+    GROUP,  # query heads per KV head (1: multi-head attention)
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
@@ -42,12 +49,13 @@ def attn_fwd_kernel(
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    kv_bh = bh // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q_base = q_ptr + bh * T_Q * D
-    k_base = k_ptr + bh * T_K * D
-    v_base = v_ptr + bh * T_K * D
+    k_base = k_ptr + kv_bh * T_K * D
+    v_base = v_ptr + kv_bh * T_K * D
     mask_d = offs_d < D
 
     q = tl.load(
@@ -113,6 +121,7 @@ def attn_bwd_dkdv_kernel(
     T_Q,
     T_K,
     D,
+    GROUP,  # query heads per KV head: this program sums the dK/dV of all of them
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
@@ -122,13 +131,13 @@ def attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    kv_bh = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     kv_mask = (offs_n[:, None] < T_K) & mask_d[None, :]
-    kv_offs = bh * T_K * D + offs_n[:, None] * D + offs_d[None, :]
+    kv_offs = kv_bh * T_K * D + offs_n[:, None] * D + offs_d[None, :]
     k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
     if DOT_IN_FP32:
@@ -141,28 +150,30 @@ def attn_bwd_dkdv_kernel(
     lo = 0
     if CAUSAL:  # queries before this key tile's first key never see it
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, T_Q, BLOCK_M):
-        rows = start_m + offs_m
-        row_ok = rows < T_Q
-        q_offs = bh * T_Q * D + rows[:, None] * D + offs_d[None, :]
-        q_mask = row_ok[:, None] & mask_d[None, :]
-        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
-        do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
-        if DOT_IN_FP32:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        lse = tl.load(lse_ptr + bh * T_Q + rows, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptr + bh * T_Q + rows, mask=row_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE, input_precision=PRECISION) * qk_scale
-        p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
-        keep = row_ok[:, None] & (offs_n[None, :] < T_K)
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= rows[:, None])
-        p = tl.where(keep, p, 0.0)
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=COMPUTE, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE, input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=COMPUTE, input_precision=PRECISION)
+    for g in range(0, GROUP):
+        bh = kv_bh * GROUP + g  # the query heads that read this KV head
+        for start_m in range(lo, T_Q, BLOCK_M):
+            rows = start_m + offs_m
+            row_ok = rows < T_Q
+            q_offs = bh * T_Q * D + rows[:, None] * D + offs_d[None, :]
+            q_mask = row_ok[:, None] & mask_d[None, :]
+            q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+            do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
+            if DOT_IN_FP32:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(lse_ptr + bh * T_Q + rows, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptr + bh * T_Q + rows, mask=row_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), out_dtype=COMPUTE, input_precision=PRECISION) * qk_scale
+            p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
+            keep = row_ok[:, None] & (offs_n[None, :] < T_K)
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= rows[:, None])
+            p = tl.where(keep, p, 0.0)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=COMPUTE, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE, input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, out_dtype=COMPUTE, input_precision=PRECISION)
     dk = dk * scale
     tl.store(dk_ptr + kv_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -181,6 +192,7 @@ def attn_bwd_dq_kernel(
     T_Q,
     T_K,
     D,
+    GROUP,  # query heads per KV head
     CAUSAL: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
@@ -191,6 +203,7 @@ def attn_bwd_dq_kernel(
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    kv_bh = bh // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -214,7 +227,7 @@ def attn_bwd_dq_kernel(
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < T_K) & mask_d[None, :]
-        kv_offs = bh * T_K * D + cols[:, None] * D + offs_d[None, :]
+        kv_offs = kv_bh * T_K * D + cols[:, None] * D + offs_d[None, :]
         k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
         if DOT_IN_FP32:
@@ -247,6 +260,6 @@ def gpu_configs() -> list:
     ]
 
 
-attn_fwd_kernel_autotuned = triton.autotune(configs=gpu_configs(), key=["T_Q", "T_K", "D"])(
-    attn_fwd_kernel
-)
+attn_fwd_kernel_autotuned = triton.autotune(
+    configs=gpu_configs(), key=["T_Q", "T_K", "D", "GROUP"]
+)(attn_fwd_kernel)

@@ -2,7 +2,8 @@
 
 Works on any model that follows the decoding contract (DESIGN §3): ``model(input_ids, cache=,
 positions=, attention_mask=) -> logits`` plus ``model.new_cache(batch_size, max_len)``, e.g.
-``llmlab.models.GPT``, or a HF causal LM wrapped in ``HFModel``. Depends on torch only.
+``llmlab.models.GPT`` and ``llmlab.models.Llama``, or a HF causal LM wrapped in ``HFModel``.
+Depends on torch only.
 """
 
 from llmlab.decoding.beam import beam_search

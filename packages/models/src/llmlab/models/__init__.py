@@ -1,8 +1,22 @@
 """llmlab.models: plain ``nn.Module`` models that follow the pipeline, tensor-parallel and
-decoding contracts of DESIGN §3 (no Lightning here)."""
+decoding contracts of DESIGN §3 (no Lightning here). ``build_model({"arch": ...})`` builds any
+registered language model from its config dict."""
 
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.kv_cache import KVCache
+from llmlab.models.llama import Llama, LlamaConfig
+from llmlab.models.registry import ARCHITECTURES, build_model, model_config, register
 from llmlab.models.resnet import ResNet50
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "ResNet50"]
+__all__ = [
+    "ARCHITECTURES",
+    "GPT",
+    "GPTConfig",
+    "KVCache",
+    "Llama",
+    "LlamaConfig",
+    "ResNet50",
+    "build_model",
+    "model_config",
+    "register",
+]

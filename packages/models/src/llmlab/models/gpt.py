@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmlab.models.kv_cache import KVCache
+from llmlab.models.masks import attention_bias, default_positions
 from llmlab.models.ops import Ops, get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -259,12 +260,12 @@ class GPT(nn.Module):
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
         if positions is None:
-            positions = self._default_positions(input_ids, past, attention_mask)
+            positions = default_positions(input_ids, past, attention_mask)
         # Without padding, a fresh sequence is plainly causal and a single new token may attend to
         # every cached key: neither needs a mask tensor, so the fused causal kernel stays in use.
         attn_mask = None
         if attention_mask is not None or (past > 0 and T > 1):
-            attn_mask = self._attention_bias(input_ids, past, attention_mask)
+            attn_mask = attention_bias(input_ids, past, attention_mask)
         causal = past == 0
         x = self.embed(input_ids, positions)
         for block in self.blocks:
@@ -294,31 +295,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, slots, mask, False)
         return self.head(x)
-
-    @staticmethod
-    def _default_positions(input_ids: Tensor, past: int, attention_mask: Tensor | None) -> Tensor:
-        T = input_ids.shape[1]
-        if attention_mask is None:
-            return torch.arange(past, past + T, device=input_ids.device).unsqueeze(0)
-        # As HF: a left-padded row's first real token gets position 0.
-        positions = attention_mask.long().cumsum(-1) - 1
-        return positions.clamp_(min=0)[:, past : past + T]
-
-    @staticmethod
-    def _attention_bias(input_ids: Tensor, past: int, attention_mask: Tensor | None) -> Tensor:
-        """Boolean (B, 1, T, past + T) mask: causal, padded keys hidden, never an empty row."""
-        T = input_ids.shape[1]
-        S = past + T
-        device = input_ids.device
-        query_pos = torch.arange(past, S, device=device).unsqueeze(1)
-        key_pos = torch.arange(S, device=device).unsqueeze(0)
-        allowed = (key_pos <= query_pos).unsqueeze(0)  # (1, T, S)
-        if attention_mask is not None:
-            allowed = allowed & attention_mask[:, None, :S].bool()
-        # A padding query sees no key at all; let it see itself so softmax has no empty row (its
-        # output is never used, and no real token attends to it).
-        allowed = allowed | (key_pos == query_pos).unsqueeze(0)
-        return allowed.unsqueeze(1)
 
     # ----------------------------------------------------------------------- contracts
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:

@@ -1,7 +1,8 @@
-"""The handful of ops a GPT needs, from PyTorch or from llmlab.kernels (``GPTConfig.kernels``).
+"""The handful of ops the models need, from PyTorch or from llmlab.kernels (``config.kernels``).
 
 Keeping the choice in one small table means the model code never branches on the backend, and a
-kernel can be swapped in op by op.
+kernel can be swapped in op by op. GPT uses ``layer_norm``, ``gelu`` and ``attention``; Llama
+uses ``rms_norm``, ``rope``, ``swiglu`` and ``attention``.
 """
 
 from __future__ import annotations
@@ -9,11 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llmlab.kernels.rope import reference as _rope_reference
+
 
 class AttentionFn(Protocol):
+    """q (B, H, T, D), k and v (B, H_kv, S, D) with H_kv dividing H (grouped-query attention)."""
+
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
     ) -> Tensor: ...
@@ -25,6 +31,9 @@ class Ops:
     layer_norm: object  # (x, weight, bias, eps) -> Tensor
     gelu: object  # (x) -> Tensor, tanh approximation (GPT-2's gelu_new)
     attention: AttentionFn  # (q, k, v, causal, dropout_p) with q/k/v of shape (B, H, T, D)
+    rms_norm: object  # (x, weight, eps) -> Tensor, HF LlamaRMSNorm's arithmetic
+    rope: object  # (q, k, cos, sin) -> (q, k); q/k (B, T, H, D), cos/sin (B|1, T, D/2)
+    swiglu: object  # (a, b) -> silu(a) * b
 
 
 def _torch_layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
@@ -38,7 +47,25 @@ def _torch_gelu(x: Tensor) -> Tensor:
 def _torch_attention(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
 ) -> Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)
+    gqa = q.shape[1] != k.shape[1]  # SDPA indexes the shared KV heads itself
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, dropout_p=dropout_p, enable_gqa=gqa
+    )
+
+
+def _torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # HF's LlamaRMSNorm step by step (statistics in fp32, rounded before the weight), so that
+    # logits match transformers to the last bits in any dtype.
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _torch_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    return _rope_reference(q, k, cos, sin)  # HF's apply_rotary_pos_emb, op for op
+
+
+def _torch_swiglu(a: Tensor, b: Tensor) -> Tensor:
+    return F.silu(a) * b
 
 
 def _triton_ops() -> Ops:
@@ -54,14 +81,30 @@ def _triton_ops() -> Ops:
     def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
         return kernels.layer_norm(x, weight, bias, eps)
 
-    return Ops("triton", layer_norm, kernels.gelu, attention)
+    return Ops(
+        "triton",
+        layer_norm=layer_norm,
+        gelu=kernels.gelu,
+        attention=attention,
+        rms_norm=kernels.rms_norm,
+        rope=kernels.rope,
+        swiglu=kernels.swiglu,
+    )
 
 
-TORCH_OPS = Ops("torch", _torch_layer_norm, _torch_gelu, _torch_attention)
+TORCH_OPS = Ops(
+    "torch",
+    layer_norm=_torch_layer_norm,
+    gelu=_torch_gelu,
+    attention=_torch_attention,
+    rms_norm=_torch_rms_norm,
+    rope=_torch_rope,
+    swiglu=_torch_swiglu,
+)
 
 
 def get_ops(name: str) -> Ops:
-    """The op table for ``GPTConfig.kernels``: ``"torch"`` or ``"triton"``."""
+    """The op table for ``config.kernels``: ``"torch"`` or ``"triton"``."""
     if name == "torch":
         return TORCH_OPS
     if name == "triton":

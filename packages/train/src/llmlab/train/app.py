@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import secrets
 import sys
 import time
@@ -89,18 +90,18 @@ MASTER_WEIGHT_PLUGINS = ("FP16MasterPrecision", "BF16MasterPrecision")
 
 def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None:
     """Everything checkable without data or processes, with messages that name the values."""
-    from llmlab.models import GPTConfig
+    from llmlab.models import model_config
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    if "n_layer" in model:  # a GPT task
+    if "arch" in model or "n_layer" in model:  # a language model of llmlab.models' registry
         if model.get("vocab_size") is None:
             model["vocab_size"] = tokenizer_vocab or 256
         try:
-            GPTConfig(**model).validate()
+            model_config(model)
         except TypeError as err:
             raise ConfigError(f"bad model config: {err}") from err
-        except ValueError as err:
-            raise ConfigError(str(err).replace("GPTConfig.", "model.")) from err
+        except ValueError as err:  # "LlamaConfig.n_head=5 ..." -> "model.n_head=5 ..."
+            raise ConfigError(re.sub(r"\b[A-Z]\w*Config\.", "model.", str(err))) from err
     devices = cfg.trainer.devices
     if not isinstance(devices, int) or devices < 1:
         raise ConfigError(f"trainer.devices must be a positive integer here, got {devices!r}")

@@ -1,8 +1,9 @@
 """``python -m llmlab.train.sample ckpt=PATH prompt="ROMEO:" [GenerationConfig field=value ...]``.
 
-Loads a Lightning checkpoint written by ``llmlab.train`` (``CausalLMTask``: the GPT under
-``model.``, its config and the tokenizer's config in ``hyper_parameters``), rebuilds the GPT and
-the tokenizer, and prints the prompt's continuation, streamed as it is generated. Every
+Loads a Lightning checkpoint written by ``llmlab.train`` (``CausalLMTask``: the model under
+``model.``, its config -- ``arch`` included -- and the tokenizer's config in
+``hyper_parameters``), rebuilds the same model class (``llmlab.models.build_model``) and the
+tokenizer, and prints the prompt's continuation, streamed as it is generated. Every
 ``llmlab.decoding.GenerationConfig`` field can be overridden (``max_new_tokens=100
 temperature=0.7 top_k=50 num_beams=4 seed=0``); values are parsed as YAML (``true``, ``0.7``,
 ``[1, 2]``). Defaults: sampling at temperature 0.8 with top-k 50, 256 new tokens, and a sliding
@@ -23,7 +24,7 @@ import torch
 import yaml
 
 from llmlab.decoding import GenerationConfig, TextStreamer, generate
-from llmlab.models import GPT, GPTConfig
+from llmlab.models import build_model
 
 USAGE = 'usage: python -m llmlab.train.sample ckpt=PATH prompt="TEXT" [field=value ...]'
 DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 50, "max_new_tokens": 256}
@@ -67,13 +68,13 @@ def build_tokenizer(spec: dict[str, Any] | None) -> Any:
     return instantiate(spec, _convert_="all")
 
 
-def load_checkpoint(path: str) -> tuple[GPT, Any]:
-    """The GPT and tokenizer of an ``llmlab.train`` checkpoint, on CPU, in eval mode."""
+def load_checkpoint(path: str) -> tuple[torch.nn.Module, Any]:
+    """The model and tokenizer of an ``llmlab.train`` checkpoint, on CPU, in eval mode."""
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     hp = ckpt.get("hyper_parameters", {})
     if "model" not in hp:
         raise ValueError(f"{path} has no hyper_parameters['model']: not an llmlab.train checkpoint")
-    model = GPT(GPTConfig(**hp["model"]))
+    model = build_model(hp["model"])
     state = {k[len("model.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(state)
     return model.eval(), build_tokenizer(hp.get("tokenizer"))

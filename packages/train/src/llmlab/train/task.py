@@ -1,4 +1,5 @@
-"""``CausalLMTask``: next-token training of an ``llmlab.models.GPT`` as a LightningModule.
+"""``CausalLMTask``: next-token training of any ``llmlab.models`` language model (GPT, Llama) as a
+LightningModule; the model comes from its config dict through ``llmlab.models.build_model``.
 
 The task owns what is the same for every strategy: the loss, the metric names, AdamW with
 decoupled weight decay (no decay on biases, norms and embeddings) and a warmup + cosine schedule
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from llmlab.models import GPT, GPTConfig
+from llmlab.models import build_model
 
 
 def causal_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -114,8 +115,9 @@ class CausalLMTask(L.LightningModule):
         tokenizer: dict[str, Any] | None = None,
         optimizer_impl: str = "foreach",
     ) -> None:
-        """``model``: ``GPTConfig`` fields. ``tokenizer``: the tokenizer's config, kept in the
-        checkpoint's hyper-parameters so ``llmlab.train.sample`` can rebuild it.
+        """``model``: the model's config fields plus ``arch`` (``"gpt"`` when absent, ``"llama"``),
+        kept in the checkpoint's hyper-parameters so ``llmlab.train.sample`` rebuilds the same
+        class. ``tokenizer``: the tokenizer's config, kept there for the same reason.
         ``optimizer_impl``: ``default``, ``foreach`` or ``fused`` (see ``OPTIMIZER_IMPLS``)."""
         if optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(
@@ -123,7 +125,7 @@ class CausalLMTask(L.LightningModule):
             )
         super().__init__()
         self.save_hyperparameters()
-        self.model: nn.Module = GPT(GPTConfig(**model))
+        self.model: nn.Module = build_model(model)
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] = causal_lm_loss
         self.val_loss = MeanMetric()  # averaged over batches and, in parallel runs, over ranks
 

@@ -1,0 +1,58 @@
+"""Build a model from a plain config dict, without the caller naming (or checking) a class.
+
+``build_model({"arch": "llama", "n_layer": 4, ...})`` is how the training task, the train app's
+config validation and ``llmlab.train.sample`` make models: the dict is what Hydra composes and
+what a checkpoint keeps in its hyper-parameters, so a checkpoint rebuilds its own class.
+A dict without ``arch`` is a GPT (checkpoints written before the registry existed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from llmlab.models.gpt import GPT, GPTConfig
+from llmlab.models.llama import Llama, LlamaConfig
+
+ARCHITECTURES: dict[str, tuple[type[nn.Module], type]] = {
+    "gpt": (GPT, GPTConfig),
+    "llama": (Llama, LlamaConfig),
+}
+DEFAULT_ARCH = "gpt"
+
+
+def register(arch: str, model_cls: type[nn.Module], config_cls: type) -> None:
+    """Make ``build_model({"arch": arch, ...})`` build ``model_cls(config_cls(...))``."""
+    ARCHITECTURES[arch] = (model_cls, config_cls)
+
+
+def _lookup(spec: Mapping[str, Any]) -> tuple[str, type[nn.Module], type]:
+    arch = spec.get("arch", DEFAULT_ARCH)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown model arch {arch!r}; valid: {sorted(ARCHITECTURES)}")
+    return arch, *ARCHITECTURES[arch]
+
+
+def model_config(spec: Mapping[str, Any]) -> Any:
+    """The validated config dataclass that ``spec`` describes (``arch`` picks the class)."""
+    arch, _, config_cls = _lookup(spec)
+    fields = {k: v for k, v in spec.items() if k != "arch"}
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(
+            f"{config_cls.__name__} (arch {arch!r}) has no field {', '.join(unknown)}; "
+            f"valid: {', '.join(sorted(known))}"
+        )
+    config = config_cls(**fields)
+    config.validate()
+    return config
+
+
+def build_model(spec: Mapping[str, Any]) -> nn.Module:
+    """``spec["arch"]``'s model built from the other keys, e.g. ``{"arch": "llama", ...}``."""
+    _, model_cls, _ = _lookup(spec)
+    return model_cls(model_config(spec))
