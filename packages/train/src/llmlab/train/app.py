@@ -56,7 +56,8 @@ def available_experiments() -> list[str]:
 
 
 def compose_config(args: list[str]) -> DictConfig:
-    """Compose ``conf/train.yaml`` + ``experiment=<name>`` + Hydra overrides into one config."""
+    """Compose ``conf/train.yaml`` + ``experiment=<name>`` + Hydra overrides into one config,
+    refusing every key that nothing reads (:mod:`llmlab.train.config_keys`)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -90,7 +91,7 @@ def compose_config(args: list[str]) -> DictConfig:
         raise ConfigError(f"bad override in {overrides}: {err}") from err
     problems = unaccepted_keys(cfg, app_arguments(cfg), CONF_DIR)
     if problems:
-        raise ConfigError(f"experiment {experiment}: " + "; ".join(problems))
+        raise ConfigError(f"experiment {experiment}: " + " | ".join(problems))
     return cfg
 
 
@@ -201,15 +202,16 @@ def model_on_meta(cfg: DictConfig, model_config: dict[str, Any] | None = None) -
     return getattr(task, cfg.strategy.get("model_attribute", "model"))
 
 
-def checkpoint_to_resume(cfg: DictConfig) -> Path | None:
-    """The checkpoint ``ckpt_path`` names (``last``: the latest run's ``last.ckpt``), checked
-    whole -- a damaged file is reported here, not as a traceback after the run started."""
+def checkpoint_to_resume(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
+    """The checkpoint ``ckpt_path`` names (``last``: ``last.ckpt`` of ``run_dir``, by default
+    the latest run), checked whole -- a damaged file is reported here, not as a traceback after
+    the run started."""
     from llmlab.train.checkpoints import checkpoint_problem
 
     if cfg.ckpt_path is None:
         return None
     if cfg.ckpt_path == "last":
-        path = previous_run_dir(cfg) / "checkpoints" / "last.ckpt"
+        path = (run_dir or previous_run_dir(cfg)) / "checkpoints" / "last.ckpt"
         if not path.exists():
             raise ConfigError(f"ckpt_path=last: {path} does not exist (no checkpoint was written)")
     else:
@@ -360,7 +362,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     run_dir, run_id = resolve_run(cfg)
     log.info("Run dir %s (W&B run %s)", run_dir, run_id)
     cfg.run_dir = str(run_dir)
-    ckpt_path = checkpoint_to_resume(cfg)
+    ckpt_path = checkpoint_to_resume(cfg, run_dir)
     if int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     L.seed_everything(cfg.seed, workers=True)
