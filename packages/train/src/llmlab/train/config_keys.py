@@ -70,7 +70,8 @@ def accepted_keywords(target: Callable[..., Any]) -> dict[str, str] | None:
     from hydra.utils import get_object
 
     if not inspect.isclass(target):
-        return _own_keywords(target, skip_first=False, owner=_name(target))
+        own = _named_parameters(target, skip_first=False, owner=_name(target))
+        return None if _takes_var_keyword(target) else own
     if target.__init__ is object.__init__:
         return {}
     accepted: dict[str, str] = {}  # subclass first: the names a user most likely means
@@ -82,7 +83,7 @@ def accepted_keywords(target: Callable[..., Any]) -> dict[str, str] | None:
             return None  # something unknown
         for name, owner in _named_parameters(init, True, klass.__name__).items():
             accepted.setdefault(name, owner)
-        if _own_keywords(init, skip_first=True, owner=klass.__name__) is not None:
+        if not _takes_var_keyword(init):
             return accepted  # no **kwargs: the hierarchy ends here
         forward = FORWARDED_KWARGS.get(f"{klass.__module__}.{klass.__qualname__}")
         if forward is not None:
@@ -97,12 +98,9 @@ def accepted_keywords(target: Callable[..., Any]) -> dict[str, str] | None:
     return accepted
 
 
-def _own_keywords(fn: Callable[..., Any], skip_first: bool, owner: str) -> dict[str, str] | None:
-    """``fn``'s keyword parameters, or ``None`` if it also takes ``**kwargs``."""
+def _takes_var_keyword(fn: Callable[..., Any]) -> bool:
     params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return _named_parameters(fn, skip_first, owner)
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _named_parameters(fn: Callable[..., Any], skip_first: bool, owner: str) -> dict[str, str]:
