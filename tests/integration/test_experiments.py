@@ -32,3 +32,5 @@ def test_experiment_runs_two_steps_with_one_wandb_run(name, tmp_path, shared_cac
     wandb_runs = list((run_dirs[0] / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 1, f"expected one W&B run, found {wandb_runs}"
     assert (run_dirs[0] / "checkpoints" / "last.ckpt").exists()  # a directory under DeepSpeed
+    # The recipe's steps are logged once, by rank zero, however many processes ran.
+    assert result.stdout.count("Instantiating trainer <lightning.pytorch.Trainer>") == 1

@@ -60,3 +60,25 @@ def test_cli_exits_with_a_message_before_any_work(tmp_path):
     assert result.returncode == 2
     assert "model.n_embd=128 is not divisible by n_head=5" in result.stderr
     assert not (tmp_path / "gpt_shakespeare").exists()  # no run dir, nothing trained
+
+
+def test_fp16_master_reads_the_loss_scaler_defaults_from_one_place():
+    from llmlab.parallel.precision.scaler import DEFAULTS
+
+    cfg = compose_config(["precision=fp16_master"])
+    plugin = OmegaConf.to_container(cfg.precision.plugin, resolve=True)
+    assert {k: plugin[k] for k in DEFAULTS} == dict(DEFAULTS)
+    cfg = compose_config(["precision=fp16_master", "precision.plugin.growth_interval=500"])
+    assert cfg.precision.plugin.growth_interval == 500
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_experiments_set_the_stage_of_the_one_deepspeed_strategy(stage):
+    cfg = compose_config([f"experiment=gpt_zero{stage}"])
+    assert cfg.strategy._target_.endswith("PortableDeepSpeedStrategy")
+    assert cfg.strategy.stage == stage
+
+
+def test_val_check_interval_must_be_a_whole_number_of_steps():
+    with pytest.raises(ConfigError, match=r"trainer.val_check_interval must be a positive integer"):
+        validate_config(compose_config(["trainer.val_check_interval=0.5"]))

@@ -1,9 +1,12 @@
-"""The training entry point, read as a recipe: config → checks → run dir → data → model →
-callbacks → logger → trainer → fit.
+"""The training entry point, read as a recipe: config → tokenizer → checks → strategy and
+precision → run dir → data → task → callbacks → logger → trainer → fit, each step logged (rank
+zero only) as it happens.
 
 ``python -m llmlab.train experiment=<name> [key=value ...]`` composes Hydra's config groups
-(``conf/``) with ``experiments/<name>.yaml`` and the overrides, checks everything that can be
-checked before any work starts, and trains.
+(``conf/``) with ``experiments/<name>.yaml`` and the overrides, refuses any key that nothing
+reads, checks everything that can be checked before any work starts (model shape, parallel
+layout, batch split, the checkpoint to resume), and trains. A mistake ends in one ``error:`` line
+and exit status 2, before any process, run dir or W&B run exists.
 
 Runs live in ``outputs/<experiment>/<timestamp>-<run id>/`` (resolved config, checkpoints, the
 W&B run). Rank zero resolves the run dir and id once and exports them (``LLMLAB_RUN_DIR``,
@@ -14,7 +17,7 @@ run: same directory, same W&B run id, from its last checkpoint.
 
 from __future__ import annotations
 
-import inspect
+import logging
 import os
 import re
 import secrets
@@ -25,8 +28,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmlab.train.config_keys import unaccepted_keys
+
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 RUN_DIR_ENV, RUN_ID_ENV = "LLMLAB_RUN_DIR", "LLMLAB_RUN_ID"
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -50,7 +57,8 @@ def available_experiments() -> list[str]:
 
 
 def compose_config(args: list[str]) -> DictConfig:
-    """Compose ``conf/train.yaml`` + ``experiment=<name>`` + Hydra overrides into one config."""
+    """Compose ``conf/train.yaml`` + ``experiment=<name>`` + Hydra overrides into one config,
+    refusing every key that nothing reads (:mod:`llmlab.train.config_keys`)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -68,6 +76,7 @@ def compose_config(args: list[str]) -> DictConfig:
             f"available: {', '.join(known)}"
         )
     search = f"hydra.searchpath=[file://{experiments_dir().parent}]"
+    _register_resolvers()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(
@@ -81,7 +90,32 @@ def compose_config(args: list[str]) -> DictConfig:
             )
     except HydraException as err:
         raise ConfigError(f"bad override in {overrides}: {err}") from err
+    problems = unaccepted_keys(cfg, app_arguments(cfg), CONF_DIR)
+    if problems:
+        raise ConfigError(f"experiment {experiment}: " + " | ".join(problems))
     return cfg
+
+
+def app_arguments(cfg: DictConfig) -> dict[str, tuple[str, ...]]:
+    """The keywords ``train`` passes to a node's target on top of the node's own keys."""
+    tokenizer = ("tokenizer",) if cfg.get("tokenizer") is not None else ()
+    model = ("model",) if cfg.get("model") is not None else ()
+    return {"data": tokenizer, "task": model + tokenizer}
+
+
+def _register_resolvers() -> None:
+    """``${loss_scaler:<name>}`` in ``conf/precision/*.yaml``: a default of the fp16 loss scaler,
+    read from ``llmlab.parallel.precision.scaler.DEFAULTS`` so no YAML repeats the numbers."""
+    if not OmegaConf.has_resolver("loss_scaler"):
+        OmegaConf.register_new_resolver("loss_scaler", _loss_scaler_default)
+
+
+def _loss_scaler_default(name: str) -> Any:
+    from llmlab.parallel.precision.scaler import DEFAULTS
+
+    if name not in DEFAULTS:
+        raise KeyError(f"${{loss_scaler:{name}}}: no such default; valid: {sorted(DEFAULTS)}")
+    return DEFAULTS[name]
 
 
 # --------------------------------------------------------------------------- checks
@@ -89,7 +123,11 @@ MASTER_WEIGHT_PLUGINS = ("FP16MasterPrecision", "BF16MasterPrecision")
 
 
 def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None:
-    """Everything checkable without data or processes, with messages that name the values."""
+    """Everything checkable without data or processes, with messages that name the values.
+
+    ``train`` calls it once, after the tokenizer has filled in ``model.vocab_size: null``;
+    ``tokenizer_vocab`` (else 256) stands in for it when a config is checked on its own.
+    """
     from llmlab.models import model_config
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
@@ -108,6 +146,12 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
     max_steps = cfg.trainer.max_steps
     if not isinstance(max_steps, int) or max_steps < 1:
         raise ConfigError(f"trainer.max_steps must be a positive integer, got {max_steps!r}")
+    interval = cfg.trainer.get("val_check_interval")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise ConfigError(
+            f"trainer.val_check_interval must be a positive integer (optimizer steps between "
+            f"validations), got {interval!r}"
+        )
     strategy = str(OmegaConf.select(cfg, "strategy._target_", default=""))
     plugin = str(OmegaConf.select(cfg, "precision.plugin._target_", default=""))
     if strategy.endswith("ParameterServerStrategy") and plugin.endswith(MASTER_WEIGHT_PLUGINS):
@@ -127,8 +171,78 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
         raise ConfigError(
             f"task.optimizer_impl={impl!r} is not one of ['default', 'foreach', 'fused']"
         )
-    if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).is_file():
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file (or use ckpt_path=last)")
+    check_layout(cfg, model)
+    checkpoint_to_resume(cfg)
+
+
+def check_layout(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> None:
+    """World size, batch split, pipeline layers and tensor divisors against the strategy's
+    layout; the model's side from a copy built on the ``meta`` device, only when it is needed
+    (from ``model_config`` if given: ``cfg.model`` with its vocabulary size filled in)."""
+    from llmlab.parallel.contracts import PipelineSplittable, TensorParallelShardable, require
+    from llmlab.train.layout import layout_from_config, layout_problems, spelling_of
+
+    strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
+    try:
+        layout = layout_from_config(strategy, cfg.trainer.devices, cfg.trainer.get("num_nodes", 1))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    layers = divisors = None
+    if layout.pipeline > 1 or layout.tensor > 1:
+        model = model_on_meta(cfg, model_config)
+        try:
+            if layout.pipeline > 1:
+                splittable = require(model, PipelineSplittable, "pipeline parallelism")
+                layers = len(splittable.pipeline_layers())
+            if layout.tensor > 1:
+                shardable = require(model, TensorParallelShardable, "tensor parallelism")
+                divisors = shardable.tensor_parallel_divisors()
+        except TypeError as err:
+            raise ConfigError(str(err)) from err
+    batch = OmegaConf.select(cfg, "data.batch_size")
+    problems = layout_problems(layout, batch, layers, divisors, spelling_of(strategy))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def model_on_meta(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> Any:
+    """The task's model, built on the ``meta`` device: its shape without memory or init cost."""
+    import torch
+
+    with torch.device("meta"):
+        task = build_task(cfg, model_config)
+    return getattr(task, cfg.strategy.get("model_attribute", "model"))
+
+
+def checkpoint_to_resume(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
+    """The checkpoint ``ckpt_path`` names (``last``: ``last.ckpt`` of ``run_dir``, by default
+    the latest run), checked whole -- a damaged file is reported here, not as a traceback after
+    the run started."""
+    from llmlab.train.checkpoints import checkpoint_problem
+
+    if cfg.ckpt_path is None:
+        return None
+    if cfg.ckpt_path == "last":
+        path = (run_dir or previous_run_dir(cfg)) / "checkpoints" / "last.ckpt"
+        if not path.exists():
+            raise ConfigError(f"ckpt_path=last: {path} does not exist (no checkpoint was written)")
+    else:
+        path = Path(cfg.ckpt_path)
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path}: {path} {problem}")
+    return path
+
+
+def previous_run_dir(cfg: DictConfig) -> Path:
+    """The experiment's latest run, which ``ckpt_path=last`` resumes."""
+    exp_dir = Path(cfg.paths.output_dir) / cfg.experiment
+    latest = exp_dir / "latest"
+    if not latest.is_file():
+        raise ConfigError(
+            f"ckpt_path=last: experiment {cfg.experiment!r} has no previous run under {exp_dir}"
+        )
+    return Path(latest.read_text().strip())
 
 
 # --------------------------------------------------------------------------- run dir
@@ -142,62 +256,66 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, str]:
             f"node rank {node_rank} cannot choose the run dir on its own: set {RUN_DIR_ENV} and "
             f"{RUN_ID_ENV} to the same values on every node (see docs/multinode.md)"
         )
-    exp_dir = Path(cfg.paths.output_dir) / cfg.experiment
-    latest = exp_dir / "latest"
     if cfg.ckpt_path == "last":
-        if not latest.is_file():
-            raise ConfigError(
-                f"ckpt_path=last: experiment {cfg.experiment!r} has no previous run under {exp_dir}"
-            )
-        run_dir = Path(latest.read_text().strip())
+        run_dir = previous_run_dir(cfg)
         run_id = (run_dir / "run_id").read_text().strip()
     else:
+        exp_dir = Path(cfg.paths.output_dir) / cfg.experiment
         run_id = secrets.token_hex(4)
         run_dir = exp_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id}"
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run_id").write_text(run_id + "\n")
-        latest.write_text(str(run_dir.resolve()) + "\n")
+        (exp_dir / "latest").write_text(str(run_dir.resolve()) + "\n")
     os.environ[RUN_DIR_ENV], os.environ[RUN_ID_ENV] = str(run_dir.resolve()), run_id
     return run_dir.resolve(), run_id
 
 
-def last_checkpoint(run_dir: Path) -> Path:
-    path = run_dir / "checkpoints" / "last.ckpt"
-    if not path.is_file():
-        raise ConfigError(f"ckpt_path=last: {path} does not exist (no checkpoint was written)")
-    return path
-
-
 # --------------------------------------------------------------------------- building
-def _instantiate(node: DictConfig, **extra: Any) -> Any:
-    """Build ``node._target_(**node, **extra)``, passing only the ``extra`` its target accepts.
+def build(node: DictConfig, what: str, **app_args: Any) -> Any:
+    """``node._target_(**node, **app_args)`` through Hydra, as plain Python values.
 
-    Called directly rather than through Hydra's recursive ``instantiate``: ``extra`` may hold
-    plain config dicts with a ``_target_`` of their own (the tokenizer's config, kept in the
-    checkpoint so sampling can rebuild it), which must stay dicts.
+    Every key was checked against the target when the config was composed, so nothing is
+    dropped here. Not recursive: an ``app_args`` value may be a config dict with a ``_target_``
+    of its own (the tokenizer's, kept in the checkpoint so sampling can rebuild it), which must
+    stay a dict. A constructor's refusal (``ValueError``, ``TypeError``) becomes a
+    :class:`ConfigError` naming the node.
     """
-    from hydra.utils import get_method
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
 
-    target = get_method(node._target_)
-    params = inspect.signature(target).parameters
-    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    accepted = {k: v for k, v in extra.items() if takes_all or k in params}
-    kwargs = OmegaConf.to_container(node, resolve=True)
-    kwargs.pop("_target_")
-    return target(**kwargs, **accepted)
+    try:
+        return instantiate(node, **app_args, _recursive_=False, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError | TypeError):
+            raise ConfigError(f"{what} <{node._target_}>: {cause}") from cause
+        raise
+
+
+def build_tokenizer(cfg: DictConfig) -> Any:
+    return build(cfg.tokenizer, "tokenizer") if cfg.get("tokenizer") is not None else None
+
+
+def build_task(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> Any:
+    app_args: dict[str, Any] = {}
+    if model_config is not None or cfg.get("model") is not None:
+        app_args["model"] = model_config or OmegaConf.to_container(cfg.model, resolve=True)
+    if cfg.get("tokenizer") is not None:
+        app_args["tokenizer"] = OmegaConf.to_container(cfg.tokenizer, resolve=True)
+    return build(cfg.task, "task", **app_args)
 
 
 def build_strategy(cfg: DictConfig) -> Any:
     node = cfg.strategy
     if "_target_" in node:
-        return _instantiate(node)
+        return build(node, "strategy")
     return node.get("name", "auto")
 
 
 def build_precision(cfg: DictConfig) -> tuple[str | None, list[Any]]:
     node = cfg.precision
     if node.get("plugin"):
-        return None, [_instantiate(node.plugin)]
+        return None, [build(node.plugin, "precision plugin")]
     return node.get("trainer_precision", "32-true"), []
 
 
@@ -219,38 +337,61 @@ def build_logger(cfg: DictConfig, run_dir: Path, run_id: str) -> Any:
     return logger
 
 
+def trainer_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.trainer`` as ``lightning.Trainer`` arguments.
+
+    ``val_check_interval`` counts optimizer steps in the config and training batches in
+    Lightning (with ``check_val_every_n_epoch=None``): with gradient accumulation over ``k``
+    batches, validating every ``n`` steps is validating every ``n·k`` batches.
+    """
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kwargs["val_check_interval"] *= kwargs.get("accumulate_grad_batches") or 1
+    return kwargs
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run one experiment; returns the final callback metrics (floats) on global rank 0 and an
     empty dict on the other ranks, so a multi-process run reports its result once."""
     import lightning as L
     import torch
-    from hydra.utils import instantiate
 
-    validate_config(cfg)
-    run_dir, run_id = resolve_run(cfg)
+    from llmlab.train.checkpoints import AtomicCheckpointIO
+
     OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = str(run_dir)
-    ckpt_path = str(last_checkpoint(run_dir)) if cfg.ckpt_path == "last" else cfg.ckpt_path
-    L.seed_everything(cfg.seed, workers=True)
-
-    tokenizer = instantiate(cfg.tokenizer, _convert_="all") if "tokenizer" in cfg else None
-    if "vocab_size" in cfg.model and cfg.model.vocab_size is None:
-        cfg.model.vocab_size = int(tokenizer.vocab_size)
+    if cfg.get("tokenizer") is not None:
+        log.info("Instantiating tokenizer <%s>", cfg.tokenizer._target_)
+    tokenizer = build_tokenizer(cfg)
+    if cfg.get("model") is not None and cfg.model.get("vocab_size", 0) is None:
+        cfg.model.vocab_size = int(tokenizer.vocab_size)  # null: the tokenizer's vocabulary
+    log.info("Checking the config: model, layout, batch split, checkpoint")
     validate_config(cfg)
+    log.info("Instantiating strategy <%s>", cfg.strategy.get("_target_", cfg.strategy.get("name")))
+    strategy = build_strategy(cfg)
+    if cfg.precision.get("plugin"):
+        log.info("Instantiating precision plugin <%s>", cfg.precision.plugin._target_)
+    precision, plugins = build_precision(cfg)
+
+    run_dir, run_id = resolve_run(cfg)
+    log.info("Run dir %s (W&B run %s)", run_dir, run_id)
+    cfg.run_dir = str(run_dir)
+    ckpt_path = checkpoint_to_resume(cfg, run_dir)
     if int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    L.seed_everything(cfg.seed, workers=True)
 
-    data = _instantiate(cfg.data, tokenizer=tokenizer)
-    task = _instantiate(
-        cfg.task,
-        model=OmegaConf.to_container(cfg.model, resolve=True),
-        tokenizer=OmegaConf.to_container(cfg.tokenizer, resolve=True) if tokenizer else None,
-    )
+    log.info("Instantiating datamodule <%s>", cfg.data._target_)
+    data = build(cfg.data, "datamodule", **({"tokenizer": tokenizer} if tokenizer else {}))
+    log.info("Instantiating task <%s>", cfg.task._target_)
+    task = build_task(cfg)
     if cfg.get("model_transforms"):  # memory reuse, applied from outside the model
         from llmlab.parallel.memory import apply_memory_options
 
         apply_memory_options(task.model, **OmegaConf.to_container(cfg.model_transforms))
-    callbacks = [_instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    callbacks = []
+    for name, node in cfg.callbacks.items():
+        if node is not None:
+            log.info("Instantiating callback %s <%s>", name, node._target_)
+            callbacks.append(build(node, f"callback {name}"))
     # ---- compile=true: the last model transform before the strategy wraps the model (perf
     # branch; to move into the N-D strategy's model-transform function).
     if cfg.get("compile"):
@@ -262,14 +403,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # ---- end compile
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, L.pytorch.callbacks.ProgressBar)]
+    log.info("Instantiating logger <lightning.pytorch.loggers.WandbLogger>")
     logger = build_logger(cfg, run_dir, run_id)
-    precision, plugins = build_precision(cfg)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    log.info("Instantiating trainer <lightning.pytorch.Trainer>")
     trainer = L.Trainer(
-        **trainer_kwargs,
-        strategy=build_strategy(cfg),
+        **trainer_arguments(cfg),
+        strategy=strategy,
         precision=precision,
-        plugins=plugins or None,
+        plugins=[*plugins, AtomicCheckpointIO()],
         logger=logger,
         callbacks=callbacks,
         default_root_dir=str(run_dir),
@@ -277,12 +418,35 @@ def train(cfg: DictConfig) -> dict[str, float]:
         use_distributed_sampler=False,  # the data module shards by data-parallel rank itself
     )
     if trainer.is_global_zero:
+        log.info("Logging hyperparameters")
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     torch.set_float32_matmul_precision("high")
-    trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
+    log.info("Starting training" + (f" from {ckpt_path}" if ckpt_path else ""))
+    trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.best_model_path:
+        log.info("Best checkpoint: %s", trainer.checkpoint_callback.best_model_path)
     if not trainer.is_global_zero:
         return {}
     return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+
+
+def setup_logging() -> None:
+    """The recipe's steps on stdout, as Hydra apps print them; rank zero only (the other ranks
+    re-run the same command and would repeat every line)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    root = logging.getLogger("llmlab")
+    if rank_zero_only.rank != 0:
+        root.setLevel(logging.WARNING)
+        return
+    root.setLevel(logging.INFO)
+    if not any(getattr(h, "_llmlab_cli", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(
+            logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s", "%H:%M:%S")
+        )
+        handler._llmlab_cli = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,8 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from llmlab.parallel.deepspeed import DeepSpeedConfigError
 
+    setup_logging()
     try:
         cfg = compose_config(args)
+        log.info("Experiment %s: config composed, every key accepted", cfg.experiment)
         metrics = train(cfg)
     except (ConfigError, DeepSpeedConfigError) as err:
         print(f"error: {err}", file=sys.stderr)

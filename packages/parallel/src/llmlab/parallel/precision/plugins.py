@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from llmlab.parallel.precision.fp8 import Float8Linear, convert_to_float8
 from llmlab.parallel.precision.master import MasterWeights
+from llmlab.parallel.precision.scaler import DEFAULTS as SCALER_DEFAULTS
 from llmlab.parallel.precision.scaler import DynamicLossScaler
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
@@ -206,20 +207,20 @@ class MasterWeightPrecision(Precision):
 class FP16MasterPrecision(MasterWeightPrecision):
     """fp16 weights and compute, fp32 masters, dynamic loss scaling (``precision: fp16_master``).
 
-    Defaults follow DeepSpeed's fp16 config: ``init_scale=2**16``, ``growth_interval=1000``,
-    ``hysteresis=2``, ``min_scale=1``.
+    Defaults: DeepSpeed's fp16 config, read from :data:`llmlab.parallel.precision.scaler.DEFAULTS`
+    (``init_scale=2**16``, ``growth_interval=1000``, ``hysteresis=2``, ``min_scale=1``).
     """
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        consecutive_hysteresis: bool = False,
-        min_scale: float = 1.0,
-        at_min: Literal["clamp", "raise"] = "clamp",
+        init_scale: float = SCALER_DEFAULTS["init_scale"],
+        growth_factor: float = SCALER_DEFAULTS["growth_factor"],
+        backoff_factor: float = SCALER_DEFAULTS["backoff_factor"],
+        growth_interval: int = SCALER_DEFAULTS["growth_interval"],
+        hysteresis: int = SCALER_DEFAULTS["hysteresis"],
+        consecutive_hysteresis: bool = SCALER_DEFAULTS["consecutive_hysteresis"],
+        min_scale: float = SCALER_DEFAULTS["min_scale"],
+        at_min: Literal["clamp", "raise"] = SCALER_DEFAULTS["at_min"],
     ) -> None:
         super().__init__(
             "float16",

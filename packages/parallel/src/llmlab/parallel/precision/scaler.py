@@ -18,15 +18,23 @@ whether any gradient was inf/nan; across ranks when a process group is given):
   ``min_scale`` raises (``at_min="raise"``) or keeps the scale (``at_min="clamp"``).
 
 With ``hysteresis=1`` this is exactly ``torch.amp.GradScaler``'s update (checked against
-``torch._amp_update_scale_`` in the tests); the hysteresis rules follow DeepSpeed's
-``DynamicLossScaler``; the growth window counts clean steps the way GradScaler does (DeepSpeed
-counts one step more after an overflow).
+``torch._amp_update_scale_`` in the tests). Against DeepSpeed's ``DynamicLossScaler`` (checked
+against it in the tests): backoff, hysteresis, ``consecutive_hysteresis`` and the floor are the
+same, step for step; growth differs by one step. This scaler grows on the ``w``-th consecutive
+clean step (``w = growth_interval``), as GradScaler does; DeepSpeed grows on the ``(w+1)``-th,
+counted from the start and from every overflow (its last-overflow marker starts at -1 and its
+stable interval subtracts one). Without overflows: growth at steps ``w, 2w, 3w, ...`` here,
+``w+1, 2w+1, 3w+1, ...`` in DeepSpeed.
+
+The defaults are DeepSpeed's documented fp16 defaults (:data:`DEFAULTS`): the one place they are
+written; ``FP16MasterPrecision`` and ``conf/precision/fp16_master.yaml`` read them from here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -35,6 +43,22 @@ from torch import Tensor
 
 AT_MIN_CHOICES = ("clamp", "raise")
 
+# DeepSpeed's fp16 config defaults (``deepspeed.runtime.constants``: initial_scale_power 16,
+# loss_scale_window 1000, hysteresis 2, consecutive_hysteresis false, min_loss_scale 1; its scale
+# factor is fixed at 2). GradScaler's differ (growth_interval 2000, no hysteresis).
+DEFAULTS = MappingProxyType(
+    {
+        "init_scale": 2.0**16,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 1000,
+        "hysteresis": 2,
+        "consecutive_hysteresis": False,
+        "min_scale": 1.0,
+        "at_min": "clamp",
+    }
+)
+
 
 class LossScaleAtMinimumError(RuntimeError):
     """Gradients overflow even at the minimum loss scale: the run is diverging, not underflowing."""
@@ -42,6 +66,8 @@ class LossScaleAtMinimumError(RuntimeError):
 
 class DynamicLossScaler:
     """Loss-scale policy with growth window, backoff, hysteresis and a floor.
+
+    Defaults: DeepSpeed's (:data:`DEFAULTS`); ``hysteresis=1, growth_interval=2000`` is GradScaler.
 
     Args:
         init_scale: the first scale tried (``2**16`` as torch and DeepSpeed).
@@ -58,14 +84,14 @@ class DynamicLossScaler:
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_scale: float = 1.0,
-        at_min: Literal["clamp", "raise"] = "clamp",
+        init_scale: float = DEFAULTS["init_scale"],
+        growth_factor: float = DEFAULTS["growth_factor"],
+        backoff_factor: float = DEFAULTS["backoff_factor"],
+        growth_interval: int = DEFAULTS["growth_interval"],
+        hysteresis: int = DEFAULTS["hysteresis"],
+        consecutive_hysteresis: bool = DEFAULTS["consecutive_hysteresis"],
+        min_scale: float = DEFAULTS["min_scale"],
+        at_min: Literal["clamp", "raise"] = DEFAULTS["at_min"],
     ) -> None:
         _check_positive_finite("init_scale", init_scale)
         _check_positive_finite("min_scale", min_scale)
