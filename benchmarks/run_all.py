@@ -195,7 +195,7 @@ def render_section(outcome: Outcome, command: str, machine: str, when: str) -> s
     for result in outcome.results:
         if result.get("notes"):
             lines += ["", "Notes: " + result["notes"].strip().replace("\n", "<br>")]
-    lines += ["<!-- end: " + outcome.name + " -->", ""]
+    lines.append(f"<!-- end: {outcome.name} -->")
     return relative_paths("\n".join(lines) + "\n")
 
 

@@ -51,6 +51,9 @@ def test_a_partial_run_replaces_only_its_own_sections(tmp_path):
     assert after["comm"] == before["comm"]
     assert "| case one | 4 s |" in after["memory"] and "--only memory" in after["memory"]
     assert path.read_text().count("# Benchmark results") == 1
+    text = path.read_text()
+    write_summary([], path)  # kept sections are written back byte for byte
+    assert path.read_text() == text
 
 
 def test_paths_inside_the_repository_are_written_relative(tmp_path):
