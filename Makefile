@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.llmlab-installed
+WHEELHOUSE := $(VENV)/wheelhouse/.filled
 EXP ?= gpt_shakespeare
 ARGS ?=
 PYTEST_ARGS ?=
@@ -17,7 +18,7 @@ EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/dec
 
 .PHONY: install test test-all lint format train compare bench sample gpu-check clean
 
-install: $(STAMP)
+install: $(STAMP) $(WHEELHOUSE)
 
 # torch goes in first, alone and pinned, because deepspeed's sdist imports it while building
 # (hence --no-build-isolation: an isolated build env would pull an unpinned CUDA torch).
@@ -32,6 +33,13 @@ $(STAMP): $(INSTALL_INPUTS)
 	$(PIP) install -q --no-deps "litgpt==0.5.13"
 	@touch $(STAMP)
 	@echo "llmlab installed in $(VENV)"
+
+# tests/test_wheels.py installs llmlab-tokenizer's wheel into a fresh venv with no network: its
+# one runtime dependency waits here, the same regex version as in .venv.
+$(WHEELHOUSE): $(STAMP)
+	$(PIP) download -q --no-deps --only-binary=:all: -d $(VENV)/wheelhouse \
+		"regex==$$($(PY) -c 'import regex; print(regex.__version__)')"
+	@touch $@
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

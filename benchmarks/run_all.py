@@ -5,9 +5,14 @@ Each ``benchmarks/<name>.py`` (except ``common`` and this file) runs as
 timeout and a total budget, so one slow or broken benchmark cannot take the others down. A
 benchmark reports through ``benchmarks.common.report``, which writes
 ``results/<benchmark>.json``; only files written during this run count, so a stale result of a
-benchmark that failed today is never presented as today's figure. ``SUMMARY.md`` is one table:
-benchmark, case, llmlab, reference, ratio (> 1: llmlab better), target, met?; a benchmark that
-failed, timed out or was skipped (e.g. "skipped: no CUDA") is listed as such.
+benchmark that failed today is never presented as today's figure.
+
+``SUMMARY.md`` has one section per benchmark: the command, the machine and the date it was
+measured with, then its table (case, llmlab, reference, ratio (> 1: llmlab better), target,
+met?) and its notes; a benchmark that failed, timed out or was skipped (e.g. "skipped: no CUDA")
+says so. ``--only`` rewrites only the sections of the benchmarks it ran and keeps the others, each
+still dated by its own run. Paths inside the repository are written relative to it, so no
+machine's absolute paths reach the committed file.
 
     python -m benchmarks.run_all [--only NAME ...] [--timeout S] [--budget S]
 """
@@ -18,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -133,40 +139,86 @@ def summary_rows(outcome: Outcome) -> list[list[str]]:
     return rows
 
 
-def write_summary(outcomes: list[Outcome], path: Path, total_seconds: float) -> Path:
+SUMMARY_INTRO = """# Benchmark results
+
+Written by `make bench` (`python -m benchmarks.run_all`). Every benchmark measures llmlab and its
+reference in the same run, on the same machine: ratio = how many times better llmlab is (> 1:
+llmlab wins; for times it is reference / llmlab). Compare ratios, not absolute figures: the
+machines are shared. Each section names the command, the machine and the date of its own run
+(`--only` refreshes some sections and keeps the others). Reproduce one benchmark with
+`python -m benchmarks.<name>`."""
+_SECTION = re.compile(r"<!-- benchmark: (?P<name>[\w.-]+) -->\n.*?<!-- end: (?P=name) -->\n", re.S)
+
+
+def describe_machine() -> str:
+    """CPU model and cores, accelerator, OS, Python and torch: what the figures depend on."""
     import torch
 
-    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}), {gpu}, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def relative_paths(text: str, repo: Path = REPO) -> str:
+    """``text`` with every path inside the repository written relative to it."""
+    return text.replace(str(repo) + os.sep, "").replace(str(repo), ".")
+
+
+def render_section(outcome: Outcome, command: str, machine: str, when: str) -> str:
+    """One benchmark's section, between markers that let a later ``--only`` run replace it."""
+    rows = summary_rows(outcome)
+    several = len({row[0] for row in rows}) > 1  # one module reporting several benchmarks
     lines = [
-        "# Benchmark summary",
+        f"<!-- benchmark: {outcome.name} -->",
+        f"## {outcome.name}",
         "",
-        f"Written by `make bench` (`python -m benchmarks.run_all`) on "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {os.cpu_count()} CPU cores, "
-        f"{cuda}, Python {platform.python_version()}, torch {torch.__version__}; "
-        f"total {total_seconds / 60:.1f} min.",
+        f"Measured by `{command}` (`python -m benchmarks.{outcome.name}`: {outcome.status}, "
+        f"{outcome.seconds:.0f} s) on {when}; machine: {machine}.",
         "",
-        "Ratio = how many times better llmlab is than the reference measured in the same run "
-        "(> 1: llmlab wins; for times it is reference/llmlab). Reproduce with `make bench`; "
-        "one benchmark alone with `python -m benchmarks.<name>`.",
-        "",
-        "| benchmark | case | llmlab | reference | ratio | target | met? |",
-        "|---|---|---|---|---|---|---|",
+        "| case | llmlab | reference | ratio | target | met? |",
+        "|---|---|---|---|---|---|",
     ]
+    for bench, *cells in rows:
+        if several:
+            cells[0] = f"{bench}: {cells[0]}"
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    for result in outcome.results:
+        if result.get("notes"):
+            lines += ["", "Notes: " + result["notes"].strip().replace("\n", "<br>")]
+    lines.append(f"<!-- end: {outcome.name} -->")
+    return relative_paths("\n".join(lines) + "\n")
+
+
+def previous_sections(path: Path) -> dict[str, str]:
+    """The sections of an existing ``SUMMARY.md``, by benchmark name."""
+    if not path.is_file():
+        return {}
+    return {m["name"]: m.group() for m in _SECTION.finditer(path.read_text(encoding="utf-8"))}
+
+
+def write_summary(
+    outcomes: list[Outcome], path: Path, command: str = "python -m benchmarks.run_all"
+) -> Path:
+    """Replace the sections of ``outcomes``' benchmarks in ``path``; keep the other sections."""
+    machine = describe_machine()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    sections = previous_sections(path)
     for outcome in outcomes:
-        for row in summary_rows(outcome):
-            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
-    lines += ["", "| benchmark | status | seconds |", "|---|---|---|"]
-    lines += [f"| {o.name} | {o.status} | {o.seconds:.0f} |" for o in outcomes]
-    notes = [
-        f"- **{r.get('benchmark', o.name)}**: " + r["notes"].strip().replace("\n", "<br>")
-        for o in outcomes
-        for r in o.results
-        if r.get("notes")
-    ]
-    if notes:
-        lines += ["", "Notes", "", *notes]
+        sections[outcome.name] = render_section(outcome, command, machine, when)
+    order = [n for n in discover() if n in sections] + sorted(set(sections) - set(discover()))
+    text = SUMMARY_INTRO + "\n\n" + "\n".join(sections[name] for name in order)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -196,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         if outcome.status != "ok":
             print(outcome.tail, flush=True)
         outcomes.append(outcome)
-    path = write_summary(outcomes, RESULTS_DIR / "SUMMARY.md", time.time() - start)
+    command = "python -m benchmarks.run_all" + (" --only " + " ".join(names) if args.only else "")
+    path = write_summary(outcomes, RESULTS_DIR / "SUMMARY.md", command)
     print(path.read_text())
     print(f"[bench] wrote {path}")
     return 0 if all(o.status == "ok" for o in outcomes) else 1

@@ -59,7 +59,7 @@ def test_hf_trained_tokenizer_json_loads_and_encodes_like_hf(pair, tmp_path):
 
 def test_llmlab_exported_tokenizer_json_encodes_like_llmlab_in_hf(pair, tmp_path):
     _, ours, _ = pair
-    path = ours.save(tmp_path / "tokenizer.json", format="hf")
+    path = lt.save(ours, tmp_path / "tokenizer.json", format="hf")
     hf = Tokenizer.from_file(str(path))
     for text in (held_out_text(100_000), MIXED):
         assert hf.encode(text).ids == ours.encode(text)

@@ -42,7 +42,7 @@ def test_reference_equals_fast_on_adversarial_alphabet(tok, text):
 
 @pytest.mark.parametrize("fmt", ["llmlab", "hf", "tiktoken"])
 def test_save_load_gives_identical_encodings(tok, tmp_path, fmt):
-    path = tok.save(tmp_path / f"tok.{fmt}", format=fmt)
+    path = lt.save(tok, tmp_path / f"tok.{fmt}", format=fmt)
     options = {"pattern": "gpt4", "special_tokens": tok.special_tokens} if fmt == "tiktoken" else {}
     again = lt.load(path, **options)
     assert again.ranks == tok.ranks and again.special_tokens == tok.special_tokens
@@ -58,14 +58,14 @@ def test_save_load_gives_identical_encodings(tok, tmp_path, fmt):
 def test_save_load_roundtrip_property(tok, tmp_path, text):
     path = tmp_path / "tok.json"
     if not path.exists():
-        tok.save(path)
+        lt.save(tok, path)
     assert lt.load(path).encode(text, disallowed_special=()) == tok.encode(
         text, disallowed_special=()
     )
 
 
 def test_own_format_is_human_readable(tok, tmp_path):
-    data = json.loads(tok.save(tmp_path / "tok.json").read_text(encoding="utf-8"))
+    data = json.loads(lt.save(tok, tmp_path / "tok.json").read_text(encoding="utf-8"))
     assert data["format"] == "llmlab-tokenizer" and data["model"] == "bpe"
     assert data["vocab"]["Ġthe"] == tok.token_to_id(b" the")
     assert all(" " in m for m in data["merges"])
@@ -126,11 +126,11 @@ def test_damaged_files_name_the_file_and_problem(tok, tmp_path):
     with pytest.raises(TokenizerFileError, match=r"bad\.tiktoken: line 2"):
         lt.load(bad_ranks, pattern="gpt4")
 
-    good = tok.save(tmp_path / "ok.tiktoken", format="tiktoken")
+    good = lt.save(tok, tmp_path / "ok.tiktoken", format="tiktoken")
     with pytest.raises(TokenizerFileError, match="pass pattern="):
         lt.load(good)
 
-    hf = json.loads(tok.save(tmp_path / "tokenizer.json", format="hf").read_text())
+    hf = json.loads(lt.save(tok, tmp_path / "tokenizer.json", format="hf").read_text())
     hf["model"]["type"] = "WordLevel"
     (tmp_path / "wl.json").write_text(json.dumps(hf))
     with pytest.raises(
@@ -138,7 +138,7 @@ def test_damaged_files_name_the_file_and_problem(tok, tmp_path):
     ):
         lt.load(tmp_path / "wl.json")
 
-    own = json.loads(tok.save(tmp_path / "own.json").read_text())
+    own = json.loads(lt.save(tok, tmp_path / "own.json").read_text())
     own["version"] = 99
     (tmp_path / "v99.json").write_text(json.dumps(own))
     with pytest.raises(TokenizerFileError, match="version 99 is not supported"):

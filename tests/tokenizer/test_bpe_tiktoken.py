@@ -29,7 +29,7 @@ def trained() -> BPETokenizer:
 
 
 def test_exported_ranks_in_tiktoken_encode_like_llmlab(trained, tmp_path):
-    path = trained.save(tmp_path / "ranks.tiktoken", format="tiktoken")
+    path = lt.save(trained, tmp_path / "ranks.tiktoken", format="tiktoken")
     enc = tiktoken.Encoding(
         "test",
         pat_str=trained.pattern,

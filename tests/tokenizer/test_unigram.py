@@ -108,7 +108,7 @@ def test_roundtrip_and_formats(trained, tmp_path):
     text = "To be, or not to be: that is the question."
     assert trained.decode(trained.encode(text)) == text
     for fmt in ("llmlab", "hf"):
-        again = lt.load(trained.save(tmp_path / f"{fmt}.json", format=fmt))
+        again = lt.load(lt.save(trained, tmp_path / f"{fmt}.json", format=fmt))
         assert isinstance(again, UnigramTokenizer)
         assert again.encode(held_out_text(20_000)) == trained.encode(held_out_text(20_000))
     hf = Tokenizer.from_file(str(tmp_path / "hf.json"))

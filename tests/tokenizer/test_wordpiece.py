@@ -52,7 +52,7 @@ def test_tokenizer_json_read_and_write(hf, ours_from_hf_vocab, tmp_path):
     hf.save(str(tmp_path / "tokenizer.json"))
     loaded = lt.load(tmp_path / "tokenizer.json")
     assert isinstance(loaded, WordPieceTokenizer)
-    exported = Tokenizer.from_file(str(ours_from_hf_vocab.save(tmp_path / "ours.json", "hf")))
+    exported = Tokenizer.from_file(str(lt.save(ours_from_hf_vocab, tmp_path / "ours.json", "hf")))
     for text in _texts():
         expected = hf.encode(text, add_special_tokens=False).ids
         assert loaded.encode(text) == expected
@@ -66,10 +66,10 @@ def test_llmlab_training_and_hf_export(tmp_path):
     assert ours.vocab_size == 1500
     assert ours.token_to_id("[UNK]") == 1 and ours.id_to_token(0) == "[PAD]"
     assert any(t.startswith("##") for t in ours.vocab)
-    hf = Tokenizer.from_file(str(ours.save(tmp_path / "tokenizer.json", format="hf")))
+    hf = Tokenizer.from_file(str(lt.save(ours, tmp_path / "tokenizer.json", format="hf")))
     for text in _texts():
         assert hf.encode(text, add_special_tokens=False).ids == ours.encode(text)
-    again = lt.load(ours.save(tmp_path / "own.json"))
+    again = lt.load(lt.save(ours, tmp_path / "own.json"))
     assert again.encode(MIXED) == ours.encode(MIXED)
 
 

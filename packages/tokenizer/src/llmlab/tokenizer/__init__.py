@@ -2,13 +2,21 @@
 
 Each matches a reference id for id: HF ``tokenizers`` and tiktoken for BPE, HF's BERT WordPiece,
 and sentencepiece for Unigram. ``load(path)`` reads llmlab's own JSON, HF ``tokenizer.json``,
-``.tiktoken`` ranks and GPT-2's ``encoder.json`` + ``vocab.bpe``.
+``.tiktoken`` ranks and GPT-2's ``encoder.json`` + ``vocab.bpe``; ``save(tok, path, format)``
+writes the first three.
 """
 
 from llmlab.tokenizer.bpe import BPETokenizer
 from llmlab.tokenizer.errors import TokenizerFileError
-from llmlab.tokenizer.formats import load
+from llmlab.tokenizer.formats import load, save
 from llmlab.tokenizer.unigram import UnigramTokenizer
 from llmlab.tokenizer.wordpiece import WordPieceTokenizer
 
-__all__ = ["BPETokenizer", "TokenizerFileError", "UnigramTokenizer", "WordPieceTokenizer", "load"]
+__all__ = [
+    "BPETokenizer",
+    "TokenizerFileError",
+    "UnigramTokenizer",
+    "WordPieceTokenizer",
+    "load",
+    "save",
+]

@@ -21,7 +21,7 @@ from llmlab.tokenizer.byte_level import bytes_to_token_string, hf_byte_order, to
 from llmlab.tokenizer.merge_trainer import train_merges
 from llmlab.tokenizer.patterns import compiled, resolve_pattern
 from llmlab.tokenizer.pretokenize import count_chunks, iter_file_lines
-from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
+from llmlab.tokenizer.special import SpecialSpec, resolve_special
 
 Backend = Literal["auto", "tiktoken", "reference"]
 
@@ -212,20 +212,13 @@ class BPETokenizer(TokenizerBase):
         disallowed_special: SpecialSpec = "all",
     ) -> list[int]:
         """Text -> ids. Special-token text raises unless allowed (tiktoken's semantics)."""
+        fast = self._fast()
+        if fast is None or self.add_prefix_space:
+            return super().encode(text, allowed_special, disallowed_special)
         allowed, disallowed = resolve_special(
             self.special_tokens, allowed_special, disallowed_special
         )
-        fast = self._fast()
-        if fast is not None and not self.add_prefix_space:
-            return fast.encode(text, allowed_special=allowed, disallowed_special=disallowed)
-        check_disallowed(text, disallowed)
-        out: list[int] = []
-        for segment, is_special in split_special(text, allowed):
-            if is_special:
-                out.append(self.special_tokens[segment])
-            else:
-                out.extend(self.encode_ordinary(segment))
-        return out
+        return fast.encode(text, allowed_special=allowed, disallowed_special=disallowed)
 
     def encode_batch(
         self,
@@ -233,15 +226,15 @@ class BPETokenizer(TokenizerBase):
         allowed_special: SpecialSpec = frozenset(),
         disallowed_special: SpecialSpec = "all",
     ) -> list[list[int]]:
+        fast = self._fast()
+        if fast is None or self.add_prefix_space:
+            return [self.encode(t, allowed_special, disallowed_special) for t in texts]
         allowed, disallowed = resolve_special(
             self.special_tokens, allowed_special, disallowed_special
         )
-        fast = self._fast()
-        if fast is not None and not self.add_prefix_space:
-            return fast.encode_batch(
-                list(texts), allowed_special=allowed, disallowed_special=disallowed
-            )
-        return [self.encode(t, allowed, disallowed) for t in texts]
+        return fast.encode_batch(
+            list(texts), allowed_special=allowed, disallowed_special=disallowed
+        )
 
     def __call__(self, text: str) -> list[int]:
         return self.encode(text)

@@ -13,12 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmlab.tokenizer.bpe import BPETokenizer
-from llmlab.tokenizer.formats import SAVE_FORMATS, load
-from llmlab.tokenizer.unigram import UnigramTokenizer
-from llmlab.tokenizer.wordpiece import WordPieceTokenizer
-
-MODELS = {"bpe": BPETokenizer, "wordpiece": WordPieceTokenizer, "unigram": UnigramTokenizer}
+from llmlab.tokenizer.formats import MODELS, SAVE_FORMATS, load, save
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +70,7 @@ def _train(args: argparse.Namespace) -> None:
         kwargs.update(min_frequency=args.min_frequency)
     start = time.perf_counter()
     tok = cls.train_from_files(args.input, args.vocab_size, **kwargs)
-    path = tok.save(args.out, format=args.format)
+    path = save(tok, args.out, format=args.format)
     print(
         f"trained {args.model} with {tok.vocab_size} ids in {time.perf_counter() - start:.1f}s "
         f"-> {path}",

@@ -10,7 +10,9 @@ Formats:
   no pattern or special tokens: pass ``pattern=`` and ``special_tokens=`` to ``load``;
 - GPT-2's ``encoder.json`` + ``vocab.bpe`` (read only): pass either file or their folder.
 
-Every failure names the file and what is wrong (``TokenizerFileError``).
+Every failure names the file and what is wrong (``TokenizerFileError``). ``save`` and ``load``
+are functions here rather than methods of the tokenizers because this module needs every model
+class; a method would make the models import it back.
 """
 
 from __future__ import annotations
@@ -22,22 +24,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmlab.tokenizer import hf_json
+from llmlab.tokenizer.base import TokenizerBase
+from llmlab.tokenizer.bpe import BPETokenizer
+from llmlab.tokenizer.byte_level import token_string_to_bytes
 from llmlab.tokenizer.errors import TokenizerFileError
+from llmlab.tokenizer.unigram import UnigramTokenizer
+from llmlab.tokenizer.wordpiece import WordPieceTokenizer
 
 FORMAT_TAG = "llmlab-tokenizer"
 FORMAT_VERSION = 1
 SAVE_FORMATS = ("llmlab", "hf", "tiktoken")
+MODELS: dict[str, type[TokenizerBase]] = {
+    "bpe": BPETokenizer,
+    "wordpiece": WordPieceTokenizer,
+    "unigram": UnigramTokenizer,
+}
 
 
-def _models() -> dict[str, Any]:
-    from llmlab.tokenizer.bpe import BPETokenizer
-    from llmlab.tokenizer.unigram import UnigramTokenizer
-    from llmlab.tokenizer.wordpiece import WordPieceTokenizer
-
-    return {"bpe": BPETokenizer, "wordpiece": WordPieceTokenizer, "unigram": UnigramTokenizer}
-
-
-def save(tok: Any, path: str | Path, format: str = "llmlab") -> Path:
+def save(tok: TokenizerBase, path: str | Path, format: str = "llmlab") -> Path:
+    """Write ``tok`` to ``path`` as ``format``: "llmlab" (readable JSON), "hf" (HF
+    ``tokenizer.json``) or, for BPE, "tiktoken" (base64 ranks); returns the path."""
     path = Path(path)
     if format not in SAVE_FORMATS:
         raise ValueError(f"unknown format {format!r}; valid formats: {', '.join(SAVE_FORMATS)}")
@@ -47,8 +54,6 @@ def save(tok: Any, path: str | Path, format: str = "llmlab") -> Path:
         payload.update(tok.to_dict())
         path.write_text(json.dumps(payload, ensure_ascii=False, indent=1), encoding="utf-8")
     elif format == "hf":
-        from llmlab.tokenizer import hf_json
-
         path.write_text(json.dumps(hf_json.to_hf(tok), ensure_ascii=False), encoding="utf-8")
     else:
         if tok.model != "bpe":
@@ -61,7 +66,7 @@ def save(tok: Any, path: str | Path, format: str = "llmlab") -> Path:
     return path
 
 
-def load(path: str | Path, **options: Any) -> Any:
+def load(path: str | Path, **options: Any) -> TokenizerBase:
     """Read any supported tokenizer file and return the matching llmlab tokenizer.
 
     ``options`` go to the tokenizer (``backend=``) or supply what the file lacks
@@ -108,18 +113,15 @@ def _load_json(path: Path, data: Any, options: dict[str, Any]) -> Any:
                 path, f"llmlab format version {version!r} is not supported (expected 1)"
             )
         model = data.get("model")
-        models = _models()
-        if model not in models:
+        if model not in MODELS:
             raise TokenizerFileError(
-                path, f"unknown model {model!r}; valid models: {', '.join(models)}"
+                path, f"unknown model {model!r}; valid models: {', '.join(MODELS)}"
             )
         try:
-            return models[model].from_dict(data, **options)
+            return MODELS[model].from_dict(data, **options)
         except (KeyError, ValueError, TypeError) as exc:
             raise TokenizerFileError(path, f"damaged llmlab {model} data: {exc!r}") from exc
     if isinstance(data, dict) and "model" in data and isinstance(data["model"], dict):
-        from llmlab.tokenizer import hf_json
-
         return hf_json.from_hf(data, path, **options)
     if isinstance(data, dict) and data and all(isinstance(v, int) for v in data.values()):
         bpe = path.with_name("vocab.bpe")
@@ -133,9 +135,7 @@ def _load_json(path: Path, data: Any, options: dict[str, Any]) -> Any:
     )
 
 
-def _load_tiktoken(path: Path, raw: bytes, options: dict[str, Any]) -> Any:
-    from llmlab.tokenizer.bpe import BPETokenizer
-
+def _load_tiktoken(path: Path, raw: bytes, options: dict[str, Any]) -> BPETokenizer:
     ranks: dict[bytes, int] = {}
     for lineno, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
@@ -163,11 +163,8 @@ def _load_tiktoken(path: Path, raw: bytes, options: dict[str, Any]) -> Any:
         raise TokenizerFileError(path, str(exc)) from exc
 
 
-def load_gpt2(encoder_json: str | Path, vocab_bpe: str | Path, **options: Any) -> Any:
+def load_gpt2(encoder_json: str | Path, vocab_bpe: str | Path, **options: Any) -> BPETokenizer:
     """GPT-2's files: ``encoder.json`` (token string -> id) and ``vocab.bpe`` (merges)."""
-    from llmlab.tokenizer.bpe import BPETokenizer
-    from llmlab.tokenizer.byte_level import token_string_to_bytes
-
     encoder_json, vocab_bpe = Path(encoder_json), Path(vocab_bpe)
     try:
         encoder = json.loads(encoder_json.read_text(encoding="utf-8"))

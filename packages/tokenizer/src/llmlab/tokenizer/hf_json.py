@@ -10,8 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmlab.tokenizer.bpe import BPETokenizer
+from llmlab.tokenizer.byte_level import bytes_to_token_string, token_string_to_bytes
 from llmlab.tokenizer.errors import TokenizerFileError
 from llmlab.tokenizer.patterns import HF_BYTELEVEL_PATTERN, to_onig
+from llmlab.tokenizer.unigram import UnigramTokenizer
+from llmlab.tokenizer.wordpiece import WordPieceTokenizer
 
 
 def _added(content: str, i: int, special: bool = True) -> dict[str, Any]:
@@ -72,8 +76,6 @@ def from_hf(data: dict[str, Any], path: Path, **options: Any) -> Any:
 
 # --------------------------------------------------------------------------- BPE
 def _bpe_to_hf(tok: Any) -> dict[str, Any]:
-    from llmlab.tokenizer.byte_level import bytes_to_token_string
-
     out = _skeleton()
     out["added_tokens"] = [
         _added(s, i) for s, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])
@@ -151,9 +153,6 @@ def _bpe_pre_tokenizer(pre: Any, path: Path) -> tuple[str, bool]:
 
 
 def _bpe_from_hf(data: dict[str, Any], path: Path, **options: Any) -> Any:
-    from llmlab.tokenizer.bpe import BPETokenizer
-    from llmlab.tokenizer.byte_level import token_string_to_bytes
-
     if data.get("normalizer") is not None:
         raise TokenizerFileError(
             path,
@@ -224,8 +223,6 @@ def _wordpiece_to_hf(tok: Any) -> dict[str, Any]:
 
 
 def _wordpiece_from_hf(data: dict[str, Any], path: Path, **options: Any) -> Any:
-    from llmlab.tokenizer.wordpiece import WordPieceTokenizer
-
     norm = data.get("normalizer")
     kwargs: dict[str, Any] = {}
     if norm is None:
@@ -291,8 +288,6 @@ def _unigram_to_hf(tok: Any) -> dict[str, Any]:
 
 
 def _unigram_from_hf(data: dict[str, Any], path: Path, **options: Any) -> Any:
-    from llmlab.tokenizer.unigram import UnigramTokenizer
-
     norm = data.get("normalizer")
     steps = [] if norm is None else norm["normalizers"] if norm["type"] == "Sequence" else [norm]
     normalization, remove_extra = "identity", False

@@ -2,7 +2,8 @@
 
 The named patterns are tiktoken's (``gpt2`` = r50k/p50k/GPT-2, ``gpt4`` = cl100k, ``o200k``).
 They use possessive quantifiers, which the ``regex`` module supports like tiktoken's
-fancy-regex does.
+fancy-regex does. ``compiled`` gives them tiktoken's Unicode classes (``unicode_pin``), so the
+reference encoder splits text exactly as tiktoken does.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import regex
+
+from llmlab.tokenizer.unicode_pin import compile_pinned
 
 GPT2_PATTERN = (
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -67,7 +70,7 @@ def resolve_pattern(pattern: str) -> str:
             "(or pass a regular expression)"
         )
     try:
-        regex.compile(pattern)
+        compiled(pattern)
     except regex.error as exc:
         raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from exc
     return pattern
@@ -83,7 +86,8 @@ def pattern_name(pattern: str) -> str | None:
 
 @lru_cache(maxsize=32)
 def compiled(pattern: str) -> regex.Pattern:
-    return regex.compile(pattern)
+    """``pattern`` compiled with tiktoken's Unicode classes (see ``unicode_pin``)."""
+    return compile_pinned(pattern)
 
 
 _ONIG_INTERVAL_POSSESSIVE = regex.compile(r"(\{\d+(?:,\d*)?\})\+")

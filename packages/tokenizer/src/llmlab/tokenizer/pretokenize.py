@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -53,8 +54,6 @@ def count_chunks(texts: Iterable[str], pattern: str, workers: int = 1) -> Counte
 
 
 def _has_threads() -> bool:
-    import threading
-
     return threading.active_count() > 1
 
 

@@ -12,17 +12,17 @@ likelihood each piece's removal would cause.
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmlab.tokenizer import metaspace
 from llmlab.tokenizer.base import TokenizerBase
-from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
+from llmlab.tokenizer.metaspace import NORMALIZATIONS, SPACE
+from llmlab.tokenizer.pretokenize import iter_file_lines
+from llmlab.tokenizer.unigram_train import train_unigram
 
-SPACE = "▁"
 UNK_PENALTY = 10.0
-NORMALIZATIONS = ("identity", "nfkc")
 
 
 class UnigramTokenizer(TokenizerBase):
@@ -60,29 +60,37 @@ class UnigramTokenizer(TokenizerBase):
 
     # ----------------------------------------------------------------- training
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, **kwargs: Any) -> UnigramTokenizer:
-        from llmlab.tokenizer.unigram_train import train_unigram
-
-        return train_unigram(cls, texts, vocab_size, **kwargs)
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        normalization: str = "nfkc",
+        add_dummy_prefix: bool = True,
+        remove_extra_whitespaces: bool = True,
+        **kwargs: Any,
+    ) -> UnigramTokenizer:
+        """EM training (``unigram_train.train_unigram``; ``kwargs`` are its settings)."""
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}"
+            )
+        options = dict(
+            normalization=normalization,
+            add_dummy_prefix=add_dummy_prefix,
+            remove_extra_whitespaces=remove_extra_whitespaces,
+        )
+        pieces, reserved = train_unigram(texts, vocab_size, **options, **kwargs)
+        return cls(pieces, unk_id=0, control_ids=range(1, reserved), **options)
 
     @classmethod
     def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any):
-        from llmlab.tokenizer.pretokenize import iter_file_lines
-
         return cls.train((ln.rstrip("\r\n") for ln in iter_file_lines(paths)), vocab_size, **kw)
 
     # ----------------------------------------------------------------- encoding
     def normalize(self, text: str) -> str:
-        if self.normalization == "nfkc":
-            text = unicodedata.normalize("NFKC", text)
-        if self.remove_extra_whitespaces:
-            text = " ".join(w for w in text.split(" ") if w)
-        if not text:
-            return ""
-        text = text.replace(" ", SPACE)
-        if self.add_dummy_prefix:
-            text = SPACE + text
-        return text
+        return metaspace.normalize(
+            text, self.normalization, self.remove_extra_whitespaces, self.add_dummy_prefix
+        )
 
     def viterbi(self, text: str) -> list[int]:
         """Best segmentation of an already-normalized string, as piece ids."""
@@ -134,27 +142,6 @@ class UnigramTokenizer(TokenizerBase):
                     self._cache[line] = cached
             out.extend(cached)
         return out
-
-    def encode(
-        self,
-        text: str,
-        allowed_special: SpecialSpec = frozenset(),
-        disallowed_special: SpecialSpec = "all",
-    ) -> list[int]:
-        allowed, disallowed = resolve_special(
-            self.special_tokens, allowed_special, disallowed_special
-        )
-        check_disallowed(text, disallowed)
-        out: list[int] = []
-        for segment, is_special in split_special(text, allowed):
-            if is_special:
-                out.append(self.special_tokens[segment])
-            else:
-                out.extend(self.encode_ordinary(segment))
-        return out
-
-    def encode_batch(self, texts: Sequence[str], **kw: Any) -> list[list[int]]:
-        return [self.encode(t, **kw) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         parts = []

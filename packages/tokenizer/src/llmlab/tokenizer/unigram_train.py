@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
 
+from llmlab.tokenizer.metaspace import SPACE, normalize
 from llmlab.tokenizer.progress import Progress
-from llmlab.tokenizer.unigram import SPACE
 
 EXPECTED_FREQUENCY_THRESHOLD = 0.5
 
@@ -192,7 +191,6 @@ def _prune(
 
 
 def train_unigram(
-    cls: Any,
     texts: Iterable[str],
     vocab_size: int,
     special_tokens: Sequence[str] = ("<s>", "</s>"),
@@ -205,19 +203,14 @@ def train_unigram(
     add_dummy_prefix: bool = True,
     remove_extra_whitespaces: bool = True,
     show_progress: bool = False,
-) -> Any:
-    """Train a ``UnigramTokenizer`` with ``vocab_size`` pieces: ``<unk>``, the special
-    (control) tokens, then the learned pieces by descending score."""
-    probe = cls(
-        [(unk_token, 0.0)],
-        normalization=normalization,
-        add_dummy_prefix=add_dummy_prefix,
-        remove_extra_whitespaces=remove_extra_whitespaces,
-    )
+) -> tuple[list[tuple[str, float]], int]:
+    """(pieces, reserved): ``vocab_size`` pieces with their scores, ``<unk>`` then the special
+    (control) tokens (``reserved`` of them together), then the learned pieces by descending
+    score; ``UnigramTokenizer.train`` builds the tokenizer from them."""
     word_counts: Counter[str] = Counter()
     for text in texts:
         for line in text.split("\n"):
-            norm = probe.normalize(line)
+            norm = normalize(line, normalization, remove_extra_whitespaces, add_dummy_prefix)
             for word in norm.split(SPACE):
                 if word:
                     word_counts[SPACE + word] += 1
@@ -285,11 +278,4 @@ def train_unigram(
         final.setdefault(piece, score)
     pieces = [(unk_token, 0.0), *((s, 0.0) for s in special_tokens)]
     pieces += sorted(final.items(), key=lambda kv: (-kv[1], kv[0]))
-    return cls(
-        pieces,
-        unk_id=0,
-        control_ids=range(1, reserved),
-        add_dummy_prefix=add_dummy_prefix,
-        remove_extra_whitespaces=remove_extra_whitespaces,
-        normalization=normalization,
-    )
+    return pieces, reserved

@@ -20,7 +20,7 @@ from llmlab.tokenizer import bert_text
 from llmlab.tokenizer.base import TokenizerBase
 from llmlab.tokenizer.merge_trainer import train_merges
 from llmlab.tokenizer.pretokenize import iter_file_lines
-from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
+from llmlab.tokenizer.special import SpecialSpec
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # HF's WordPiece decoder cleanup: re-attach punctuation and English contractions.
@@ -164,22 +164,10 @@ class WordPieceTokenizer(TokenizerBase):
         add_special_tokens: bool = False,
     ) -> list[int]:
         """Text -> ids; ``add_special_tokens`` wraps them in [CLS] ... [SEP] like BERT."""
-        allowed, disallowed = resolve_special(
-            self.special_tokens, allowed_special, disallowed_special
-        )
-        check_disallowed(text, disallowed)
-        out: list[int] = []
-        for segment, is_special in split_special(text, allowed):
-            if is_special:
-                out.append(self.special_tokens[segment])
-            else:
-                out.extend(self.encode_ordinary(segment))
+        out = super().encode(text, allowed_special, disallowed_special)
         if add_special_tokens:
             out = [self.vocab["[CLS]"], *out, self.vocab["[SEP]"]]
         return out
-
-    def encode_batch(self, texts: Sequence[str], **kw: Any) -> list[list[int]]:
-        return [self.encode(t, **kw) for t in texts]
 
     def decode(
         self, ids: Iterable[int], skip_special_tokens: bool = True, cleanup: bool = True

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from llmlab.tokenizer import BPETokenizer, load
+from llmlab.tokenizer import BPETokenizer, load, save
 from llmlab.tokenizer.pretokenize import iter_file_lines
 from llmlab.train.data import corpus_files
 
@@ -82,7 +82,7 @@ def load_or_train_bpe(
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tok.save(tmp)
+    save(tok, tmp)
     os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
     log.info(
         "BPE tokenizer: trained %d ids on %s in %.1fs -> %s",

@@ -156,7 +156,7 @@ def plot_runs(runs: list[Run], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = plt.subplots(figsize=(11, 5), layout="constrained")  # room for the legend
     speed_ax = ax.twinx()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
@@ -173,9 +173,9 @@ def plot_runs(runs: list[Run], path: Path) -> Path:
     ax.set_ylabel("loss (nats/token)")
     speed_ax.set_ylabel("tokens/s (dotted)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    # Outside the axes, so that no curve is ever hidden behind it.
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="outside right upper")
     ax.set_title("loss curves (solid: train, dashed: val); throughput dotted, right axis")
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -183,7 +183,7 @@ def plot_anatomy(summaries: dict[str, dict[str, float]], path: str | Path) -> Pa
     import matplotlib.pyplot as plt
 
     labels = list(summaries)
-    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(labels), 4.5))
+    fig, ax = plt.subplots(figsize=(3.8 + 1.6 * len(labels), 4.5), layout="constrained")
     for x, label in enumerate(labels):
         s, bottom = summaries[label], 0.0
         for phase in PHASES:
@@ -220,8 +220,7 @@ def plot_anatomy(summaries: dict[str, dict[str, float]], path: str | Path) -> Pa
     ax.margins(y=0.15)  # room for the totals above the bars
     ax.set_ylabel("mean time per step (ms)")
     ax.set_title("Step anatomy")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
+    fig.legend(fontsize=7, loc="outside right upper")  # outside the axes: hides no bar
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)

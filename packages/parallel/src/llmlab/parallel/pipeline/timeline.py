@@ -56,7 +56,8 @@ def plot_timeline(
     chunks = max((e.chunk for e in compute), default=0) + 1
     colours = {"forward": ("#4C72B0", "#8FB3E0"), "backward": ("#55A868", "#9AD3A6")}
     fig, ax = plt.subplots(
-        figsize=(max(6.0, 0.35 * len(compute) / max(1, num_stages)), 0.6 + 0.5 * num_stages)
+        figsize=(max(6.0, 0.35 * len(compute) / max(1, num_stages)), 0.6 + 0.5 * num_stages),
+        layout="constrained",  # makes room for the legend outside the axes
     )
     t0 = min((e.start for e in events), default=0.0)
     for e in compute:
@@ -87,8 +88,8 @@ def plot_timeline(
     bubble = measured_bubble(events, num_stages)
     ax.set_title(f"{title}  bubble {bubble:.1%}".strip())
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k][0]) for k in COMPUTE]
-    ax.legend(handles, list(COMPUTE), loc="upper right", fontsize=7)
-    fig.tight_layout()
+    # Outside the axes: inside, it covered stage 0's last backward boxes.
+    fig.legend(handles, list(COMPUTE), loc="outside right upper", fontsize=7)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
