@@ -50,7 +50,9 @@ def test_strategy_checks_batch_size_and_schedule_arguments():
     from llmlab.parallel.mesh import ParallelDims
     from llmlab.parallel.pipeline.strategy import PipelineStrategy
 
-    with pytest.raises(ValueError, match=r"num_microbatches \(6\) to be a multiple of num_stages \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"num_microbatches \(6\) to be a multiple of num_stages \(4\)"
+    ):
         PipelineStrategy(stages=4, microbatches=6, schedule="interleaved")
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
         PipelineStrategy(stages=2, schedule="pipedream")
