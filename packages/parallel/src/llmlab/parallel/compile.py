@@ -38,6 +38,12 @@ COMPILE_STRATEGIES = (
     "DDPStrategy",
     "BucketedDataParallelStrategy",
     "PipelineStrategy",
+    "NDParallelStrategy",
+)
+COMPILE_WITH_TENSOR = (
+    "compile=true with tensor parallelism is refused: its sharded blocks recompile until "
+    "dynamo's recompile_limit and then silently run eager (measured); use tensor=1 or "
+    "compile=false"
 )
 
 

@@ -9,7 +9,7 @@ tasks and the app never transform a model.
     3. memory                  recompute attention, activation checkpointing of repeated blocks
     4. pipeline stage split    keep this stage's ``pipeline_layers()``, free the rest
     5. precision               the precision plugin converts what is left
-    6. compile                 (``compile=true``; issue 18)
+    6. compile                 each repeated block compiled in place (``compile=true``)
     7. data parallel / ZeRO    the strategy's gradient reducer, built from ``ParallelModel.params``
 
 Why this order: sharding swaps ``nn.Linear`` modules, so it comes before anything that wraps
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_blocks, compile_loss
 from llmlab.parallel.contracts import (
     TensorParallelShardable,
     require,
@@ -56,24 +57,29 @@ class ModelTransforms:
 
     ``activation_checkpointing``: checkpoint every n-th repeated block (None: off).
     ``recompute_attention``: the query-block size of memory-efficient attention (None: off).
+    ``compile``: ``torch.compile`` each repeated block in place, and the loss
+    (:mod:`llmlab.parallel.compile`).
     """
 
     activation_checkpointing: int | None = None
     recompute_attention: int | None = None
+    compile: bool = False
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | ModelTransforms | None) -> ModelTransforms:
         """Accept the config forms: ``{activation_checkpointing: n | {every: n} | true,
-        recompute_attention: true | {block_size: n}}``; unknown keys are an error."""
+        recompute_attention: true | {block_size: n}, compile: bool}``; unknown keys are an
+        error."""
         if isinstance(config, ModelTransforms):
             return config
         config = dict(config or {})
-        unknown = sorted(set(config) - {"activation_checkpointing", "recompute_attention"})
+        valid = ("activation_checkpointing", "recompute_attention", "compile")
+        unknown = sorted(set(config) - set(valid))
         if unknown:
-            raise ValueError(
-                f"unknown model transform(s) {unknown}; valid: activation_checkpointing, "
-                "recompute_attention"
-            )
+            raise ValueError(f"unknown model transform(s) {unknown}; valid: {', '.join(valid)}")
+        compile_ = config.get("compile") or False
+        if not isinstance(compile_, bool):
+            raise ValueError(f"compile must be true or false, got {compile_!r}")
         ac = config.get("activation_checkpointing")
         if isinstance(ac, Mapping):
             ac = ac.get("every", 1)
@@ -91,7 +97,7 @@ class ModelTransforms:
         for name, value in (("activation_checkpointing", ac), ("recompute_attention", ra)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be a bool, an int or a mapping, got {value!r}")
-        return cls(activation_checkpointing=ac, recompute_attention=ra)
+        return cls(activation_checkpointing=ac, recompute_attention=ra, compile=compile_)
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,15 @@ class ParallelModel:
     @property
     def held_parameter_count(self) -> int:
         return sum(p.numel() for p in self.params)
+
+    def task_loss(self, loss_fn: LossFn) -> LossFn:
+        """The loss the task must use from now on: the vocab-parallel one under tensor
+        parallelism, else its own; compiled when the transforms say ``compile``."""
+        loss = self.loss_fn or loss_fn
+        if self.transforms.compile and not getattr(loss, "_llmlab_compiled", False):
+            loss = compile_loss(loss)
+            loss._llmlab_compiled = True  # type: ignore[attr-defined]
+        return loss
 
 
 def parallelize_model(
@@ -208,6 +223,12 @@ def parallelize_model(
     # 5. precision: convert only what this rank keeps
     if convert_precision is not None:
         convert_precision(model)
+
+    # 6. compile: block by block, in place (names and state-dict keys unchanged)
+    if transforms.compile:
+        if dims.tensor > 1:
+            raise ValueError(COMPILE_WITH_TENSOR)
+        result.applied["compile"] = compile_blocks(model)
 
     result.params = _unique_held_parameters(
         result.stage.chunks if result.stage is not None else [model]

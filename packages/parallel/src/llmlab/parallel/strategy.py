@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 
 from llmlab.parallel import consolidate
 from llmlab.parallel.buffers import all_reduce_mean_
+from llmlab.parallel.compile import COMPILE_WITH_TENSOR
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
@@ -154,6 +155,8 @@ class NDParallelStrategy(DDPStrategy):
         self.virtual_stages = virtual_stages
         self.boundaries = tuple(boundaries) if boundaries is not None else None
         self.transforms = ModelTransforms.from_config(transforms)
+        if self.transforms.compile and tensor > 1:
+            raise ValueError(COMPILE_WITH_TENSOR)
         self.model_attribute = model_attribute
         self.timeline_every_n_steps = timeline_every_n_steps
         self.timeline_dir = timeline_dir
@@ -250,8 +253,8 @@ class NDParallelStrategy(DDPStrategy):
             seed=torch.initial_seed(),
         )
         module = self.lightning_module
-        if self.parallel.loss_fn is not None:
-            module.loss_fn = self.parallel.loss_fn
+        if self.parallel.loss_fn is not None or self.transforms.compile:
+            module.loss_fn = self.parallel.task_loss(module.loss_fn)
         self.model_to_device()
         if self.parallel.stage is not None:
             self._engine = self._build_engine()

@@ -161,11 +161,14 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             "precision=fp32, bf16_mixed or fp8"
         )
     if cfg.get("compile"):
-        from llmlab.parallel.compile import compile_refusal
+        from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_refusal
 
         refusal = compile_refusal(strategy or str(OmegaConf.select(cfg, "strategy.name")))
         if refusal:
             raise ConfigError(refusal)
+        if (OmegaConf.select(cfg, "strategy.tensor") or 1) > 1:
+            raise ConfigError(COMPILE_WITH_TENSOR)
+    model_transforms(cfg)
     impl = OmegaConf.select(cfg, "task.optimizer_impl", default="foreach")
     if impl not in ("default", "foreach", "fused"):
         raise ConfigError(
@@ -337,6 +340,40 @@ def build_logger(cfg: DictConfig, run_dir: Path, run_id: str) -> Any:
     return logger
 
 
+def model_transforms(cfg: DictConfig) -> Any:
+    """``model_transforms`` and ``compile`` as one ``ModelTransforms`` (validated)."""
+    from llmlab.parallel.parallelize import ModelTransforms
+
+    node = cfg.get("model_transforms")
+    options = OmegaConf.to_container(node, resolve=True) if node else {}
+    try:
+        return ModelTransforms.from_config({**options, "compile": bool(cfg.get("compile"))})
+    except ValueError as err:
+        raise ConfigError(f"model_transforms: {err}") from err
+
+
+def hand_model_transforms(cfg: DictConfig, strategy: Any, task: Any) -> None:
+    """Give the transforms to whoever applies them: the N-D strategy (and its pipeline / tensor
+    presets) passes them to ``parallelize_model`` with the layout when it sets up; for the other
+    strategies (one process, DDP, bucketed, parameter server, DeepSpeed) the model is replicated,
+    so ``parallelize_model`` runs here with no layout and applies only the transforms. The app
+    never transforms a model itself."""
+    from llmlab.parallel.parallelize import parallelize_model
+    from llmlab.parallel.strategy import NDParallelStrategy
+
+    transforms = model_transforms(cfg)
+    if isinstance(strategy, NDParallelStrategy):
+        if strategy.transforms not in (type(transforms)(), transforms):
+            raise ConfigError(
+                f"the strategy config sets transforms {strategy.transforms}; set them under "
+                "model_transforms (and compile) instead, once"
+            )
+        strategy.transforms = transforms
+        return
+    model = getattr(task, cfg.strategy.get("model_attribute", "model"))
+    task.loss_fn = parallelize_model(model, transforms=transforms).task_loss(task.loss_fn)
+
+
 def trainer_arguments(cfg: DictConfig) -> dict[str, Any]:
     """``cfg.trainer`` as ``lightning.Trainer`` arguments.
 
@@ -383,24 +420,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
     data = build(cfg.data, "datamodule", **({"tokenizer": tokenizer} if tokenizer else {}))
     log.info("Instantiating task <%s>", cfg.task._target_)
     task = build_task(cfg)
-    if cfg.get("model_transforms"):  # memory reuse, applied from outside the model
-        from llmlab.parallel.memory import apply_memory_options
-
-        apply_memory_options(task.model, **OmegaConf.to_container(cfg.model_transforms))
     callbacks = []
     for name, node in cfg.callbacks.items():
         if node is not None:
             log.info("Instantiating callback %s <%s>", name, node._target_)
             callbacks.append(build(node, f"callback {name}"))
-    # ---- compile=true: the last model transform before the strategy wraps the model (perf
-    # branch; to move into the N-D strategy's model-transform function).
+    hand_model_transforms(cfg, strategy, task)
     if cfg.get("compile"):
-        from llmlab.parallel.compile import CompileMonitor, compile_blocks, compile_loss
+        from llmlab.parallel.compile import CompileMonitor
 
-        compile_blocks(task.model)
-        task.loss_fn = compile_loss(task.loss_fn)
         callbacks.append(CompileMonitor())
-    # ---- end compile
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, L.pytorch.callbacks.ProgressBar)]
     log.info("Instantiating logger <lightning.pytorch.loggers.WandbLogger>")
