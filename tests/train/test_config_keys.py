@@ -31,7 +31,8 @@ def test_a_typo_in_an_experiment_file_names_the_key_the_target_and_what_it_takes
     assert "strategy.tensr" in message
     assert "llmlab.parallel.tensor.strategy.TensorParallelStrategy takes no 'tensr'" in message
     assert "did you mean 'tensor'?" in message
-    assert "tensor, sequence_parallel, data, model_attribute (TensorParallelStrategy)" in message
+    assert "tensor, sequence_parallel, data (TensorParallelStrategy)" in message
+    assert "model_attribute" in message and "(NDParallelStrategy)" in message  # what it inherits
     assert "\n" not in message  # one line after "error: "
 
 
