@@ -266,3 +266,39 @@ def test_3d_2x2x2_equals_single_process_and_checkpoints_into_other_layouts(
             _close(r[name]["norms"], reference["norms"][HALF:], f"resumed {name} grad_norm")
         _close(r["pp2tp2"]["losses"], reference["losses"], "pp2tp2 interleaved loss")
         _close(r["pp2tp2"]["norms"], reference["norms"], "pp2tp2 interleaved grad_norm")
+
+
+MATRIX_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("data", [2, 1], ids=["2x2x2", "1x2x2"])
+def test_every_schedule_with_and_without_sequence_parallel_equals_single_process(
+    reference: dict, tmp_path: Path, data: int
+) -> None:
+    """The full matrix of issue 14: DP × PP × TP = 2×2×2 and PP × TP = 2×2, each schedule, ± SP:
+    losses, logged grad norms and final consolidated weights against one process."""
+    cases = [
+        {
+            "name": f"{schedule}-sp{int(sp)}",
+            "layout": dict(
+                data=data,
+                pipeline=2,
+                tensor=2,
+                schedule=schedule,
+                microbatches=2,
+                sequence_parallel=sp,
+            ),
+            "save": f"{schedule}-sp{int(sp)}.ckpt",
+        }
+        for schedule in MATRIX_SCHEDULES
+        for sp in (False, True)
+    ]
+    results = run_distributed(_nd_runs, 4 * data, str(tmp_path), cases, timeout=2400)
+    for case in cases:
+        name = case["name"]
+        for r in results:
+            _close(r[name]["losses"], reference["losses"], f"{name} loss")
+            _close(r[name]["norms"], reference["norms"], f"{name} train/grad_norm")
+        _check_final_weights(tmp_path / case["save"], reference)
