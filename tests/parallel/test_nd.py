@@ -28,13 +28,19 @@ STEPS, HALF, BATCH, CLIP = 10, 5, 8, 0.05  # an epoch is HALF batches: resume at
 TOL = dict(atol=1e-5, rtol=0)
 
 
-def make_task():
+LLAMA = dict(
+    arch="llama", vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
+    intermediate_size=96, dropout=0.0,
+)  # fmt: skip
+
+
+def make_task(model: dict = MODEL):
     import lightning as L
 
     from llmlab.train.task import CausalLMTask
 
     L.seed_everything(0)
-    return CausalLMTask(model=MODEL, lr=1e-2, warmup_steps=2, max_steps=STEPS)
+    return CausalLMTask(model=model, lr=1e-2, warmup_steps=2, max_steps=STEPS)
 
 
 def global_batches(count: int, seed: int) -> torch.Tensor:
@@ -67,7 +73,9 @@ def make_data():
     return TinyTokens()
 
 
-def fit(strategy, devices: int, max_steps: int, ckpt_path: str | None = None) -> dict:
+def fit(
+    strategy, devices: int, max_steps: int, ckpt_path: str | None = None, model: dict = MODEL
+) -> dict:
     import lightning as L
     import torch.distributed as dist
 
@@ -106,7 +114,7 @@ def fit(strategy, devices: int, max_steps: int, ckpt_path: str | None = None) ->
         use_distributed_sampler=False,
         callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record()],
     )
-    task = make_task()
+    task = make_task(model)
     trainer.fit(task, datamodule=make_data(), ckpt_path=ckpt_path)
     return {"trainer": trainer, "losses": losses, "norms": norms}
 
@@ -130,7 +138,7 @@ def _nd_runs(rank: int, world: int, root: str, cases: list[dict]) -> dict:
         strategy = cls(**case["layout"], timeline_every_n_steps=0)
         ckpt = os.path.join(root, case["resume"]) if case.get("resume") else None
         steps = case.get("steps", STEPS)
-        run = fit(strategy, world, steps, ckpt_path=ckpt)
+        run = fit(strategy, world, steps, ckpt_path=ckpt, model=case.get("model", MODEL))
         result = {
             "losses": run["losses"],
             "norms": run["norms"],
@@ -302,3 +310,25 @@ def test_every_schedule_with_and_without_sequence_parallel_equals_single_process
             _close(r[name]["losses"], reference["losses"], f"{name} loss")
             _close(r[name]["norms"], reference["norms"], f"{name} train/grad_norm")
         _check_final_weights(tmp_path / case["save"], reference)
+
+
+@pytest.mark.distributed
+def test_llama_with_grouped_query_attention_in_pp_x_tp_and_dp_x_tp(tmp_path: Path) -> None:
+    """Llama (RoPE, RMSNorm, SwiGLU, 4 query heads on 2 KV heads, untied head) goes through the
+    same contracts: PP × TP = 2 × 2 (1F1B, with and without SP) and DP × TP = 2 × 2 follow its
+    single-process run (losses and logged grad norms, 1e-5)."""
+    run = fit("auto", 1, STEPS, model=LLAMA)
+    assert min(run["norms"]) > CLIP, run["norms"]
+    cases = [
+        {"name": "pp2tp2", "model": LLAMA,
+         "layout": dict(pipeline=2, tensor=2, schedule="1f1b", microbatches=2)},
+        {"name": "pp2tp2-sp", "model": LLAMA,
+         "layout": dict(pipeline=2, tensor=2, schedule="1f1b", microbatches=2,
+                        sequence_parallel=True)},
+        {"name": "dp2tp2", "model": LLAMA, "layout": dict(data=2, tensor=2)},
+    ]  # fmt: skip
+    results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
+    for r in results:
+        for case in cases:
+            _close(r[case["name"]]["losses"], run["losses"], f"llama {case['name']} loss")
+            _close(r[case["name"]]["norms"], run["norms"], f"llama {case['name']} grad_norm")
