@@ -20,6 +20,8 @@ def test_field_names_exist_in_hf():
         "num_assistant_tokens",
         "max_exhaustive_candidates",
         "seed",
+        "sliding_window",  # llmlab's own: decoding past block_size by sliding the context
+        "window_stride",
     }
     missing = [n for n in sorted(shared) if not hasattr(hf, n)]
     assert missing == [], f"fields HF does not know: {missing}"
