@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from benchmarks.common import RESULTS_DIR, Row, report
-from tests.helpers.distributed import run_distributed
+from llmlab.parallel.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = (1, 2, 3)

@@ -1,9 +1,12 @@
 """Run a plain function on N gloo ranks on localhost and collect each rank's result.
 
-Distributed tests are written as module-level functions ``fn(rank, world_size, *args)`` that run
-on every rank after ``torch.distributed`` is initialised with the gloo backend. ``run_distributed``
-spawns the ranks, waits for them, and returns their results in rank order, or fails the test with
-the traceback of the first rank that raised (instead of a hang or a bare exit code).
+A process launcher for the places where ``torchrun`` is too heavy: tests, benchmarks and
+notebooks that want to run ``fn(rank, world_size, *args)`` on every rank of a small CPU group and
+get the return values back. ``run_distributed`` spawns the ranks (``spawn`` start method, one
+free localhost port, ``torch.distributed`` initialised with gloo), waits for them, and returns
+their results in rank order -- or raises with the traceback of the first rank that failed,
+instead of a hang or a bare exit code. Multi-node training is Lightning's (``torchrun``/SLURM),
+not this.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def run_distributed(
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected]
                 raise TimeoutError(
-                    f"distributed test timed out after {timeout}s; ranks without a result: "
+                    f"distributed run timed out after {timeout}s; ranks without a result: "
                     f"{sorted(set(range(world_size)) - set(collected))} (exited early: {dead})"
                 ) from None
             if not ok:
