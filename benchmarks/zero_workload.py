@@ -5,6 +5,9 @@ a no-decay param group, warmup + cosine ``LambdaLR``), gradients are clipped by 
 ``MAX_NORM`` (low enough that it clips), and every optimizer step accumulates ``ACCUMULATE``
 micro-batches. Every rank cuts its rows from the same global micro-batch, so one process on the
 global batch is the oracle.
+
+``tests/parallel/data/test_zero*.py`` and ``benchmarks/zero.py`` share it; it lives here because
+benchmarks never import ``tests`` (``tests/test_import_boundaries.py``).
 """
 
 from __future__ import annotations
