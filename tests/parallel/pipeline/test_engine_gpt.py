@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.mesh import ParallelDims, build_process_groups
 from llmlab.parallel.pipeline.engine import PipelineEngine
-from llmlab.parallel.pipeline.grads import GradientReducer
+from llmlab.parallel.pipeline.grad_sync import GradientReducer
 from llmlab.parallel.pipeline.stage import build_tie_groups, cut_stage
 from tests.helpers.distributed import run_distributed
 

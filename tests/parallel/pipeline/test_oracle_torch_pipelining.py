@@ -14,7 +14,7 @@ from torch import nn
 
 from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.pipeline.engine import PipelineEngine
-from llmlab.parallel.pipeline.grads import GradientReducer
+from llmlab.parallel.pipeline.grad_sync import GradientReducer
 from llmlab.parallel.pipeline.stage import cut_stage
 from tests.helpers.distributed import run_distributed
 from tests.parallel.pipeline.test_engine_gpt import batch, lm_loss

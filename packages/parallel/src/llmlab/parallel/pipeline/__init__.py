@@ -7,7 +7,7 @@
 """
 
 from llmlab.parallel.pipeline.engine import PipelineEngine, StepResult
-from llmlab.parallel.pipeline.grads import GradientReducer
+from llmlab.parallel.pipeline.grad_sync import GradientReducer
 from llmlab.parallel.pipeline.partition import balanced_boundaries, split_ranges
 from llmlab.parallel.pipeline.schedules import (
     SCHEDULES,
