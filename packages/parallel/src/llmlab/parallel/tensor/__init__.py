@@ -6,7 +6,7 @@
 * :mod:`.sharding`: ``parallelize(model, plan, group, sequence_parallel)``.
 * :mod:`.checkpoint`: consolidated (full) state dicts on save, sliced on load.
 * :mod:`.accounting`: every collective's kind and bytes (``count_comm``).
-* :mod:`.strategy`: ``TensorParallelStrategy`` (Lightning, registered as ``"tensor"``); imported
+* :mod:`.preset`: ``TensorParallelStrategy`` (Lightning, registered as ``"tensor"``); imported
   lazily so the layers can be used without Lightning.
 """
 
@@ -79,7 +79,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "TensorParallelStrategy":
-        from llmlab.parallel.tensor.strategy import TensorParallelStrategy
+        from llmlab.parallel.tensor.preset import TensorParallelStrategy
 
         return TensorParallelStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
