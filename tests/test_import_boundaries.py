@@ -49,6 +49,12 @@ def test_benchmarks_and_scripts_never_import_tests():
     assert offending(files, lambda m: m == "tests" or m.startswith("tests.")) == []
 
 
+def test_no_test_module_imports_another_test_module():
+    files = sorted(REPO.glob("tests/**/*.py"))
+    assert len(files) > 50
+    assert offending(files, is_test_module) == []
+
+
 def test_the_scan_sees_deferred_and_from_imports(tmp_path):
     src = tmp_path / "bench.py"
     src.write_text(

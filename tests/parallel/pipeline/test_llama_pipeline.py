@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import rank_trainer
 
 MODEL = dict(
     arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
@@ -53,17 +54,11 @@ def pipeline_run(rank: int, world_size: int, ckpt: str) -> dict:
             losses.append(float(outputs["loss"]))
 
     strategy = PipelineStrategy(stages=2, microbatches=4, schedule="1f1b", timeline_every_n_steps=0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=STEPS,
+    trainer = rank_trainer(
+        strategy,
+        world_size,
+        STEPS,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[Record()],

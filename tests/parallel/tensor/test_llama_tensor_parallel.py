@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import rank_trainer
 
 LLAMA = dict(
     arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=8, n_kv_head=4, n_embd=32,
@@ -73,17 +74,11 @@ def _fit(strategy, replicas: int, replica: int) -> tuple[list[float], object]:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(outputs["loss"]))
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=4,
-        strategy=strategy,
-        max_steps=STEPS,
+    trainer = rank_trainer(
+        strategy,
+        4,
+        STEPS,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[Record()],

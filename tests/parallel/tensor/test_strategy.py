@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.parallel.tensor.test_gpt_tensor_parallel import CFG, T, expected_comm
+from tests.helpers.tiny import rank_trainer
+from tests.parallel.tensor.common import CFG, T, expected_comm
 
 ROWS, FIRST, TOTAL = 4, 4, 7  # global batch rows; steps before / after the checkpoint
 TASK = dict(lr=3e-3, warmup_steps=2, max_steps=TOTAL, weight_decay=0.1)
@@ -63,17 +64,11 @@ def _trainer(strategy, max_steps: int, losses: list, devices: int = 4, **kwargs)
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append((float(outputs["loss"]), _batch_index(batch[0])))
 
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
+    return rank_trainer(
+        strategy,
+        devices,
+        max_steps,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[Record()],
