@@ -52,14 +52,23 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def tiny_task(model: dict[str, Any] | None = None, seed: int = 0, **task: Any) -> CausalLMTask:
-    """The real ``CausalLMTask`` on ``model`` (default ``TINY_GPT``), built after
-    ``seed_everything(seed)``; ``task`` overrides lr 1e-2, 2 warm-up steps, 20 steps."""
+def tiny_task(
+    model: dict[str, Any] | None = None, seed: int = 0, seed_all: bool = True, **task: Any
+) -> CausalLMTask:
+    """The real ``CausalLMTask`` on ``model`` (default ``TINY_GPT``), its weights drawn after
+    seeding; ``task`` overrides lr 1e-2, 2 warm-up steps, 20 steps.
+
+    ``seed_all``: ``L.seed_everything(seed)``, which also sets ``PL_GLOBAL_SEED`` so that
+    Lightning re-seeds every rank when ``fit`` sets up; ``False``: ``torch.manual_seed`` only.
+    """
     import lightning as L
 
     from llmlab.train.task import CausalLMTask
 
-    L.seed_everything(seed)
+    if seed_all:
+        L.seed_everything(seed)
+    else:
+        torch.manual_seed(seed)
     settings = dict(lr=1e-2, warmup_steps=2, max_steps=20)
     return CausalLMTask(model=dict(model or TINY_GPT), **{**settings, **task})
 
@@ -95,6 +104,17 @@ def tiny_tokens(
             return self._loader(val_batches, 1)
 
     return TinyTokens()
+
+
+def loss_recorder(losses: list[float]) -> L.Callback:
+    """A callback that appends each training step's loss (as a float) to ``losses``."""
+    import lightning as L
+
+    class RecordLoss(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
+
+    return RecordLoss()
 
 
 def quiet_trainer(**settings: Any) -> L.Trainer:

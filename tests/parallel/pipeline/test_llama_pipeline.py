@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import rank_trainer
+from tests.helpers.tiny import loss_recorder, rank_trainer, tiny_task
 
 MODEL = dict(
     arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
@@ -29,10 +29,7 @@ TOL = dict(atol=1e-5, rtol=0)
 
 
 def make_task():
-    from llmlab.train.task import CausalLMTask
-
-    torch.manual_seed(0)
-    return CausalLMTask(model=dict(MODEL), **TASK)
+    return tiny_task(MODEL, seed_all=False, **TASK)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,16 +39,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pipeline_run(rank: int, world_size: int, ckpt: str) -> dict:
-    import lightning as L
 
     from llmlab.parallel.pipeline import PipelineStrategy
 
     os.environ["WORLD_SIZE"] = str(world_size)
     losses: list[float] = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
 
     strategy = PipelineStrategy(stages=2, microbatches=4, schedule="1f1b", timeline_every_n_steps=0)
     trainer = rank_trainer(
@@ -61,7 +53,7 @@ def pipeline_run(rank: int, world_size: int, ckpt: str) -> dict:
         gradient_clip_val=1.0,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[Record()],
+        callbacks=[loss_recorder(losses)],
     )
     task = make_task()
     loader = torch.utils.data.DataLoader([batch(s) for s in range(STEPS)], batch_size=None)

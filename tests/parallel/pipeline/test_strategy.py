@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import TINY_GPT, quiet_trainer, rank_trainer, tiny_task, tiny_tokens
+from tests.helpers.tiny import (
+    TINY_GPT,
+    loss_recorder,
+    quiet_trainer,
+    rank_trainer,
+    tiny_task,
+    tiny_tokens,
+)
 
 MODEL = TINY_GPT
 STEPS, BATCH = 20, 8
@@ -33,13 +40,7 @@ def make_data():
 
 
 def fit(strategy, devices: int, max_steps: int = STEPS, ckpt_path=None, root=None):
-    import lightning as L
-
     losses: list[float] = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
 
     trainer = rank_trainer(
         strategy,
@@ -50,7 +51,7 @@ def fit(strategy, devices: int, max_steps: int = STEPS, ckpt_path=None, root=Non
         val_check_interval=10,
         check_val_every_n_epoch=None,
         default_root_dir=root,
-        callbacks=[Record()],
+        callbacks=[loss_recorder(losses)],
     )
     task = make_task()
     trainer.fit(task, datamodule=make_data(), ckpt_path=ckpt_path)

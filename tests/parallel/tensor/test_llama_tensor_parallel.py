@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import rank_trainer
+from tests.helpers.tiny import loss_recorder, rank_trainer, tiny_task
 
 LLAMA = dict(
     arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=8, n_kv_head=4, n_embd=32,
@@ -32,10 +32,7 @@ TOL = dict(atol=1e-5, rtol=0)  # fp32: sharded sums vs single-process sums
 
 
 def make_task():
-    from llmlab.train.task import CausalLMTask
-
-    torch.manual_seed(0)
-    return CausalLMTask(model=dict(LLAMA), **TASK)
+    return tiny_task(LLAMA, seed_all=False, **TASK)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,13 +63,8 @@ def _full_grads(model, group) -> dict[str, torch.Tensor]:
 
 
 def _fit(strategy, replicas: int, replica: int) -> tuple[list[float], object]:
-    import lightning as L
 
     losses: list[float] = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
 
     trainer = rank_trainer(
         strategy,
@@ -81,7 +73,7 @@ def _fit(strategy, replicas: int, replica: int) -> tuple[list[float], object]:
         gradient_clip_val=1.0,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[Record()],
+        callbacks=[loss_recorder(losses)],
     )
     task = make_task()
     trainer.fit(task, train_dataloaders=_loader(replicas, replica))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import rank_trainer
+from tests.helpers.tiny import rank_trainer, tiny_task
 from tests.parallel.tensor.common import CFG, T, expected_comm
 
 ROWS, FIRST, TOTAL = 4, 4, 7  # global batch rows; steps before / after the checkpoint
@@ -22,10 +22,7 @@ TASK = dict(lr=3e-3, warmup_steps=2, max_steps=TOTAL, weight_decay=0.1)
 
 
 def make_task():
-    from llmlab.train.task import CausalLMTask
-
-    torch.manual_seed(0)
-    return CausalLMTask(model=dict(CFG), **TASK)
+    return tiny_task(CFG, seed_all=False, **TASK)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
