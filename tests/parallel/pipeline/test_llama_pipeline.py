@@ -39,7 +39,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pipeline_run(rank: int, world_size: int, ckpt: str) -> dict:
-
     from llmlab.parallel.pipeline import PipelineStrategy
 
     os.environ["WORLD_SIZE"] = str(world_size)

@@ -63,7 +63,6 @@ def _full_grads(model, group) -> dict[str, torch.Tensor]:
 
 
 def _fit(strategy, replicas: int, replica: int) -> tuple[list[float], object]:
-
     losses: list[float] = []
 
     trainer = rank_trainer(
