@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import loss_recorder, rank_trainer, tiny_task
+from tests.helpers.tiny import loss_recorder, rank_trainer, tiny_task, token_batch
 
 MODEL = dict(
     arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
@@ -33,9 +33,7 @@ def make_task():
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(300 + step)
-    ids = torch.randint(0, MODEL["vocab_size"], (BATCH, T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    return token_batch(BATCH, seed=300 + step, vocab_size=MODEL["vocab_size"], seq=T)
 
 
 def pipeline_run(rank: int, world_size: int, ckpt: str) -> dict:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import loss_recorder, rank_trainer, tiny_task
+from tests.helpers.tiny import loss_recorder, rank_trainer, tiny_task, token_batch
 
 LLAMA = dict(
     arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=8, n_kv_head=4, n_embd=32,
@@ -36,9 +36,7 @@ def make_task():
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(700 + step)
-    ids = torch.randint(0, LLAMA["vocab_size"], (ROWS, T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    return token_batch(ROWS, seed=700 + step, vocab_size=LLAMA["vocab_size"], seq=T)
 
 
 def _loader(replicas: int, replica: int) -> torch.utils.data.DataLoader:

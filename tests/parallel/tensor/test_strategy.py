@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import rank_trainer, tiny_task
+from tests.helpers.tiny import rank_trainer, tiny_task, token_batch
 from tests.parallel.tensor.common import CFG, T, expected_comm
 
 ROWS, FIRST, TOTAL = 4, 4, 7  # global batch rows; steps before / after the checkpoint
@@ -26,9 +26,7 @@ def make_task():
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(500 + step)
-    ids = torch.randint(0, CFG["vocab_size"], (ROWS, T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    return token_batch(ROWS, seed=500 + step, vocab_size=CFG["vocab_size"], seq=T)
 
 
 def _loader(steps: range, replicas: int, replica: int) -> torch.utils.data.DataLoader:
