@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from benchmarks.common import Row, report
 from llmlab.parallel.comm import all_reduce, bus_bandwidth, fit_alpha_beta, predicted_time
-from tests.helpers.distributed import run_distributed
+from llmlab.parallel.launch import run_distributed
 
 WORLD = 2
 SIZES = [1 << k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB, ×4 each

@@ -121,7 +121,7 @@ def _rank(rank: int, world: int) -> list[dict]:
 
 
 def main() -> None:
-    from tests.helpers.distributed import run_distributed
+    from llmlab.parallel.launch import run_distributed
 
     rows: list[Row] = []
     misses: list[str] = []

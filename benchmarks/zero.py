@@ -1,6 +1,6 @@
 """llmlab's ZeRO side by side with DeepSpeed's: the same model, batch and steps.
 
-Both train the tiny GPT of ``tests/parallel/data/zero_common.py`` on 2 gloo ranks for 20 steps
+Both train the tiny GPT of ``benchmarks/zero_workload.py`` on 2 gloo ranks for 20 steps
 with the task's AdamW (two param groups, warmup + cosine), clipping at 0.3 and 2 accumulated
 micro-batches, fp32: DeepSpeed ZeRO 1/2/3 through Lightning (``PortableDeepSpeedStrategy``, the
 task's torch AdamW as its client optimizer), llmlab's ``ZeroEngine`` from a plain loop (zero=0..3).
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from benchmarks.common import RESULTS_DIR, Row, report
-from tests.helpers.distributed import run_distributed
+from llmlab.parallel.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = (1, 2, 3)
@@ -127,8 +127,8 @@ def _global_mean(values: list[float]) -> list[float]:
 
 # --------------------------------------------------------------------------- llmlab
 def llmlab_rank(rank: int, world: int, stage: int, steps: int) -> dict[str, Any]:
+    from benchmarks.zero_workload import train_zero
     from llmlab.parallel.data.zero import ZeroEngine
-    from tests.parallel.data.zero_common import train_zero
 
     torch.set_num_threads(1)
     probe: dict[str, Any] = {}
@@ -163,8 +163,8 @@ def deepspeed_rank(rank: int, world: int, stage: int, steps: int) -> dict[str, A
     from lightning.pytorch.plugins.environments import LightningEnvironment
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks import zero_workload as common
     from llmlab.parallel.deepspeed import PortableDeepSpeedStrategy
-    from tests.parallel.data import zero_common as common
 
     torch.set_num_threads(1)
     acc = common.ACCUMULATE

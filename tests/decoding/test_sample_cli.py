@@ -24,6 +24,7 @@ from llmlab.train.sample import load_checkpoint  # noqa: E402
 from llmlab.train.sample import main as sample_main  # noqa: E402
 from llmlab.train.sample_callback import SampleCallback  # noqa: E402
 from llmlab.train.task import CausalLMTask  # noqa: E402
+from tests.helpers.tiny import quiet_trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,16 +44,12 @@ def checkpoint(tmp_path_factory) -> tuple[Path, Path]:
         tokenizer={"_target_": "llmlab.train.data.ByteTokenizer"},
     )
     callback = SampleCallback(prompts=["ROMEO:", "J"], every_n_val=2, max_new_tokens=8)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=4,
         val_check_interval=1,
         limit_val_batches=1,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(root),
         callbacks=[callback],
     )

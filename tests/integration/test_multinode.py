@@ -9,13 +9,13 @@ W&B id through ``LLMLAB_RUN_DIR`` / ``LLMLAB_RUN_ID``, as ``scripts/slurm/train.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from llmlab.parallel.launch import free_port
 from tests.helpers.runs import REPO, run_train, train_env, wandb_history
 
 pytestmark = pytest.mark.distributed
@@ -30,12 +30,6 @@ TINY = [
     "trainer.limit_val_batches=1",
     "trainer.enable_progress_bar=false",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -56,7 +50,7 @@ def launch_two_nodes(out: Path, args: list[str], timeout: float = 600) -> Path:
     run_dir.mkdir(parents=True)
     (run_dir / "run_id").write_text(run_id + "\n")
     (out / "gpt_ddp" / "latest").write_text(str(run_dir.resolve()) + "\n")
-    port = _free_port()
+    port = free_port()
     env = train_env(out, LLMLAB_RUN_DIR=str(run_dir.resolve()), LLMLAB_RUN_ID=run_id)
     procs = []
     for node_rank in (0, 1):
@@ -116,7 +110,7 @@ def test_lightning_num_nodes_with_node_rank_env(tmp_path):
     assert run_train(["experiment=gpt_ddp", *TINY, cache], single).returncode == 0
     reference = _losses(_run_dir(single, "gpt_ddp"))
 
-    out, run_id, port = tmp_path / "multi", "lnodes01", _free_port()
+    out, run_id, port = tmp_path / "multi", "lnodes01", free_port()
     run_dir = out / "gpt_ddp" / f"multinode-{run_id}"
     run_dir.mkdir(parents=True)
     (run_dir / "run_id").write_text(run_id + "\n")

@@ -14,16 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.compile import compile_blocks, compile_loss
 from llmlab.train.app import ConfigError, compose_config, validate_config
 from llmlab.train.task import causal_lm_loss
 from tests.helpers.runs import QUICK, run_train, wandb_history
+from tests.helpers.tiny import quiet_trainer, tiny_gpt, tiny_gpt_config
 
 
 def test_compiled_blocks_and_loss_match_eager_forward_and_backward():
-    torch.manual_seed(0)
-    eager = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    eager = tiny_gpt(seed=0)
     compiled = copy.deepcopy(eager)
     keys = list(compiled.state_dict())
     assert compile_blocks(compiled) == 2
@@ -116,15 +115,12 @@ def test_make_train_compile_true_follows_the_eager_loss_curve(experiment, tmp_pa
 def test_compile_monitor_warns_on_a_recompile_after_warmup(tmp_path):
     """A batch of a new shape after the warm-up steps compiles a new graph: a warning, and
     ``perf/recompiles`` logged."""
-    import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
     from llmlab.parallel.compile import CompileMonitor
     from llmlab.train.task import CausalLMTask
 
-    task = CausalLMTask(
-        model=dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32), max_steps=6
-    )
+    task = CausalLMTask(model=tiny_gpt_config(n_layer=1), max_steps=6)
     compile_blocks(task.model)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 64, (4, 17), generator=g) for _ in range(4)]
@@ -132,13 +128,8 @@ def test_compile_monitor_warns_on_a_recompile_after_warmup(tmp_path):
     # Pre-made batches, one per step (batch_size=None: the loader does not collate).
     loader = torch.utils.data.DataLoader([(b[:, :-1], b[:, 1:]) for b in batches], batch_size=None)
     monitor = CompileMonitor(warmup_steps=2)
-    trainer = L.Trainer(
-        max_steps=6,
-        logger=CSVLogger(tmp_path, name="csv", version=0),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor],
+    trainer = quiet_trainer(
+        max_steps=6, logger=CSVLogger(tmp_path, name="csv", version=0), callbacks=[monitor]
     )
     with pytest.warns(UserWarning, match=r"torch.compile recompiled \d+ graph\(s\) at step 5"):
         trainer.fit(task, loader)

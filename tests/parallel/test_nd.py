@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import rank_trainer, tiny_gpt_config, tiny_task
 
-MODEL = dict(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.0)
+MODEL = tiny_gpt_config(n_layer=4, n_head=4, dropout=0.0)
 T = 16
 STEPS, HALF, BATCH, CLIP = 10, 5, 8, 0.05  # an epoch is HALF batches: resume at its end
 TOL = dict(atol=1e-5, rtol=0)
@@ -35,12 +36,7 @@ LLAMA = dict(
 
 
 def make_task(model: dict = MODEL):
-    import lightning as L
-
-    from llmlab.train.task import CausalLMTask
-
-    L.seed_everything(0)
-    return CausalLMTask(model=model, lr=1e-2, warmup_steps=2, max_steps=STEPS)
+    return tiny_task(model, max_steps=STEPS)
 
 
 def global_batches(count: int, seed: int) -> torch.Tensor:
@@ -97,21 +93,15 @@ def fit(
             losses.append(float(loss))
             norms.append(float(trainer.callback_metrics["train/grad_norm"]))
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = rank_trainer(
+        strategy,
+        devices,
+        max_steps,
         gradient_clip_val=CLIP,
         limit_val_batches=1,
         val_check_interval=HALF,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
-        use_distributed_sampler=False,
         callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record()],
     )
     task = make_task(model)

@@ -14,7 +14,7 @@ pytest.importorskip("llmlab.train.data")
 
 
 def test_load_or_train_bpe_caches_by_settings(tmp_path):
-    from llmlab.train.bpe import load_or_train_bpe
+    from llmlab.train.bpe_cache import load_or_train_bpe
 
     first = load_or_train_bpe(vocab_size=300, cache_dir=str(tmp_path), max_bytes=200_000)
     cached = list((tmp_path / "tokenizers").glob("bpe-*.json"))
@@ -28,7 +28,7 @@ def test_load_or_train_bpe_caches_by_settings(tmp_path):
 
 
 def test_trained_on_train_split_only(tmp_path):
-    from llmlab.train.bpe import load_or_train_bpe
+    from llmlab.train.bpe_cache import load_or_train_bpe
     from llmlab.train.data import corpus_files
 
     files = corpus_files("shakespeare")["train"]
@@ -54,7 +54,7 @@ def test_experiment_composes_with_bpe_tokenizer(tmp_path, monkeypatch):
     cfg = app.compose_config(
         ["experiment=gpt_bpe", "tokenizer.max_bytes=100000", "tokenizer.vocab_size=300"]
     )
-    assert cfg.tokenizer._target_ == "llmlab.train.bpe.load_or_train_bpe"
+    assert cfg.tokenizer._target_ == "llmlab.train.bpe_cache.load_or_train_bpe"
     assert "bpe" in cfg.tags
     tok = instantiate(cfg.tokenizer, _convert_="all")
     assert isinstance(tok, BPETokenizer) and tok.vocab_size == 300

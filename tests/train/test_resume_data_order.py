@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 
 from llmlab.train.data import TextDataModule
 from llmlab.train.resumable import ResumableSampler
-from tests.train.test_data import make_module
+from tests.helpers.tiny import quiet_trainer
+from tests.train.text_module import make_module
 
 
 class RecordBatches(L.LightningModule):
@@ -34,15 +35,12 @@ class RecordBatches(L.LightningModule):
 
 def fit(data: TextDataModule, root, max_steps: int, ckpt_path: str | None = None, **kw):
     model = RecordBatches()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=max_steps,
         default_root_dir=str(root),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_last=True)],
+        enable_checkpointing=True,
         **kw,
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)

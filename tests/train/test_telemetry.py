@@ -21,6 +21,7 @@ from llmlab.train.telemetry import (
     measure_cpu_peak_flops,
     mfu,
 )
+from tests.helpers.tiny import quiet_trainer
 
 GPT2_SMALL = dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 
@@ -98,14 +99,9 @@ def test_telemetry_logs_every_metric_in_a_real_fit(tmp_path):
     )
     task = CausalLMTask(model=cfg, lr=1e-3, warmup_steps=2, max_steps=3)
     peak = 1e9
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_steps=3,
         logger=CSVLogger(tmp_path, name="csv", version=0),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[TrainingTelemetry(peak_flops_per_device=peak), Spy()],  # Spy reads after
         default_root_dir=tmp_path,
     )
@@ -156,13 +152,9 @@ def test_mfu_counts_the_whole_model_when_the_strategy_shards_it(tmp_path):
     data = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:])), batch_size=4)
     peak = 1e9
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=KeepFirstBlock(device=torch.device("cpu")),
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[TrainingTelemetry(peak_flops_per_device=peak), Spy()],
         default_root_dir=tmp_path,
     )

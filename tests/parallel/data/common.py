@@ -1,10 +1,8 @@
-"""A tiny deterministic task and a Trainer factory for strategy tests run inside gloo ranks.
+"""A tiny deterministic task and a Trainer factory for the data-parallel strategy tests.
 
-Lightning re-launches ``sys.argv`` for DDP-like strategies, which under pytest would re-run the
-test session; instead each test rank (``run_distributed``) already has an initialised gloo
-process group and ``LOCAL_RANK``/``RANK``/``WORLD_SIZE`` set, so ``LightningEnvironment`` reports
-``creates_processes_externally`` and Lightning runs in place, reusing that process group. The
-data are sharded by hand (``use_distributed_sampler=False``) so runs are bit-comparable.
+The Trainer is ``tests.helpers.tiny.rank_trainer`` (it runs in place inside the gloo ranks of
+``run_distributed``) with clipping at 1.0 and no sanity validation. The data are sharded by hand
+(``use_distributed_sampler=False``) so runs are bit-comparable.
 """
 
 from __future__ import annotations
@@ -13,9 +11,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.plugins.environments import LightningEnvironment
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers.tiny import rank_trainer
 
 
 class TinyTask(L.LightningModule):
@@ -54,22 +53,8 @@ def shard_loader(
 
 
 def make_trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> L.Trainer:
-    if hasattr(strategy, "cluster_environment") and strategy.cluster_environment is None:
-        strategy.cluster_environment = LightningEnvironment()
-    settings: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=1.0,
-        num_sanity_val_steps=0,
-    )
-    return L.Trainer(**{**settings, **kwargs})
+    settings: dict[str, Any] = dict(gradient_clip_val=1.0, num_sanity_val_steps=0)
+    return rank_trainer(strategy, devices, max_steps, **{**settings, **kwargs})
 
 
 def flat_params(module: nn.Module) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Interval arithmetic behind "communication hidden under backward"."""
 
-from llmlab.parallel.data.timeline import CommTimeline, clip, union_length
+from llmlab.parallel.data.comm_intervals import CommTimeline, clip, union_length
 
 
 def test_union_merges_overlaps_and_keeps_gaps() -> None:

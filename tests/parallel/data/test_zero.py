@@ -1,8 +1,8 @@
 """ZeRO-1/2/3 change where state lives, not the arithmetic: the same curve as DDP (zero=0).
 
-Each rank trains the tiny GPT of ``zero_common`` for 20 AdamW steps (the task's optimizer: two
-param groups and a LambdaLR), clipping by the global norm at 0.3 (every step clips: the norms
-are 0.5-0.9) and accumulating 2 micro-batches per step, at zero=0, 1, 2 and 3.
+Each rank trains the tiny GPT of ``benchmarks.zero_workload`` for 20 AdamW steps (the task's
+optimizer: two param groups and a LambdaLR), clipping by the global norm at 0.3 (every step clips:
+the norms are 0.5-0.9) and accumulating 2 micro-batches per step, at zero=0, 1, 2 and 3.
 
 Oracles and tolerances:
 * zero=1/2/3 against zero=0 (same ranks, same data): loss at every step and final weights within
@@ -22,10 +22,10 @@ from functools import lru_cache, partial
 
 import pytest
 
+from benchmarks.zero_workload import MAX_NORM, curve_diff, max_diff, train_single, train_zero
 from llmlab.parallel.data import zero as zero_module
 from llmlab.parallel.data.zero import ZeroEngine
 from tests.helpers.distributed import run_distributed
-from tests.parallel.data.zero_common import MAX_NORM, curve_diff, max_diff, train_single, train_zero
 
 pytestmark = pytest.mark.distributed
 

@@ -17,11 +17,11 @@ from functools import partial
 import pytest
 import torch
 
+from benchmarks.zero_workload import curve_diff, micro_batch, tiny_gpt, train_zero
 from llmlab.parallel.checkpoint import ShardedView, consolidate, flat_boxes, load_zero, save_zero
 from llmlab.parallel.checkpoint.files import metadata
 from llmlab.parallel.data.zero import ZeroEngine
 from tests.helpers.distributed import run_distributed
-from tests.parallel.data.zero_common import curve_diff, micro_batch, tiny_gpt, train_zero
 
 pytestmark = pytest.mark.distributed
 SAVE_AT = 10
@@ -40,7 +40,7 @@ def train_save_continue(rank: int, world: int, path: str) -> dict:
 
 
 def resume(rank: int, world: int, path: str, stage: int) -> dict:
-    from tests.parallel.data.zero_common import optimizer_for
+    from benchmarks.zero_workload import optimizer_for
 
     model = tiny_gpt(seed=7)  # other weights: everything must come from the checkpoint
     engine = ZeroEngine(model, stage=stage)

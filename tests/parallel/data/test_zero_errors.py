@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.zero_workload import tiny_gpt
 from llmlab.parallel.data.zero import ZeroEngine
 from tests.helpers.distributed import run_distributed
-from tests.parallel.data.zero_common import tiny_gpt
 
 pytestmark = pytest.mark.distributed
 

@@ -22,9 +22,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmlab.parallel.data.zero import ZeroEngine
-from tests.helpers.distributed import run_distributed
-from tests.parallel.data.zero_common import (
+from benchmarks.zero_workload import (
     ACCUMULATE,
     MAX_NORM,
     loss_of,
@@ -32,6 +30,8 @@ from tests.parallel.data.zero_common import (
     optimizer_for,
     tiny_gpt,
 )
+from llmlab.parallel.data.zero import ZeroEngine
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -16,10 +16,18 @@ import os
 import pytest
 
 from tests.helpers.distributed import run_distributed
-from tests.parallel.pipeline.test_strategy import STEPS, make_data, make_task
+from tests.helpers.tiny import TINY_GPT, rank_trainer, tiny_task, tiny_tokens
 
-ACCUMULATE = 2
+STEPS, ACCUMULATE = 20, 2
 MAX_STEPS = STEPS // ACCUMULATE  # the data module's 20 batches: 10 optimizer steps
+
+
+def make_task():
+    return tiny_task(max_steps=STEPS)
+
+
+def make_data():
+    return tiny_tokens(STEPS // 2, val_batches=2, batch=8)  # 10 batches an epoch
 
 
 def fit(strategy, devices: int, root=None, max_steps=MAX_STEPS, ckpt_path=None, save=None):
@@ -44,21 +52,15 @@ def fit(strategy, devices: int, root=None, max_steps=MAX_STEPS, ckpt_path=None, 
             if norm is not None:
                 norms.append(float(norm(optimizer)))
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
+    trainer = rank_trainer(
+        strategy,
+        devices,
+        max_steps,
         accumulate_grad_batches=ACCUMULATE,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         gradient_clip_val=1.0,
         limit_val_batches=2,
         val_check_interval=10,
         check_val_every_n_epoch=None,
-        use_distributed_sampler=False,
         default_root_dir=root,
         callbacks=[Record()],
     )
@@ -137,10 +139,9 @@ def test_zero_with_tensor_and_pipeline_parallel(tmp_path, single_process) -> Non
     import torch
 
     from llmlab.models import GPT, GPTConfig
-    from tests.parallel.pipeline.test_strategy import MODEL
 
     state = torch.load(resumed["checkpoint"], weights_only=False)["state_dict"]
-    plain = GPT(GPTConfig(**MODEL))
+    plain = GPT(GPTConfig(**TINY_GPT))
     plain.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
 
 

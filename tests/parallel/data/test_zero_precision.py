@@ -21,12 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llmlab.parallel.data.zero import ZeroEngine
-from llmlab.parallel.data.zero_precision import ZeroMasterWeights
-from llmlab.parallel.precision.master import MasterWeights
-from llmlab.parallel.precision.scaler import DynamicLossScaler
-from tests.helpers.distributed import run_distributed
-from tests.parallel.data.zero_common import (
+from benchmarks.zero_workload import (
     ACCUMULATE,
     curve_diff,
     loss_of,
@@ -35,6 +30,11 @@ from tests.parallel.data.zero_common import (
     optimizer_for,
     tiny_gpt,
 )
+from llmlab.parallel.data.zero import ZeroEngine
+from llmlab.parallel.data.zero_precision import ZeroMasterWeights
+from llmlab.parallel.precision.master import MasterWeights
+from llmlab.parallel.precision.scaler import DynamicLossScaler
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 STEPS = 8

@@ -14,31 +14,15 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.mesh import ParallelDims, build_process_groups
 from llmlab.parallel.pipeline.engine import PipelineEngine
-from llmlab.parallel.pipeline.grads import GradientReducer
+from llmlab.parallel.pipeline.grad_sync import GradientReducer
 from llmlab.parallel.pipeline.stage import build_tie_groups, cut_stage
 from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import lm_loss, tiny_gpt, token_batch
 
 TOL = dict(atol=1e-6, rtol=1e-6)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def tiny_gpt(n_layer: int, seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
-
-
-def batch(size: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (size, 17), generator=g)
-    return ids[:, :-1], ids[:, 1:]
 
 
 def unique_params(modules) -> list[torch.nn.Parameter]:
@@ -52,10 +36,10 @@ def unique_params(modules) -> list[torch.nn.Parameter]:
 
 
 def _gpt_cases(rank: int, world: int, n_layer: int, cases: list[tuple[str, int, int]]):
-    x, y = batch()
+    x, y = token_batch()
     out = []
     for name, m, v in cases:
-        model = tiny_gpt(n_layer)
+        model = tiny_gpt(n_layer=n_layer)
         ref = copy.deepcopy(model)
         ref_loss = lm_loss(ref(x), y)
         ref_loss.backward()
@@ -87,7 +71,7 @@ def _gpt_cases(rank: int, world: int, n_layer: int, cases: list[tuple[str, int, 
 
 
 def _check_results(results, n_layer: int, world: int) -> None:
-    total = sum(p.numel() for p in tiny_gpt(n_layer).parameters())
+    total = sum(p.numel() for p in tiny_gpt(n_layer=n_layer).parameters())
     for case_idx in range(len(results[0])):
         per_rank = [r[case_idx] for r in results]
         assert per_rank[-1]["loss"] is not None
@@ -129,12 +113,12 @@ def _gpt_dp_pp_cases(rank: int, world: int, n_layer: int, data: int, cases):
     groups = build_process_groups(dims)
     dp, stage, _ = dims.coords(rank)
     pipelines = [[dims.rank_of(d, s, 0) for s in range(dims.pipeline)] for d in range(data)]
-    x, y = batch()
+    x, y = token_batch()
     share = x.shape[0] // data
     xs, ys = x[dp * share : (dp + 1) * share], y[dp * share : (dp + 1) * share]
     out = []
     for index, (name, m, v) in enumerate(cases):
-        model = tiny_gpt(n_layer)
+        model = tiny_gpt(n_layer=n_layer)
         ref = copy.deepcopy(model)
         ref_loss = lm_loss(ref(x), y)
         ref_loss.backward()
@@ -194,7 +178,7 @@ def test_gpt_dp2_pp2_matches_single_process():
     loss and every parameter's gradient equal single-process training on the global batch."""
     cases = [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2)]
     results = run_distributed(_gpt_dp_pp_cases, 4, 2, 2, cases)
-    total = len(list(tiny_gpt(2).parameters()))
+    total = len(list(tiny_gpt(n_layer=2).parameters()))
     for case_idx, case in enumerate(cases):
         per_rank = [r[case_idx] for r in results]
         assert all(r["case"] == case for r in per_rank)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import loss_recorder, rank_trainer, tiny_task, token_batch
 
 MODEL = dict(
     arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
@@ -28,45 +29,28 @@ TOL = dict(atol=1e-5, rtol=0)
 
 
 def make_task():
-    from llmlab.train.task import CausalLMTask
-
-    torch.manual_seed(0)
-    return CausalLMTask(model=dict(MODEL), **TASK)
+    return tiny_task(MODEL, seed_all=False, **TASK)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(300 + step)
-    ids = torch.randint(0, MODEL["vocab_size"], (BATCH, T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    return token_batch(BATCH, seed=300 + step, vocab_size=MODEL["vocab_size"], seq=T)
 
 
 def pipeline_run(rank: int, world_size: int, ckpt: str) -> dict:
-    import lightning as L
-
     from llmlab.parallel.pipeline import PipelineStrategy
 
     os.environ["WORLD_SIZE"] = str(world_size)
     losses: list[float] = []
 
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
     strategy = PipelineStrategy(stages=2, microbatches=4, schedule="1f1b", timeline_every_n_steps=0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=STEPS,
+    trainer = rank_trainer(
+        strategy,
+        world_size,
+        STEPS,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[Record()],
+        callbacks=[loss_recorder(losses)],
     )
     task = make_task()
     loader = torch.utils.data.DataLoader([batch(s) for s in range(STEPS)], batch_size=None)

@@ -14,10 +14,10 @@ from torch import nn
 
 from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.pipeline.engine import PipelineEngine
-from llmlab.parallel.pipeline.grads import GradientReducer
+from llmlab.parallel.pipeline.grad_sync import GradientReducer
 from llmlab.parallel.pipeline.stage import cut_stage
 from tests.helpers.distributed import run_distributed
-from tests.parallel.pipeline.test_engine_gpt import batch, lm_loss
+from tests.helpers.tiny import lm_loss, tiny_gpt_config, token_batch
 
 TOL = dict(atol=1e-6, rtol=1e-6)
 
@@ -25,12 +25,11 @@ TOL = dict(atol=1e-6, rtol=1e-6)
 def _versus_torch(rank: int, world: int, cases: list[tuple[str, int]]):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    x, y = batch()
+    x, y = token_batch()
     out = []
     for name, m in cases:
         torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-        cfg.tie_embeddings = False
+        cfg = GPTConfig(**tiny_gpt_config(), tie_embeddings=False)
         ours_model = GPT(cfg)
         theirs_model = copy.deepcopy(ours_model)
 

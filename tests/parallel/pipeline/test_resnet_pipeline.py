@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from llmlab.models import ResNet50
 from llmlab.parallel.pipeline.engine import PipelineEngine
-from llmlab.parallel.pipeline.grads import GradientReducer
+from llmlab.parallel.pipeline.grad_sync import GradientReducer
 from llmlab.parallel.pipeline.naive import MicroBatchedModelParallel, ModelParallel
 from llmlab.parallel.pipeline.stage import cut_stage
 from tests.helpers.distributed import run_distributed

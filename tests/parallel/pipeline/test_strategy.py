@@ -16,73 +16,42 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import (
+    TINY_GPT,
+    loss_recorder,
+    quiet_trainer,
+    rank_trainer,
+    tiny_task,
+    tiny_tokens,
+)
 
-MODEL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+MODEL = TINY_GPT
 STEPS, BATCH = 20, 8
 
 
 def make_task():
-    import lightning as L
-
-    from llmlab.train.task import CausalLMTask
-
-    L.seed_everything(0)
-    return CausalLMTask(model=MODEL, lr=1e-2, warmup_steps=2, max_steps=STEPS)
+    return tiny_task(MODEL, max_steps=STEPS)
 
 
 def make_data():
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class TinyTokens(L.LightningDataModule):
-        """Fixed random token batches in a fixed order, sharded by the data-parallel rank."""
-
-        def _loader(self, steps: int, seed: int) -> DataLoader:
-            g = torch.Generator().manual_seed(seed)
-            ids = torch.randint(0, MODEL["vocab_size"], (steps * BATCH, 17), generator=g)
-            kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-            replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
-            share = BATCH // replicas
-            rows = [b * BATCH + rank * share + i for b in range(steps) for i in range(share)]
-            ids = ids[rows]
-            return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=share)
-
-        def train_dataloader(self) -> DataLoader:
-            # 10 batches an epoch: the resume test's checkpoint at step 10 ends an epoch, so
-            # Lightning resumes at the next batch (a plain DataLoader cannot resume mid-epoch)
-            return self._loader(STEPS // 2, 0)
-
-        def val_dataloader(self) -> DataLoader:
-            return self._loader(2, 1)
-
-    return TinyTokens()
+    # 10 batches an epoch: the resume test's checkpoint at step 10 ends an epoch, so Lightning
+    # resumes at the next batch (a plain DataLoader cannot resume mid-epoch)
+    return tiny_tokens(STEPS // 2, val_batches=2, batch=BATCH)
 
 
 def fit(strategy, devices: int, max_steps: int = STEPS, ckpt_path=None, root=None):
-    import lightning as L
-
     losses: list[float] = []
 
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = rank_trainer(
+        strategy,
+        devices,
+        max_steps,
         gradient_clip_val=1.0,
         limit_val_batches=2,
         val_check_interval=10,
         check_val_every_n_epoch=None,
-        use_distributed_sampler=False,
         default_root_dir=root,
-        callbacks=[Record()],
+        callbacks=[loss_recorder(losses)],
     )
     task = make_task()
     trainer.fit(task, datamodule=make_data(), ckpt_path=ckpt_path)
@@ -116,17 +85,7 @@ def _pipeline_runs(rank: int, world: int, root: str, cases: list[dict]):
             _, _, second = fit(strategy, world, ckpt_path=path, root=root)
             out[case["name"]] = {"losses": first + second}
         elif kind == "validate":  # load a checkpoint from another layout, evaluate
-            import lightning as L
-
-            trainer = L.Trainer(
-                accelerator="cpu",
-                devices=world,
-                strategy=strategy,
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                limit_val_batches=2,
-            )
+            trainer = quiet_trainer(devices=world, strategy=strategy, limit_val_batches=2)
             metrics = trainer.validate(
                 make_task(), datamodule=make_data(), ckpt_path=os.path.join(root, case["ckpt"])
             )

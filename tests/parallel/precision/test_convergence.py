@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from llmlab.parallel.precision import BF16MasterPrecision, FP8Precision, FP16MasterPrecision
 from llmlab.train.data import corpus_files
 from llmlab.train.task import CausalLMTask
+from tests.helpers.tiny import quiet_trainer
 
 MODEL = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 BATCH, SEED = 8, 1337
@@ -79,18 +80,8 @@ def final_val_loss(name: str, steps: int, seed: int = SEED) -> float:
     train, val = corpus_loaders(steps, seed=seed)
     task = CausalLMTask(MODEL, lr=2e-3, warmup_steps=max(1, steps // 10), max_steps=steps)
     setup = precision_setup(name)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=1.0,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        **setup,
+    trainer = quiet_trainer(
+        max_steps=steps, gradient_clip_val=1.0, num_sanity_val_steps=0, limit_val_batches=0, **setup
     )
     trainer.fit(task, train)
     trainer.limit_val_batches = 1.0

@@ -15,6 +15,7 @@ from torch import nn
 from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.precision import Float8Linear, FP8Precision, convert_to_float8
 from llmlab.parallel.precision.fp8 import E4M3, E5M2, dequantize, quantize, scale_from_amax
+from tests.helpers.tiny import quiet_trainer
 
 
 @pytest.mark.parametrize("dtype, mantissa_bits", [(E4M3, 3), (E5M2, 2)])
@@ -121,15 +122,7 @@ def test_fp8_plugin_trains_in_lightning() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8)
     plugin = FP8Precision(min_features=64, backend="emulate")
     module = LM()
-    L.Trainer(
-        accelerator="cpu",
-        max_steps=20,
-        plugins=[plugin],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, loader)
+    quiet_trainer(max_steps=20, plugins=[plugin]).fit(module, loader)
     assert plugin.converted == [f"model.blocks.0.{m}" for m in ("attn.qkv", "attn.proj", "mlp.fc",
                                                                  "mlp.proj")]  # fmt: skip
     assert isinstance(module.model.blocks[0].mlp.fc, Float8Linear)

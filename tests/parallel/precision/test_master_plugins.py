@@ -20,8 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.precision import BF16MasterPrecision, FP16MasterPrecision
+from tests.helpers.tiny import quiet_trainer, tiny_gpt_config
 
-CFG = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+CFG = tiny_gpt_config(n_layer=1)
 
 
 class TinyLM(L.LightningModule):
@@ -63,15 +64,9 @@ def loader(n_batches: int = 3, batch: int = 4, same_batches: bool = False) -> Da
 
 
 def trainer(plugin: Any, max_steps: int, callbacks: list | None = None, **kw: Any) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    return quiet_trainer(
         max_steps=max_steps,
         plugins=[plugin] if plugin is not None else None,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
         **kw,
     )

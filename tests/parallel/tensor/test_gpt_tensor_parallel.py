@@ -2,7 +2,7 @@
 
 Oracle: the same ``llmlab.models.GPT`` in one process with ``F.cross_entropy`` (fp32; 1e-5).
 Also measured here: each rank's share of every sharded weight (1/tp), and the bytes moved per
-training step against the analytical count written out in ``expected_comm``.
+training step against the analytical count written out in ``common.expected_comm``.
 One distributed function per world size (2: tp=2; 4: tp=4 and DP×TP = 2×2).
 """
 
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from llmlab.models import GPT, GPTConfig
 from tests.helpers.distributed import run_distributed
+from tests.parallel.tensor.common import CFG, B, T, expected_comm
 
-CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
-B, T, STEPS = 2, 8, 20
+STEPS = 20
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32, single process vs sharded sums
 
 
@@ -32,28 +32,6 @@ def batch(step: int, rows: int = B) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, CFG["vocab_size"], (rows, T + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
-
-
-def expected_comm(tp: int, sp: bool, rows: int = B) -> dict[str, int]:
-    """Payload bytes of one forward + backward (fp32), derived from Megatron-LM's layout.
-
-    Without SP: all-reduces of B×T×d: per layer 2 forward (attention out, MLP down) and 2 backward
-    (attention in, MLP up), plus the embedding (forward) and the LM head's input (backward).
-    With SP each becomes an all-gather + a reduce-scatter of the same B×T×d; the position
-    table's chunk costs a T×d all-gather (backward); the replicated LayerNorm weights/biases and
-    row-parallel biases (6d per layer + 2d for ln_f) have their gradients all-reduced.
-    Either way the loss all-reduces three B×T numbers (max, target logit, sum of exps).
-    """
-    L, d = CFG["n_layer"], CFG["n_embd"]
-    act = rows * T * d * 4
-    loss = 3 * rows * T * 4
-    if not sp:
-        return {"all_reduce": (4 * L + 2) * act + loss, "all_gather": 0, "reduce_scatter": 0}
-    return {
-        "all_reduce": (6 * L + 2) * d * 4 + loss,
-        "all_gather": (4 * L + 2) * act + T * d * 4,
-        "reduce_scatter": (4 * L + 2) * act,
-    }
 
 
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:

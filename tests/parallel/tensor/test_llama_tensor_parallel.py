@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import loss_recorder, rank_trainer, tiny_task, token_batch
 
 LLAMA = dict(
     arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=8, n_kv_head=4, n_embd=32,
@@ -31,16 +32,11 @@ TOL = dict(atol=1e-5, rtol=0)  # fp32: sharded sums vs single-process sums
 
 
 def make_task():
-    from llmlab.train.task import CausalLMTask
-
-    torch.manual_seed(0)
-    return CausalLMTask(model=dict(LLAMA), **TASK)
+    return tiny_task(LLAMA, seed_all=False, **TASK)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(700 + step)
-    ids = torch.randint(0, LLAMA["vocab_size"], (ROWS, T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    return token_batch(ROWS, seed=700 + step, vocab_size=LLAMA["vocab_size"], seq=T)
 
 
 def _loader(replicas: int, replica: int) -> torch.utils.data.DataLoader:
@@ -65,28 +61,16 @@ def _full_grads(model, group) -> dict[str, torch.Tensor]:
 
 
 def _fit(strategy, replicas: int, replica: int) -> tuple[list[float], object]:
-    import lightning as L
-
     losses: list[float] = []
 
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=4,
-        strategy=strategy,
-        max_steps=STEPS,
+    trainer = rank_trainer(
+        strategy,
+        4,
+        STEPS,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[Record()],
+        callbacks=[loss_recorder(losses)],
     )
     task = make_task()
     trainer.fit(task, train_dataloaders=_loader(replicas, replica))

@@ -14,23 +14,19 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.parallel.tensor.test_gpt_tensor_parallel import CFG, T, expected_comm
+from tests.helpers.tiny import rank_trainer, tiny_task, token_batch
+from tests.parallel.tensor.common import CFG, T, expected_comm
 
 ROWS, FIRST, TOTAL = 4, 4, 7  # global batch rows; steps before / after the checkpoint
 TASK = dict(lr=3e-3, warmup_steps=2, max_steps=TOTAL, weight_decay=0.1)
 
 
 def make_task():
-    from llmlab.train.task import CausalLMTask
-
-    torch.manual_seed(0)
-    return CausalLMTask(model=dict(CFG), **TASK)
+    return tiny_task(CFG, seed_all=False, **TASK)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(500 + step)
-    ids = torch.randint(0, CFG["vocab_size"], (ROWS, T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    return token_batch(ROWS, seed=500 + step, vocab_size=CFG["vocab_size"], seq=T)
 
 
 def _loader(steps: range, replicas: int, replica: int) -> torch.utils.data.DataLoader:
@@ -63,17 +59,11 @@ def _trainer(strategy, max_steps: int, losses: list, devices: int = 4, **kwargs)
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append((float(outputs["loss"]), _batch_index(batch[0])))
 
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
+    return rank_trainer(
+        strategy,
+        devices,
+        max_steps,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[Record()],

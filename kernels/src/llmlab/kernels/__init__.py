@@ -8,12 +8,12 @@ triton was imported, and otherwise falls back to the reference with one warning 
 """
 
 from llmlab.kernels._runtime import interpreter_requested, triton_available
+from llmlab.kernels.access_patterns import copy, transpose
 from llmlab.kernels.attention import attention
 from llmlab.kernels.elementwise import add3
 from llmlab.kernels.gelu import bias_gelu, gelu
 from llmlab.kernels.layer_norm import add_layer_norm, layer_norm
 from llmlab.kernels.matmul import matmul
-from llmlab.kernels.memory import copy, transpose
 from llmlab.kernels.rms_norm import rms_norm
 from llmlab.kernels.rope import rope
 from llmlab.kernels.softmax import softmax

@@ -46,7 +46,7 @@ from llmlab.parallel.pipeline.stage import (
     prune_to_stage,
 )
 from llmlab.parallel.tensor.cross_entropy import VocabParallelCrossEntropy
-from llmlab.parallel.tensor.parallelize import parallelize
+from llmlab.parallel.tensor.sharding import parallelize
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 

@@ -3,8 +3,8 @@ parameter server, and a callback that times the anatomy of a training step."""
 
 from llmlab.parallel.data.anatomy import StepAnatomy, plot_anatomy
 from llmlab.parallel.data.bucketed import BucketedDataParallelStrategy, GradientBucketer
+from llmlab.parallel.data.comm_intervals import CommTimeline
 from llmlab.parallel.data.parameter_server import ParameterServerStrategy
-from llmlab.parallel.data.timeline import CommTimeline
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
 

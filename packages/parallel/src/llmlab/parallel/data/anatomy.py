@@ -28,7 +28,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from llmlab.parallel.data.timeline import CommTimeline, clip, union_length
+from llmlab.parallel.data.comm_intervals import CommTimeline, clip, union_length
 
 PHASES = ("forward", "backward", "comm_exposed", "optimizer", "other")
 COLOURS = {

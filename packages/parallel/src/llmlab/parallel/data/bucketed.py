@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from llmlab.parallel.buffers import FlatBuffer
 from llmlab.parallel.comm import ALL_REDUCE_ALGORITHMS, CommStats, all_reduce
-from llmlab.parallel.data.timeline import CommTimeline
+from llmlab.parallel.data.comm_intervals import CommTimeline
 
 COLLECTIVES = ("torch", *ALL_REDUCE_ALGORITHMS)
 

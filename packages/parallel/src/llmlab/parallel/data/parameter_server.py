@@ -42,7 +42,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from llmlab.parallel.data.timeline import CommTimeline
+from llmlab.parallel.data.comm_intervals import CommTimeline
 from llmlab.parallel.precision.plugins import MasterWeightPrecision
 
 MODES = ("sync", "async")

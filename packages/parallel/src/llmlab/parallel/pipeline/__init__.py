@@ -7,7 +7,7 @@
 """
 
 from llmlab.parallel.pipeline.engine import PipelineEngine, StepResult
-from llmlab.parallel.pipeline.grads import GradientReducer
+from llmlab.parallel.pipeline.grad_sync import GradientReducer
 from llmlab.parallel.pipeline.partition import balanced_boundaries, split_ranges
 from llmlab.parallel.pipeline.schedules import (
     SCHEDULES,
@@ -36,9 +36,9 @@ from llmlab.parallel.pipeline.timeline import measured_bubble, plot_timeline
 def __getattr__(name: str):
     # The strategy pulls in Lightning (seconds to import); schedules and the engine do not need it.
     if name == "PipelineStrategy":
-        from llmlab.parallel.pipeline import strategy
+        from llmlab.parallel.pipeline import preset
 
-        return getattr(strategy, name)
+        return getattr(preset, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from llmlab.parallel.pipeline.grads import find_tied_parameters
+from llmlab.parallel.pipeline.grad_sync import find_tied_parameters
 from llmlab.parallel.pipeline.partition import local_virtual_stages, split_ranges
 
 

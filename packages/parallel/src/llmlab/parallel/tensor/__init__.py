@@ -3,10 +3,10 @@
 * :mod:`.mappings`: the communication operators as autograd Functions (``f``, ``g``, ...).
 * :mod:`.layers`: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``.
 * :mod:`.cross_entropy`: ``vocab_parallel_cross_entropy`` (never gathers the logits).
-* :mod:`.parallelize`: ``parallelize(model, plan, group, sequence_parallel)``.
+* :mod:`.sharding`: ``parallelize(model, plan, group, sequence_parallel)``.
 * :mod:`.checkpoint`: consolidated (full) state dicts on save, sliced on load.
 * :mod:`.accounting`: every collective's kind and bytes (``count_comm``).
-* :mod:`.strategy`: ``TensorParallelStrategy`` (Lightning, registered as ``"tensor"``); imported
+* :mod:`.preset`: ``TensorParallelStrategy`` (Lightning, registered as ``"tensor"``); imported
   lazily so the layers can be used without Lightning.
 """
 
@@ -40,12 +40,12 @@ from llmlab.parallel.tensor.mappings import (
     scatter_to_sequence_region,
     scatter_to_tensor_region,
 )
-from llmlab.parallel.tensor.parallelize import (
+from llmlab.parallel.tensor.random import TensorParallelRNG
+from llmlab.parallel.tensor.sharding import (
     parallelize,
     sequence_parallel_parameters,
     validate_plan,
 )
-from llmlab.parallel.tensor.random import TensorParallelRNG
 
 __all__ = [
     "ColumnParallelLinear",
@@ -79,7 +79,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "TensorParallelStrategy":
-        from llmlab.parallel.tensor.strategy import TensorParallelStrategy
+        from llmlab.parallel.tensor.preset import TensorParallelStrategy
 
         return TensorParallelStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 Why count: tensor parallelism trades compute for communication, and the trade is only visible if
 the bytes are measured, not assumed. ``CommLedger`` is a plain, process-local list of records;
-the collectives in :mod:`llmlab.parallel.tensor.collectives` append to the active ledger, and the
+the collectives in :mod:`llmlab.parallel.tensor.primitives` append to the active ledger, and the
 strategy logs one step's totals as ``tp/comm_bytes``.
 
 Two figures per collective, for a tensor of ``S`` bytes (the full, unsharded size) on ``n`` ranks:

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from llmlab.parallel.tensor import collectives as C
-from llmlab.parallel.tensor.collectives import Group
+from llmlab.parallel.tensor import primitives as C
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
+from llmlab.parallel.tensor.primitives import Group
 
 
 def _gather(t: Tensor, dim: int, group: Group) -> Tensor:

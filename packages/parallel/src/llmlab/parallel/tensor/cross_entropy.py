@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmlab.parallel.tensor import collectives as C
-from llmlab.parallel.tensor.collectives import Group
+from llmlab.parallel.tensor import primitives as C
+from llmlab.parallel.tensor.primitives import Group
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llmlab.parallel.tensor import collectives as C
-from llmlab.parallel.tensor.collectives import Group
+from llmlab.parallel.tensor import primitives as C
 from llmlab.parallel.tensor.mappings import (
     copy_to_tensor_region,
     gather_from_sequence_region,
@@ -28,6 +27,7 @@ from llmlab.parallel.tensor.mappings import (
     reduce_from_tensor_region,
     reduce_scatter_to_sequence_region,
 )
+from llmlab.parallel.tensor.primitives import Group
 
 # Attributes set on sharded parameters so checkpoints can be consolidated without the plan:
 # ``tp_shard_dim`` (the dimension that was split) and ``tp_full_size`` (its unsharded length).

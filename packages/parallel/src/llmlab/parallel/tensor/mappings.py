@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmlab.parallel.tensor import collectives as C
-from llmlab.parallel.tensor.collectives import Group
+from llmlab.parallel.tensor import primitives as C
+from llmlab.parallel.tensor.primitives import Group
 
 SEQ_DIM = 1
 

@@ -35,8 +35,7 @@ from llmlab.parallel.contracts import (
     TensorParallelShardable,
     tensor_parallel_problems,
 )
-from llmlab.parallel.tensor import collectives as C
-from llmlab.parallel.tensor.collectives import Group
+from llmlab.parallel.tensor import primitives as C
 from llmlab.parallel.tensor.layers import (
     SEQUENCE_PARALLEL_ATTR,
     SHARD_DIM_ATTR,
@@ -45,6 +44,7 @@ from llmlab.parallel.tensor.layers import (
     VocabParallelEmbedding,
 )
 from llmlab.parallel.tensor.mappings import gather_from_sequence_region, scatter_to_sequence_region
+from llmlab.parallel.tensor.primitives import Group
 from llmlab.parallel.tensor.random import ForkedRNG, TensorParallelRNG, forked
 
 STYLES = ("colwise", "rowwise", "vocab", "replicate")

@@ -5,18 +5,21 @@ a no-decay param group, warmup + cosine ``LambdaLR``), gradients are clipped by 
 ``MAX_NORM`` (low enough that it clips), and every optimizer step accumulates ``ACCUMULATE``
 micro-batches. Every rank cuts its rows from the same global micro-batch, so one process on the
 global batch is the oracle.
+
+``tests/parallel/data/test_zero*.py`` and ``benchmarks/zero.py`` share it; it lives here because
+benchmarks never import ``tests`` (``tests/test_import_boundaries.py``).
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric.utilities.data import AttributeDict
 
 from llmlab.models import GPT, GPTConfig
 from llmlab.train.task import adamw_warmup_cosine
@@ -26,7 +29,8 @@ ACCUMULATE = 2
 GLOBAL_ROWS = 8  # sequences per micro-batch, over all ranks
 SEQ = 16
 MAX_NORM = 0.3
-HP = SimpleNamespace(
+# The task's own hparams type (attributes and ``.get``, as ``adamw_warmup_cosine`` reads them).
+HP = AttributeDict(
     lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=4, max_steps=STEPS,
     min_lr_ratio=0.1,
 )  # fmt: skip

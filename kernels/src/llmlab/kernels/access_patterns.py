@@ -1,8 +1,8 @@
 """Coalesced versus strided memory access, as copy and transpose kernels (benchmark demos).
 
-The kernels (``_jit/memory.py``) compute the same results two ways; only their access pattern
-differs, which is what ``benchmarks/kernels.py`` measures in GB/s. References: ``x.clone()``
-and ``x.t().contiguous()``. These run only as Triton kernels (GPU or interpreter).
+The kernels (``_jit/access_patterns.py``) compute the same results two ways; only their access
+pattern differs, which is what ``benchmarks/kernels.py`` measures in GB/s. References:
+``x.clone()`` and ``x.t().contiguous()``. These run only as Triton kernels (GPU or interpreter).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def copy(x: torch.Tensor, coalesced: bool = True) -> torch.Tensor:
     y = torch.empty_like(x)
     if not use_triton("copy", x):
         return y.copy_(x)
-    jit = jit_module("memory")
+    jit = jit_module("access_patterns")
     kernel = jit.copy_coalesced_kernel if coalesced else jit.copy_strided_kernel
     n = x.numel()
     kernel[((n + BLOCK - 1) // BLOCK,)](x, y, n, BLOCK=BLOCK)
@@ -38,7 +38,7 @@ def transpose(x: torch.Tensor, tiled: bool = True, block: int = 32) -> torch.Ten
         return y.copy_(x.t())
     import triton
 
-    jit = jit_module("memory")
+    jit = jit_module("access_patterns")
     if tiled:
         grid = (triton.cdiv(M, block), triton.cdiv(N, block))
         jit.transpose_tiled_kernel[grid](x, y, M, N, BLOCK_M=block, BLOCK_N=block)

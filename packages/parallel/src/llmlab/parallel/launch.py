@@ -1,0 +1,105 @@
+"""Run a plain function on N gloo ranks on localhost and collect each rank's result.
+
+A process launcher for the places where ``torchrun`` is too heavy: tests, benchmarks and
+notebooks that want to run ``fn(rank, world_size, *args)`` on every rank of a small CPU group and
+get the return values back. ``run_distributed`` spawns the ranks (``spawn`` start method, one
+free localhost port, ``torch.distributed`` initialised with gloo), waits for them, and returns
+their results in rank order -- or raises with the traceback of the first rank that failed,
+instead of a hang or a bare exit code. Multi-node training is Lightning's (``torchrun``/SLURM),
+not this.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    results: mp.Queue,
+    threads: int,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    # Several ranks share two cores: one thread each avoids oversubscription.
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # Plain pickle (not torch's shared-memory reduction): a tensor result must outlive the
+        # rank that made it.
+        out = pickle.dumps(fn(rank, world_size, *args))
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` and ``args`` must be picklable (``fn`` defined at module level); so must the results
+    (CPU tensors are fine: they are copied by value).
+    """
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, threads))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected]
+                raise TimeoutError(
+                    f"distributed run timed out after {timeout}s; ranks without a result: "
+                    f"{sorted(set(range(world_size)) - set(collected))} (exited early: {dead})"
+                ) from None
+            if not ok:
+                raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")
+            collected[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return [collected[r] for r in range(world_size)]
