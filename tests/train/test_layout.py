@@ -82,10 +82,9 @@ def test_validate_config_checks_the_layout_against_the_model_built_on_meta(args,
 
 def test_a_model_without_the_tensor_parallel_contract_is_refused_by_name(tmp_path, monkeypatch):
     resnet = (experiments_dir() / "resnet50_naive_mp.yaml").read_text()
-    resnet = resnet.replace("  - override /tokenizer: null\n", "  - override /tokenizer: null\n"
-                            "  - override /strategy: tensor\n")  # fmt: skip
+    resnet = resnet.replace("override /strategy: naive_mp", "override /strategy: tensor")
     resnet = resnet.replace("  devices: 1\n", "  devices: 2\n")
-    resnet = resnet.replace("  model_parallel:\n    devices: [cpu, cpu]\n    microbatches: 4\n", "")
+    resnet = resnet.replace("strategy:\n  devices: [cpu, cpu]\n  microbatches: 4\n", "")
     (tmp_path / "experiments").mkdir()
     (tmp_path / "experiments" / "resnet_tp.yaml").write_text(resnet)
     monkeypatch.setenv("LLMLAB_EXPERIMENTS_DIR", str(tmp_path / "experiments"))

@@ -139,10 +139,25 @@ def optimizer_state(
     packed = optimizer.state_dict()
     params = _flat_params(optimizer)
     names = [info[id(p)][0] for p in params]
+    tensors, scalars = split_state(
+        ((params[idx], entry) for idx, entry in packed["state"].items()), info
+    )
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+        for g in packed["param_groups"]
+    ]
+    return named_optimizer_state(tensors, scalars, groups, tensor_group, pipeline_group)
+
+
+def split_state(
+    entries: Iterable[tuple[Tensor, Mapping[str, Any]]],
+    info: Mapping[int, tuple[str, int | None]],
+) -> tuple[dict[str, tuple[Tensor, int | None]], dict[str, dict[str, Any]]]:
+    """Per-parameter optimizer state split into what is gathered (tensors of the parameter's
+    shape: ``"name\0key" -> (tensor, shard dim)``) and what is kept as is (steps, scalars)."""
     tensors: dict[str, tuple[Tensor, int | None]] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for idx, entry in packed["state"].items():
-        p = params[idx]
+    for p, entry in entries:
         name, dim = info[id(p)]
         scalars[name] = {}
         for key, value in entry.items():
@@ -150,11 +165,7 @@ def optimizer_state(
                 tensors[f"{name}\0{key}"] = (value, dim)
             else:
                 scalars[name][key] = value.detach().cpu() if isinstance(value, Tensor) else value
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-        for g in packed["param_groups"]
-    ]
-    return named_optimizer_state(tensors, scalars, groups, tensor_group, pipeline_group)
+    return tensors, scalars
 
 
 def named_optimizer_state(

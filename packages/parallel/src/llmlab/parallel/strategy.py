@@ -666,19 +666,13 @@ class NDParallelStrategy(DDPStrategy):
         assert zero is not None
         info = self._param_info()
         by_name = dict(zero.named_params())
-        tensors: dict[str, tuple[Tensor, int | None]] = {}
-        scalars: dict[str, dict[str, Any]] = {}
-        for ename, entry in zero.full_optimizer_state(optimizer).items():
-            p = by_name[ename]
-            name, dim = info[id(p)]
-            scalars[name] = {}
-            for key, value in entry.items():
-                if isinstance(value, Tensor) and value.shape == p.shape:
-                    tensors[f"{name}\0{key}"] = (value, dim)
-                else:
-                    scalars[name][key] = (
-                        value.detach().cpu() if isinstance(value, Tensor) else value
-                    )
+        tensors, scalars = consolidate.split_state(
+            (
+                (by_name[name], entry)
+                for name, entry in zero.full_optimizer_state(optimizer).items()
+            ),
+            info,
+        )
         groups = [
             {
                 **{k: v for k, v in g.items() if k != "params"},

@@ -154,25 +154,11 @@ class ImageClassificationTask(L.LightningModule):
         warmup_steps: int = 10,
         max_steps: int = 1000,
         min_lr_ratio: float = 0.1,
-        model_parallel: dict[str, Any] | None = None,
         optimizer_impl: str = "foreach",
     ) -> None:
-        """``model_parallel``: ``{"devices": [...], "microbatches": m}`` splits the ResNet over
-        devices inside this one process (the naive model parallelism of the seed notes;
-        ``microbatches`` > 1 staggers micro-batches across the parts)."""
         super().__init__()
         self.save_hyperparameters()
         self.model = ResNet50(**(model or {"num_classes": 10}))
-        if model_parallel:
-            from llmlab.parallel.pipeline.naive import MicroBatchedModelParallel, ModelParallel
-
-            devices = list(model_parallel.get("devices", ["cpu", "cpu"]))
-            m = int(model_parallel.get("microbatches", 1))
-            self.model = (
-                MicroBatchedModelParallel(self.model, devices, m)
-                if m > 1
-                else ModelParallel(self.model, devices)
-            )
         self.loss_fn = F.cross_entropy
         self.val_loss = MeanMetric()
         self.val_acc = MeanMetric()

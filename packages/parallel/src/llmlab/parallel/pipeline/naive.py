@@ -14,8 +14,11 @@ its gradients equal gradient accumulation over the same micro-batches.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from torch import Tensor, nn
 
 from llmlab.parallel.pipeline.partition import split_ranges
@@ -96,3 +99,63 @@ class MicroBatchedModelParallel(ModelParallel):
             if pending:
                 in_flight[0] = pending.pop(0)
         return torch.cat(outputs)
+
+
+def split_across_devices(
+    model: nn.Module, devices: Sequence[str | torch.device], microbatches: int = 1
+) -> ModelParallel:
+    """``model`` split over ``devices``, micro-batched when ``microbatches`` > 1."""
+    if microbatches > 1:
+        return MicroBatchedModelParallel(model, devices, microbatches)
+    return ModelParallel(model, devices)
+
+
+class NaiveModelParallelStrategy(SingleDeviceStrategy):
+    """One process, the model's pipeline layers split over ``devices`` (``strategy=naive_mp``).
+
+    The split is placement, not a property of the model or the task, so a strategy applies it
+    (to ``lightning_module.<model_attribute>``) when Lightning sets it up -- as every llmlab
+    strategy transforms the model it is given. The input batch starts on ``devices[0]``; the
+    loss is computed where the last part leaves the output.
+    """
+
+    strategy_name = "naive_mp"
+
+    def __init__(
+        self,
+        devices: Sequence[str] = ("cpu", "cpu"),
+        microbatches: int = 1,
+        model_attribute: str = "model",
+        **kwargs: Any,
+    ) -> None:
+        devices = list(devices)
+        if len(devices) < 2:
+            raise ValueError(
+                f"strategy.devices needs at least two devices to split over, got {devices}"
+            )
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(
+                f"strategy.microbatches must be a positive integer, got {microbatches!r}"
+            )
+        super().__init__(device=devices[0], **kwargs)
+        self.split_devices = devices
+        self.microbatches = microbatches
+        self.model_attribute = model_attribute
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        model = getattr(module, self.model_attribute)
+        if not isinstance(model, ModelParallel):  # Lightning sets up again for validate/test
+            split = split_across_devices(model, self.split_devices, self.microbatches)
+            setattr(module, self.model_attribute, split)
+        super().setup(trainer)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="llmlab one-process model parallelism"
+        )
+
+
+if NaiveModelParallelStrategy.strategy_name not in StrategyRegistry:
+    NaiveModelParallelStrategy.register_strategies(StrategyRegistry)
