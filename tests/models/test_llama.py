@@ -140,7 +140,7 @@ def test_gqa_cache_holds_only_the_kv_heads():
 
     def cache_bytes(n_kv_head: int) -> int:
         cache = Llama(LlamaConfig(**common, n_kv_head=n_kv_head)).new_cache(3, 40)
-        return cache.keys.numel() * cache.keys.element_size() * 2  # keys + values
+        return cache.nbytes  # keys + values of every layer
 
     mha, gqa, mqa = cache_bytes(8), cache_bytes(2), cache_bytes(1)
     assert mha == 2 * 2 * 3 * 8 * 40 * 8 * 4  # layers, k+v, batch, heads, len, head dim, fp32

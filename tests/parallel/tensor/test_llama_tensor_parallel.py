@@ -127,7 +127,7 @@ def _dtensor_and_decode(rank: int, world_size: int) -> dict:
             nxt = _gather(ours(step, cache=cache)[:, -1], -1, dist.group.WORLD).argmax(-1)
             tokens.append(int(nxt))
             step = nxt[:, None]
-    return {"cache_heads": cache.keys.shape[2], "tokens": tokens}
+    return {"cache_heads": cache.n_head, "tokens": tokens}
 
 
 def four_ranks(rank: int, world_size: int) -> dict:

@@ -39,6 +39,16 @@ class KVCache:
     def batch_size(self) -> int:
         return self.keys[0].shape[0]
 
+    @property
+    def n_head(self) -> int:
+        """Heads stored per layer: the KV heads (n_kv_head under GQA; a shard's under TP)."""
+        return self.keys[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every layer's key and value buffers."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new ``k``/``v`` (B, H, T, D) of one layer; return that layer's full prefix."""
         end = self.length + k.shape[2]
