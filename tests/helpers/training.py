@@ -107,6 +107,7 @@ def fit(
     transforms: Mapping[str, Any] | None = None,
     clip: float | None = None,
     lr: float = 1e-2,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
     norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
@@ -162,7 +163,7 @@ def fit(
         limit_val_batches=0,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
-        callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record()],
+        callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record(), *callbacks],
     )
     trainer.fit(task, datamodule=make_data(model["vocab_size"], steps))
     return {"losses": losses, "norms": norms, "master_norm": master[0], "trainer": trainer}

@@ -149,10 +149,14 @@ class MasterWeightPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     # ----------------------------------------------------------------- backward
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``S · loss`` (identity before ``connect`` or without a scaler): what every backward
+        must start from. A pipeline engine, which runs one backward per micro-batch inside the
+        training step instead of Lightning's one, calls this for each of them."""
+        return self.masters.scale_loss(loss) if self.masters is not None else loss
+
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
-        if self.masters is not None:
-            tensor = self.masters.scale_loss(tensor)
-        return super().pre_backward(tensor, module)
+        return super().pre_backward(self.scale_loss(tensor), module)
 
     def optimizer_step(
         self,
