@@ -14,8 +14,9 @@ already there and does not re-launch). What a fit records, per optimizer step:
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +43,9 @@ def make_data(vocab: int, steps: int):
             replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
             share = BATCH // replicas
             ids = global_batches(steps, 0, vocab)[:, rank * share : (rank + 1) * share]
-            return DataLoader([(b[:, :-1], b[:, 1:]) for b in ids], batch_size=None)
+            rows = ids.reshape(-1, T + 1)  # step after step, so each batch is one step's rows
+            # a real batch sampler (DeepSpeed reads its batch_size), in order
+            return DataLoader([(r[:-1], r[1:]) for r in rows], batch_size=share, shuffle=False)
 
     return TinyTokens()
 
@@ -53,6 +56,8 @@ def _data_replicas(strategy: Any) -> tuple[int, Any]:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return 1, None
+    if hasattr(strategy, "num_servers"):  # parameter server: servers return a zero loss
+        return 1, None  # rank 0 is a worker; with one worker its loss is the global one
     if hasattr(strategy, "dims"):  # the N-D strategy: a pipeline returns the global loss
         if getattr(strategy, "pipeline", 1) > 1:
             return 1, None
@@ -108,10 +113,12 @@ def fit(
     clip: float | None = None,
     lr: float = 1e-2,
     callbacks: Sequence[Any] = (),
+    prepare: Callable[[Any, Any], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
     norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
-    app hands them: to the N-D strategy, or applied here to a replicated model."""
+    app hands them: to the N-D strategy, or applied here to a replicated model;
+    ``prepare(strategy, task)`` hands them over instead (the app's ``hand_model_transforms``)."""
     import lightning as L
     import torch.distributed as dist
 
@@ -136,13 +143,17 @@ def fit(
                 dist.all_reduce(loss, group=group)
                 loss /= replicas
             losses.append(float(loss))
-            norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+            norms.append(float(trainer.callback_metrics.get("train/grad_norm", math.nan)))
+            if not master:  # a strategy that steps without Lightning's optimizer hooks
+                master.append(_independent_master_norm(trainer, trainer.optimizers[0]))
 
     if dist.is_initialized():
         os.environ["WORLD_SIZE"] = str(dist.get_world_size())  # Lightning's teardown removes it
     L.seed_everything(0)
     task = CausalLMTask(model=dict(model), lr=lr, warmup_steps=1, max_steps=steps)
-    if isinstance(strategy, NDParallelStrategy):
+    if prepare is not None:
+        prepare(strategy, task)
+    elif isinstance(strategy, NDParallelStrategy):
         strategy.transforms = type(strategy.transforms).from_config(transforms)
     else:
         task.loss_fn = parallelize_model(
