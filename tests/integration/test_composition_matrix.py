@@ -275,3 +275,14 @@ def test_pairwise_cells_are_exact_or_refused() -> None:
 @pytest.mark.distributed
 def test_every_cell_is_exact_or_refused() -> None:
     check_cells(CELLS)
+
+
+def test_the_docs_table_is_the_one_generated_from_cells() -> None:
+    """docs/composing-strategies.md shows ``scripts/composition_table.py``'s output verbatim."""
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    table = runpy.run_path(str(root / "scripts" / "composition_table.py"))["table"]()
+    doc = (root / "docs" / "composing-strategies.md").read_text()
+    assert table in doc, "run `python scripts/composition_table.py` and paste its table"
