@@ -103,6 +103,11 @@ TORCH_OPS = Ops(
 )
 
 
+def count_modules_using(model: torch.nn.Module, name: str) -> int:
+    """How many submodules of ``model`` compute with the op table ``name`` (their ``ops``)."""
+    return sum(getattr(getattr(m, "ops", None), "name", None) == name for m in model.modules())
+
+
 def get_ops(name: str) -> Ops:
     """The op table for ``config.kernels``: ``"torch"`` or ``"triton"``."""
     if name == "torch":

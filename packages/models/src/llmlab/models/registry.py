@@ -9,6 +9,7 @@ A dict without ``arch`` is a GPT (checkpoints written before the registry existe
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,9 @@ from torch import nn
 
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.llama import Llama, LlamaConfig
+from llmlab.models.ops import count_modules_using
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES: dict[str, tuple[type[nn.Module], type]] = {
     "gpt": (GPT, GPTConfig),
@@ -55,4 +59,15 @@ def model_config(spec: Mapping[str, Any]) -> Any:
 def build_model(spec: Mapping[str, Any]) -> nn.Module:
     """``spec["arch"]``'s model built from the other keys, e.g. ``{"arch": "llama", ...}``."""
     _, model_cls, _ = _lookup(spec)
-    return model_cls(model_config(spec))
+    config = model_config(spec)
+    model = model_cls(config)
+    kernels = getattr(config, "kernels", "torch")
+    if kernels != "torch":  # asked for kernels: say where they run, and refuse "nowhere"
+        used = count_modules_using(model, kernels)
+        if not used:
+            raise ValueError(
+                f"kernels={kernels!r}: no module of {type(model).__name__} uses the "
+                f"{kernels} op table, so the option would change nothing; use kernels='torch'"
+            )
+        log.info("kernels=%s: %d modules use the %s ops", kernels, used, kernels)
+    return model

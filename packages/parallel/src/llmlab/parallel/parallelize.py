@@ -23,6 +23,7 @@ knows a model class.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from llmlab.parallel.tensor.cross_entropy import VocabParallelCrossEntropy
 from llmlab.parallel.tensor.sharding import parallelize
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,11 @@ def parallelize_model(
     if transforms.recompute_attention is not None:
         result.applied["recompute_attention"] = use_recompute_attention(
             model, block_size=transforms.recompute_attention
+        )  # raises when the model's swap_attention changed no module
+        log.info(
+            "recompute attention (block %d): %d attention modules swapped",
+            transforms.recompute_attention,
+            result.applied["recompute_attention"],
         )
     if transforms.activation_checkpointing is not None:
         wrapped = apply_activation_checkpointing(model, every=transforms.activation_checkpointing)
@@ -198,6 +205,7 @@ def parallelize_model(
                 f"no block of {type(model).__name__}: every must be at most its number of blocks"
             )
         result.applied["activation_checkpointing"] = wrapped
+        log.info("activation checkpointing: %d blocks wrapped (%s)", len(wrapped), wrapped)
 
     # 4. pipeline: keep this stage's layers, free the others'
     if dims.pipeline > 1:

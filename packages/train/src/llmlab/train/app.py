@@ -120,6 +120,7 @@ def _loss_scaler_default(name: str) -> Any:
 
 # --------------------------------------------------------------------------- checks
 MASTER_WEIGHT_PLUGINS = ("FP16MasterPrecision", "BF16MasterPrecision")
+LLMLAB_PLUGINS = (*MASTER_WEIGHT_PLUGINS, "FP8Precision")
 
 
 def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None:
@@ -159,6 +160,13 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             f"precision plugin {plugin.rsplit('.', 1)[-1]} cannot run on a parameter server (the "
             "servers step the optimizer, the plugin's fp32 masters never would); valid there: "
             "precision=fp32, bf16_mixed or fp8"
+        )
+    if strategy.endswith("DeepSpeedStrategy") and plugin.endswith(LLMLAB_PLUGINS):
+        raise ConfigError(
+            f"precision plugin {plugin.rsplit('.', 1)[-1]} with strategy=deepspeed is refused: "
+            "DeepSpeed's engine steps the optimizer in its own precision (its config's bf16 / "
+            "fp16), so the plugin's fp32 masters or fp8 layers would not be what trains; valid "
+            "with deepspeed: precision=fp32 or bf16_mixed"
         )
     if cfg.get("compile"):
         from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_refusal

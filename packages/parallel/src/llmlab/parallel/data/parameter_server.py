@@ -29,6 +29,11 @@ gathered onto rank 0), so a resumed run continues exactly. Limitations: with sev
 gradient-norm clipping is per server shard; the master-weight precision plugins (fp16 with loss
 scaling, bf16 with fp32 masters) step in ``optimizer_step``, which servers do not run, so they
 are rejected at set-up (autocast bf16 and fp8 work).
+
+Where the bytes live: messages are packed on the parameters' device (a ``FlatBuffer`` of the
+gradients and the version number, so nothing assumes a device), then staged through host
+memory, ``WIRE``: the servers' own group is gloo on every machine, because the async server's
+any-source receive exists on gloo and not on NCCL.
 """
 
 from __future__ import annotations
@@ -42,8 +47,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from llmlab.parallel.buffers import FlatBuffer
 from llmlab.parallel.data.comm_intervals import CommTimeline
 from llmlab.parallel.precision.plugins import MasterWeightPrecision
+
+WIRE = torch.device("cpu")  # the PS group's device: gloo, see the module docstring
 
 MODES = ("sync", "async")
 
@@ -174,11 +182,10 @@ class ParameterServerStrategy(DDPStrategy):
         start = time.perf_counter()
         sends, recvs, msgs = [], [], []
         for s in range(self.num_servers):
-            grads = [self._grad_or_zero(self._params[i]) for i in self._shards[s]]
-            msg = torch.cat([*grads, torch.tensor([float(self._versions[s])])])
+            msg = self._push_message(s).data.to(WIRE)
             msgs.append(msg)  # keep alive until the send completes
             sends.append(dist.isend(msg, self._server_rank(s), group=self._group))
-            buf = torch.empty(self._shard_numel(s) + 1)
+            buf = torch.empty(self._shard_numel(s) + 1, device=WIRE)
             recvs.append((s, buf, dist.irecv(buf, self._server_rank(s), group=self._group)))
         stale = 0
         for s, buf, work in recvs:
@@ -198,9 +205,12 @@ class ParameterServerStrategy(DDPStrategy):
             if trainer.logger is not None:
                 trainer.logger.log_metrics({"ps/staleness": float(stale)}, trainer.global_step)
 
-    @staticmethod
-    def _grad_or_zero(p: nn.Parameter) -> Tensor:
-        return (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+    def _push_message(self, server: int) -> FlatBuffer:
+        """Server ``server``'s gradients (zeros where none) and the version they were computed
+        at, packed in fp32 on the parameters' device."""
+        params = [self._params[i] for i in self._shards[server]]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        return _with_version(grads, self._versions[server])
 
     def _unflatten_into(self, server: int, flat: Tensor) -> None:
         offset = 0
@@ -215,8 +225,8 @@ class ParameterServerStrategy(DDPStrategy):
         shard = self._my_shard()
         n = self._shard_numel(shard)
         if self.mode == "sync":
-            total = torch.zeros(n)
-            buf = torch.empty(n + 1)
+            total = torch.zeros(n, device=WIRE)
+            buf = torch.empty(n + 1, device=WIRE)
             for w in range(self.num_workers):  # fixed order: the same sum on every run
                 dist.recv(buf, w, group=self._group)
                 total += buf[:-1]
@@ -246,7 +256,7 @@ class ParameterServerStrategy(DDPStrategy):
                 dist.send(self._reply(shard), w, group=self._group)
                 served += 1
                 continue
-            buf = torch.empty(n + 1)
+            buf = torch.empty(n + 1, device=WIRE)
             src = dist.recv(buf, group=self._group)  # any worker: arrival order decides
             pending[src] = buf
 
@@ -255,7 +265,8 @@ class ParameterServerStrategy(DDPStrategy):
         offset = 0
         for i, p in enumerate(self._params):
             if i in owned:
-                p.grad = flat_grad[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+                piece = flat_grad[offset : offset + p.numel()].view_as(p)
+                p.grad = piece.to(device=p.device, dtype=p.dtype, copy=True)
                 offset += p.numel()
             else:
                 p.grad = None
@@ -270,8 +281,8 @@ class ParameterServerStrategy(DDPStrategy):
         self._versions[shard] += 1
 
     def _reply(self, shard: int) -> Tensor:
-        params = [self._params[i].detach().reshape(-1).float() for i in self._shards[shard]]
-        return torch.cat([*params, torch.tensor([float(self._versions[shard])])])
+        params = [self._params[i].detach() for i in self._shards[shard]]
+        return _with_version(params, self._versions[shard]).data.to(WIRE)
 
     # ------------------------------------------------------------------ consistency points
     def _sync_from_owners(self) -> None:
@@ -283,7 +294,8 @@ class ParameterServerStrategy(DDPStrategy):
                 src = self._server_rank(s)
                 for i in shard:
                     dist.broadcast(self._params[i].data, src=src)
-                version = torch.tensor([self._versions[s]], dtype=torch.int64)
+                device = self._params[shard[0]].device if shard else WIRE
+                version = torch.tensor([self._versions[s]], dtype=torch.int64, device=device)
                 dist.broadcast(version, src=src)
                 self._versions[s] = int(version.item())
 
@@ -318,3 +330,11 @@ class ParameterServerStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         self._sync_from_owners()
         super().on_train_end()
+
+
+def _with_version(tensors: list[Tensor], version: int) -> FlatBuffer:
+    """``tensors`` flattened into one fp32 buffer on their device, the version as last element."""
+    tail = torch.full((1,), float(version), device=tensors[0].device)
+    buffer = FlatBuffer([*tensors, tail], dtype=torch.float32)
+    buffer.pack([*tensors, tail])
+    return buffer

@@ -6,7 +6,14 @@
 * :class:`FP8Precision` and :func:`convert_to_float8`: fp8 Linear layers (e4m3/e5m2).
 """
 
-from llmlab.parallel.precision.fp8 import Float8Linear, Fp8Filter, convert_to_float8
+from llmlab.parallel.precision.fp8 import (
+    Float8ColumnParallelLinear,
+    Float8Linear,
+    Float8Matmul,
+    Float8RowParallelLinear,
+    Fp8Filter,
+    convert_to_float8,
+)
 from llmlab.parallel.precision.master import MasterWeights
 from llmlab.parallel.precision.plugins import (
     BF16MasterPrecision,
@@ -21,7 +28,10 @@ __all__ = [
     "DynamicLossScaler",
     "FP8Precision",
     "FP16MasterPrecision",
+    "Float8ColumnParallelLinear",
     "Float8Linear",
+    "Float8Matmul",
+    "Float8RowParallelLinear",
     "Fp8Filter",
     "LossScaleAtMinimumError",
     "MasterWeightPrecision",

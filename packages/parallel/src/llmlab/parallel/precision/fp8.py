@@ -27,6 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from llmlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 RECIPES = ("dynamic", "delayed")
@@ -107,7 +109,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: Float8Linear) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: Float8Matmul) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         sx = layer.input_amax.scale_for(x2)
         sw = layer.weight_amax.scale_for(weight)
@@ -122,7 +124,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         xq, wq, sx, sw = ctx.saved_tensors
-        layer: Float8Linear = ctx.layer
+        layer: Float8Matmul = ctx.layer
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         sg = layer.grad_amax.scale_for(g2)
         gq = quantize(g2, sg, E5M2)
@@ -134,7 +136,48 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-class Float8Linear(nn.Linear):
+def check_fp8_options(recipe: str, history_len: int, backend: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe {recipe!r} is not one of {list(RECIPES)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8 backend {backend!r} is not one of {list(BACKENDS)}")
+    if not isinstance(history_len, int) or history_len < 1:
+        raise ValueError(f"history_len must be a positive integer, got {history_len!r}")
+
+
+class Float8Matmul(nn.Module):
+    """What makes a Linear-like layer's matmul fp8: one amax history per tensor role.
+
+    Mixed into ``nn.Linear`` (:class:`Float8Linear`) and into the tensor-parallel Linear layers
+    (:class:`Float8ColumnParallelLinear`, :class:`Float8RowParallelLinear`), where it quantises
+    the *local shard* in their ``local_linear`` seam, so the collectives around the product are
+    the same ones as in fp32. The state_dict gains only the three amax histories.
+    """
+
+    input_amax: AmaxHistory
+    weight_amax: AmaxHistory
+    grad_amax: AmaxHistory
+    recipe: str
+    backend: str
+
+    def _init_fp8(self, recipe: str, history_len: int, backend: str, device: Any = None) -> None:
+        check_fp8_options(recipe, history_len, backend)
+        self.recipe = recipe
+        self.backend = backend
+        with torch.device(device if device is not None else "cpu"):
+            self.input_amax = AmaxHistory(E4M3, recipe, history_len)
+            self.weight_amax = AmaxHistory(E4M3, recipe, history_len)
+            self.grad_amax = AmaxHistory(E5M2, recipe, history_len)
+
+    def fp8_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        y = _Fp8LinearFn.apply(x, weight, self)
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def _fp8_repr(self) -> str:
+        return f"recipe={self.recipe}, backend={self.backend}"
+
+
+class Float8Linear(Float8Matmul, nn.Linear):
     """An ``nn.Linear`` whose matmuls run in fp8; the weight and bias are fp32 Parameters.
 
     Build it with :meth:`from_linear` to *share* an existing layer's Parameters (so optimizers,
@@ -152,18 +195,8 @@ class Float8Linear(nn.Linear):
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        if recipe not in RECIPES:
-            raise ValueError(f"fp8 recipe {recipe!r} is not one of {list(RECIPES)}")
-        if backend not in BACKENDS:
-            raise ValueError(f"fp8 backend {backend!r} is not one of {list(BACKENDS)}")
-        if not isinstance(history_len, int) or history_len < 1:
-            raise ValueError(f"history_len must be a positive integer, got {history_len!r}")
-        self.recipe = recipe
-        self.backend = backend
-        self.input_amax = AmaxHistory(E4M3, recipe, history_len)
-        self.weight_amax = AmaxHistory(E4M3, recipe, history_len)
-        self.grad_amax = AmaxHistory(E5M2, recipe, history_len)
+        nn.Linear.__init__(self, in_features, out_features, bias, device=device, dtype=dtype)
+        self._init_fp8(recipe, history_len, backend, device=self.weight.device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> Float8Linear:
@@ -176,11 +209,35 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        y = _Fp8LinearFn.apply(x, self.weight, self)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self.fp8_linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}, backend={self.backend}"
+        return f"{nn.Linear.extra_repr(self)}, {self._fp8_repr()}"
+
+
+class _Float8Parallel(Float8Matmul):
+    """fp8 for a tensor-parallel Linear, made *in place* from the sharded layer (its class is
+    swapped), so its Parameters, process group and hooks stay the very same objects."""
+
+    @classmethod
+    def from_parallel(cls, layer: nn.Module, **kwargs: Any) -> nn.Module:
+        layer.__class__ = cls
+        layer._init_fp8(device=layer.weight.device, **kwargs)  # type: ignore[attr-defined]
+        return layer
+
+    def local_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return self.fp8_linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self._fp8_repr()}"
+
+
+class Float8ColumnParallelLinear(_Float8Parallel, ColumnParallelLinear):
+    """``ColumnParallelLinear`` with its local ``x W_iᵀ`` in fp8 (scales of the local shard)."""
+
+
+class Float8RowParallelLinear(_Float8Parallel, RowParallelLinear):
+    """``RowParallelLinear`` with its partial ``X_i W_iᵀ`` in fp8, before the sum over ranks."""
 
 
 @dataclass(frozen=True)
@@ -191,18 +248,31 @@ class Fp8Filter:
     bound by the extra quantise passes, not by the matmul); fp8 GEMMs also need both divisible
     by 16. ``exclude``: fnmatch patterns on module names (the LM head by default: its logits
     feed the softmax, where fp8's 3 mantissa bits cost the most).
+
+    Tensor-parallel layers are judged by their *full* sizes (so every layout converts the same
+    layers as one process does) and by their *local* weight for the multiple of 16 (that is the
+    GEMM that runs).
     """
 
     min_features: int = 128
     exclude: Sequence[str] = ("*lm_head",)
 
     def __call__(self, name: str, module: nn.Module) -> bool:
-        if type(module) is not nn.Linear:
+        if type(module) not in FP8_LAYERS:
             return False
         if any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude):
             return False
-        dims = (module.in_features, module.out_features)
-        return all(d >= self.min_features and d % 16 == 0 for d in dims)
+        full = (module.in_features, module.out_features)
+        local = tuple(module.weight.shape)
+        return all(d >= self.min_features for d in full) and all(d % 16 == 0 for d in local)
+
+
+# The layer types fp8 knows, and how each becomes fp8 (sharing the original's Parameters).
+FP8_LAYERS: dict[type[nn.Module], Any] = {
+    nn.Linear: Float8Linear.from_linear,
+    ColumnParallelLinear: Float8ColumnParallelLinear.from_parallel,
+    RowParallelLinear: Float8RowParallelLinear.from_parallel,
+}
 
 
 def convert_to_float8(
@@ -213,18 +283,20 @@ def convert_to_float8(
     history_len: int = 16,
     backend: Literal["auto", "scaled_mm", "emulate"] = "auto",
 ) -> list[str]:
-    """Swap the chosen ``nn.Linear`` modules of ``model`` for :class:`Float8Linear`, in place.
+    """Make the chosen Linear layers of ``model`` fp8, in place: ``nn.Linear`` becomes
+    :class:`Float8Linear`, a tensor-parallel Column/RowParallelLinear its fp8 subclass.
 
-    Returns the names of the converted modules (empty when the filter leaves none: a warning-free
-    no-op is the right thing for a model too small to gain).
+    Returns the names of the converted modules (empty when the filter leaves none; the
+    precision plugin, which was asked for fp8, turns that into an error).
     """
     keep = Fp8Filter(min_features, tuple(exclude))
     chosen = [(n, m) for n, m in model.named_modules() if keep(n, m)]
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        fp8 = Float8Linear.from_linear(
+        fp8 = FP8_LAYERS[type(linear)](
             linear, recipe=recipe, history_len=history_len, backend=backend
         )
-        setattr(parent, child, fp8)
+        if fp8 is not linear:
+            setattr(parent, child, fp8)
     return [n for n, _ in chosen]

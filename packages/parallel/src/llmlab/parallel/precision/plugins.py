@@ -20,6 +20,7 @@ dtype behind your back.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -31,10 +32,12 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from llmlab.parallel.precision.fp8 import Float8Linear, convert_to_float8
+from llmlab.parallel.precision.fp8 import Float8Linear, Float8Matmul, convert_to_float8
 from llmlab.parallel.precision.master import MasterWeights
 from llmlab.parallel.precision.scaler import DEFAULTS as SCALER_DEFAULTS
 from llmlab.parallel.precision.scaler import DynamicLossScaler
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}  # fmt: skip
@@ -146,10 +149,14 @@ class MasterWeightPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     # ----------------------------------------------------------------- backward
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``S · loss`` (identity before ``connect`` or without a scaler): what every backward
+        must start from. A pipeline engine, which runs one backward per micro-batch inside the
+        training step instead of Lightning's one, calls this for each of them."""
+        return self.masters.scale_loss(loss) if self.masters is not None else loss
+
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
-        if self.masters is not None:
-            tensor = self.masters.scale_loss(tensor)
-        return super().pre_backward(tensor, module)
+        return super().pre_backward(self.scale_loss(tensor), module)
 
     def optimizer_step(
         self,
@@ -272,5 +279,21 @@ class FP8Precision(Precision):
         self.converted: list[str] = []
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        """Convert the Linear layers the filter chooses; an fp8 run that converts nothing
+        would train in fp32 without a word, so that is an error naming the filter."""
+        already = [n for n, m in module.named_modules() if isinstance(m, Float8Matmul)]
+        if already:  # a second setup (validate/test after fit): converted the first time
+            self.converted = already
+            return module
         self.converted = convert_to_float8(module, **self.options)
+        if not self.converted:
+            linear = sum(isinstance(m, nn.Linear) for m in module.modules())
+            raise ValueError(
+                f"precision=fp8 converted no layer of {type(module).__name__}: none of its "
+                f"{linear} Linear layers has both features >= min_features="
+                f"{self.options['min_features']} (and a multiple of 16) outside exclude="
+                f"{list(self.options['exclude'])}; lower precision.plugin.min_features or use "
+                f"another precision"
+            )
+        log.info("fp8: converted %d Linear layers: %s", len(self.converted), self.converted)
         return module

@@ -12,6 +12,11 @@ start from identical parameters, and checkpoints consolidate by concatenation.
   parallelism, a reduce-scatter along the sequence. The bias is added once, after the sum.
 * ``VocabParallelEmbedding``: rows ``[start, end)`` of the table per rank; ids outside the range
   look up zeros, and the sum over ranks (all-reduce or reduce-scatter) is the full lookup.
+
+Both Linear layers do their local product through ``local_linear(x, weight, bias)``
+(``F.linear``), the one seam a precision recipe overrides: fp8
+(:mod:`llmlab.parallel.precision.fp8`) quantises the local shard there and leaves the
+collectives around it untouched.
 """
 
 from __future__ import annotations
@@ -86,6 +91,10 @@ class ColumnParallelLinear(nn.Linear):
         self.weight = weight if weight is not None else shard_parameter(full.weight, 0, group, what)
         self.bias = None if full.bias is None else shard_parameter(full.bias, 0, group, what)
 
+    def local_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """This rank's ``x Wᵀ (+ b)`` on its shard, between the collectives."""
+        return F.linear(x, weight, bias)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.input_gathered:
             pass  # gathered upstream; that gather's backward reduce-scatters the partial grads
@@ -93,7 +102,7 @@ class ColumnParallelLinear(nn.Linear):
             x = gather_from_sequence_region(x, self.group)
         else:
             x = copy_to_tensor_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.local_linear(x, self.weight, self.bias)
         return gather_from_tensor_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -127,8 +136,12 @@ class RowParallelLinear(nn.Linear):
         if self.bias is not None and sequence_parallel:
             setattr(self.bias, SEQUENCE_PARALLEL_ATTR, True)
 
+    def local_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """This rank's partial product ``X_i W_iᵀ``, before the sum over ranks."""
+        return F.linear(x, weight, bias)
+
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight)
+        partial = self.local_linear(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(partial, self.group)
         else:

@@ -1,0 +1,186 @@
+"""A few steps of the real ``CausalLMTask`` in a real ``lightning.Trainer``, on fixed batches.
+
+Shared by the tests that compare a layout (strategy × precision × memory × kernels) with the
+single-process run of the same settings. Each call builds its own ``Trainer``, so one
+``run_distributed`` spawn can run several fits in turn (Lightning sees the process group that is
+already there and does not re-launch). What a fit records, per optimizer step:
+
+* ``losses``: the global loss (the data-parallel mean where a replica's step returns its own);
+* ``norms``: the logged ``train/grad_norm`` (the real ``TrainingTelemetry`` callback);
+* ``master_norm``: an independent first-step norm of the gradients the optimizer steps on (fp32
+  masters where the plugin keeps them), summed over the ranks that hold different pieces, each
+  piece counted once — computed here from the parameters, not by the strategy's own helper.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+BATCH, T = 8, 16
+
+
+def global_batches(count: int, seed: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, BATCH, T + 1), generator=g)
+
+
+def make_data(vocab: int, steps: int):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class TinyTokens(L.LightningDataModule):
+        """Fixed global batches in a fixed order; each data-parallel replica gets its rows."""
+
+        batch_size = BATCH  # global, as TextDataModule's (strategies check it)
+
+        def train_dataloader(self) -> DataLoader:
+            kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+            replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
+            share = BATCH // replicas
+            ids = global_batches(steps, 0, vocab)[:, rank * share : (rank + 1) * share]
+            rows = ids.reshape(-1, T + 1)  # step after step, so each batch is one step's rows
+            # a real batch sampler (DeepSpeed reads its batch_size), in order
+            return DataLoader([(r[:-1], r[1:]) for r in rows], batch_size=share, shuffle=False)
+
+    return TinyTokens()
+
+
+def _data_replicas(strategy: Any) -> tuple[int, Any]:
+    """(number of data-parallel replicas whose losses must be averaged, their group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 1, None
+    if hasattr(strategy, "num_servers"):  # parameter server: servers return a zero loss
+        return 1, None  # rank 0 is a worker; with one worker its loss is the global one
+    if hasattr(strategy, "dims"):  # the N-D strategy: a pipeline returns the global loss
+        if getattr(strategy, "pipeline", 1) > 1:
+            return 1, None
+        return strategy.dims.data, strategy.groups.data
+    if getattr(strategy, "tensor", 1) > 1:
+        return 1, None
+    return dist.get_world_size(), None
+
+
+def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
+    """√(Σ g²) over the optimizer's gradients, each piece of the model counted once."""
+    import torch.distributed as dist
+
+    strategy = trainer.strategy
+    plugin = trainer.precision_plugin
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    masters = getattr(plugin, "masters", None)
+    model_of = (
+        {id(m): p for p, m in zip(masters.model_params, masters.masters, strict=True)}
+        if masters is not None
+        else {}
+    )
+    total = torch.zeros((), dtype=torch.float64)
+    parallel = getattr(strategy, "parallel", None)
+    if parallel is not None and getattr(strategy, "zero_engine", None) is None:
+        d, _, t = strategy.groups.coords
+        duplicates = {id(p) for p in parallel.duplicates}
+        for p in params:
+            owner = model_of.get(id(p), p)
+            if p.grad is None or id(owner) in duplicates or d != 0:
+                continue
+            if strategy.dims.tensor > 1 and getattr(owner, "tp_shard_dim", None) is None and t:
+                continue  # replicated under tensor parallelism: counted on tensor rank 0
+            total += p.grad.double().pow(2).sum()
+        dist.all_reduce(total)
+        return float(total.sqrt())
+    if parallel is not None:  # ZeRO: the data group holds different pieces of the masters
+        return float(strategy.global_grad_norm(optimizer))
+    for p in params:
+        if p.grad is not None:
+            total += p.grad.double().pow(2).sum()
+    return float(total.sqrt())
+
+
+def fit(
+    strategy: Any,
+    devices: int,
+    model: Mapping[str, Any],
+    steps: int = 3,
+    plugins: Sequence[Any] = (),
+    precision: str | None = None,
+    transforms: Mapping[str, Any] | None = None,
+    clip: float | None = None,
+    lr: float = 1e-2,
+    callbacks: Sequence[Any] = (),
+    prepare: Callable[[Any, Any], None] | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
+    norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
+    app hands them: to the N-D strategy, or applied here to a replicated model;
+    ``prepare(strategy, task)`` hands them over instead (the app's ``hand_model_transforms``)."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from llmlab.parallel.parallelize import parallelize_model
+    from llmlab.parallel.strategy import NDParallelStrategy
+    from llmlab.train.task import CausalLMTask
+    from llmlab.train.telemetry import TrainingTelemetry
+
+    losses: list[float] = []
+    norms: list[float] = []
+    master: list[float] = []
+
+    class Record(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if not master:
+                master.append(_independent_master_norm(trainer, optimizer))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            loss = outputs["loss"].detach().float().clone()
+            replicas, group = _data_replicas(trainer.strategy)
+            if replicas > 1:
+                dist.all_reduce(loss, group=group)
+                loss /= replicas
+            losses.append(float(loss))
+            norms.append(float(trainer.callback_metrics.get("train/grad_norm", math.nan)))
+            if not master:  # a strategy that steps without Lightning's optimizer hooks
+                master.append(_independent_master_norm(trainer, trainer.optimizers[0]))
+
+    if dist.is_initialized():
+        os.environ["WORLD_SIZE"] = str(dist.get_world_size())  # Lightning's teardown removes it
+    L.seed_everything(0)
+    task = CausalLMTask(model=dict(model), lr=lr, warmup_steps=1, max_steps=steps)
+    if prepare is not None:
+        prepare(strategy, task)
+    elif isinstance(strategy, NDParallelStrategy):
+        strategy.transforms = type(strategy.transforms).from_config(transforms)
+    else:
+        task.loss_fn = parallelize_model(
+            task.model, transforms=type_transforms(transforms)
+        ).task_loss(task.loss_fn)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        plugins=list(plugins) or None,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=clip,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record(), *callbacks],
+    )
+    trainer.fit(task, datamodule=make_data(model["vocab_size"], steps))
+    return {"losses": losses, "norms": norms, "master_norm": master[0], "trainer": trainer}
+
+
+def type_transforms(transforms: Mapping[str, Any] | None) -> Any:
+    from llmlab.parallel.parallelize import ModelTransforms
+
+    return ModelTransforms.from_config(transforms)
