@@ -125,6 +125,10 @@ class StepAnatomy(L.Callback):
         comm = union_length(events)
         hidden = sum(union_length(clip(events, lo, hi)) for lo, hi in self._bwd_windows)
         opt = end - self._opt_start if self._opt_start is not None else 0.0
+        # A wait for the last bucket can fall inside the optimizer hook's window: that time is
+        # already exposed communication, so it is not counted as optimizer time too.
+        if self._opt_start is not None:
+            opt -= union_length(clip(events, self._opt_start, end))
         total = end - self._batch_start
         row = {
             "forward": self._fwd,
