@@ -5,7 +5,7 @@
 (``compose_config`` → ``validate_config`` → ``build_strategy`` / ``build_precision`` →
 ``hand_model_transforms``), compared with the single-process run (``strategy=auto``) of the same
 precision, memory and kernels settings — or **refused**: ``validate_config`` raises a
-``ConfigError`` whose message names the combination (asserted). ``scripts/composition_table.py``
+``ConfigError`` whose message names the combination (asserted). ``composition_table.py``
 prints the same list as the table in ``docs/composing-strategies.md``.
 
 What a supported cell must match, per step (``TOLERANCES``, relative, per precision): the loss
@@ -25,151 +25,22 @@ its engine, so for it only the loss curve and its logged norm are compared.
 
 from __future__ import annotations
 
-import itertools
 import math
-from dataclasses import dataclass
 
 import pytest
 
 from tests.helpers.distributed import run_distributed
-
-STEPS = 3
-MODEL = [
-    "model.vocab_size=64",
-    "model.block_size=16",
-    "model.n_layer=2",
-    "model.n_head=4",
-    "model.n_embd=32",
-    "data.batch_size=8",
-]
-
-# strategy: (processes, config overrides)
-STRATEGIES: dict[str, tuple[int, list[str]]] = {
-    "auto": (1, ["strategy=auto"]),
-    "ddp": (2, ["strategy=ddp"]),
-    "bucketed": (2, ["strategy=bucketed", "strategy.bucket_cap_mb=0.01"]),
-    "ps_sync": (2, ["strategy=ps_sync"]),
-    "pipeline-gpipe": (2, ["strategy=pipeline", "strategy.schedule=gpipe"]),
-    "pipeline-1f1b": (2, ["strategy=pipeline", "strategy.schedule=1f1b"]),
-    "pipeline-interleaved": (2, ["strategy=pipeline", "strategy.schedule=interleaved"]),
-    "tensor": (2, ["strategy=tensor"]),
-    "tensor-sp": (2, ["strategy=tensor_sp"]),
-    "nd-pp2xtp2": (4, ["strategy=nd", "strategy.pipeline=2", "strategy.tensor=2"]),
-    "deepspeed": (2, ["strategy=deepspeed"]),
-}
-PIPELINE_KEYS = ["strategy.microbatches=2", "strategy.timeline_every_n_steps=0"]
-PRECISIONS: dict[str, list[str]] = {
-    "fp32": ["precision=fp32"],
-    "bf16_mixed": ["precision=bf16_mixed"],
-    "bf16_master": ["precision=bf16_master"],
-    "fp16_master": ["precision=fp16_master"],
-    # 32-wide layers: the filter must admit them (qkv 32→96, fc 32→128, ...), else fp8 refuses
-    "fp8": [
-        "precision=fp8",
-        "precision.plugin.min_features=32",
-        "precision.plugin.backend=emulate",
-    ],
-}
-MEMORY: dict[str, list[str]] = {
-    "none": [],
-    "activation_checkpointing": ["+model_transforms.activation_checkpointing=1"],
-    "recompute_attention": ["+model_transforms.recompute_attention=8"],
-}
-KERNELS: dict[str, list[str]] = {
-    "torch": ["model.kernels=torch"],
-    "triton": ["model.kernels=triton"],
-}
-AXES = (tuple(STRATEGIES), tuple(PRECISIONS), tuple(MEMORY), tuple(KERNELS))
-
-# relative tolerance per precision: (loss, grad norms)
-TOLERANCES: dict[str, tuple[float, float]] = {
-    "fp32": (1e-4, 1e-3),
-    "bf16_mixed": (2e-2, 1e-1),
-    "bf16_master": (2e-2, 1e-1),
-    "fp16_master": (5e-3, 5e-2),
-    "fp8": (1e-2, 1e-1),
-}
-
-DEEPSPEED_PRECISION = "with strategy=deepspeed is refused"
-PS_PRECISION = "cannot run on a parameter server"
-# what each refusal's message must contain -> why, for the table in the docs
-WHY_REFUSED = {
-    PS_PRECISION: "its servers step the optimizer; the plugin's fp32 masters never would",
-    DEEPSPEED_PRECISION: "DeepSpeed's engine steps in its own precision (its bf16 / fp16 config)",
-}
-# Supported, but without the logged train/grad_norm (the loss curve and the master-gradient norm
-# are still compared): the parameter server steps on its servers, outside Lightning's
-# optimizer hooks, where the telemetry reads the norm. Asserted absent, so it cannot go unnoticed.
-NO_LOGGED_NORM = {"ps_sync": "train/grad_norm is not logged: its servers step outside the hooks"}
-
-
-def refusal(strategy: str, precision: str, memory: str, kernels: str) -> str | None:
-    """The message fragment ``validate_config`` must raise for this cell, or None (supported)."""
-    if strategy == "ps_sync" and precision in ("bf16_master", "fp16_master"):
-        return PS_PRECISION
-    if strategy == "deepspeed" and precision in ("bf16_master", "fp16_master", "fp8"):
-        return DEEPSPEED_PRECISION
-    return None
-
-
-@dataclass(frozen=True)
-class Cell:
-    strategy: str
-    precision: str
-    memory: str
-    kernels: str
-    refused: str | None
-
-    @property
-    def id(self) -> str:
-        return f"{self.strategy}-{self.precision}-{self.memory}-{self.kernels}"
-
-    @property
-    def values(self) -> tuple[str, str, str, str]:
-        return (self.strategy, self.precision, self.memory, self.kernels)
-
-    @property
-    def devices(self) -> int:
-        return STRATEGIES[self.strategy][0]
-
-    def overrides(self) -> list[str]:
-        devices, strategy = STRATEGIES[self.strategy]
-        extra = PIPELINE_KEYS if self.strategy.startswith(("pipeline", "nd")) else []
-        return [
-            *MODEL,
-            *strategy,
-            *extra,
-            f"trainer.devices={devices}",
-            *PRECISIONS[self.precision],
-            *MEMORY[self.memory],
-            *KERNELS[self.kernels],
-        ]
-
-    def reference(self) -> Cell:
-        return Cell("auto", self.precision, self.memory, self.kernels, None)
-
-
-CELLS: list[Cell] = [Cell(*v, refused=refusal(*v)) for v in itertools.product(*AXES)]
-
-
-def _pairs(cell: Cell) -> set[tuple[int, str, int, str]]:
-    v = cell.values
-    return {(i, v[i], j, v[j]) for i, j in itertools.combinations(range(len(v)), 2)}
-
-
-def pairwise(cells: list[Cell]) -> list[Cell]:
-    """A greedy pairwise-covering subset: repeatedly take the cell covering the most pairs not
-    yet covered (ties: the one with fewer processes, then list order)."""
-    wanted = set().union(*(_pairs(c) for c in cells))
-    chosen: list[Cell] = []
-    while wanted:
-        best = max(cells, key=lambda c: (len(_pairs(c) & wanted), -c.devices))
-        chosen.append(best)
-        wanted -= _pairs(best)
-    return chosen
-
-
-PAIRWISE = pairwise(CELLS)
+from tests.integration.composition_cells import (
+    AXES,
+    CELLS,
+    NO_LOGGED_NORM,
+    PAIRWISE,
+    STEPS,
+    TOLERANCES,
+    WHY_REFUSED,
+    Cell,
+    _pairs,
+)
 
 
 # --------------------------------------------------------------------------- running cells
@@ -278,11 +149,11 @@ def test_every_cell_is_exact_or_refused() -> None:
 
 
 def test_the_docs_table_is_the_one_generated_from_cells() -> None:
-    """docs/composing-strategies.md shows ``scripts/composition_table.py``'s output verbatim."""
-    import runpy
+    """docs/composing-strategies.md shows ``composition_table.table()``'s output verbatim."""
     from pathlib import Path
 
+    from tests.integration.composition_table import table
+
     root = Path(__file__).resolve().parents[2]
-    table = runpy.run_path(str(root / "scripts" / "composition_table.py"))["table"]()
     doc = (root / "docs" / "composing-strategies.md").read_text()
-    assert table in doc, "run `python scripts/composition_table.py` and paste its table"
+    assert table() in doc, "run `python -m tests.integration.composition_table` and paste it"

@@ -1,20 +1,16 @@
 """Print the strategy × precision support table from the composition matrix test's own list.
 
-``python scripts/composition_table.py`` writes markdown: one row per strategy, one column per
-precision; a cell says "✓" when every memory option (none, activation checkpointing, recompute
-attention) and both kernel backends are supported there (each checked against one process by
-``tests/integration/test_composition_matrix.py``), else why it is refused. Nothing is typed by
-hand, so the table in docs/composing-strategies.md cannot drift from what the test checks.
+``python -m tests.integration.composition_table`` writes markdown: one row per strategy, one
+column per precision; a cell says "✓" when every memory option (none, activation checkpointing,
+recompute attention) and both kernel backends are supported there (each checked against one
+process by ``tests/integration/test_composition_matrix.py``), else why it is refused. Nothing is
+typed by hand, so the table in docs/composing-strategies.md cannot drift from what the test
+checks.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.integration.test_composition_matrix import (
+from tests.integration.composition_cells import (
     AXES,
     CELLS,
     NO_LOGGED_NORM,
