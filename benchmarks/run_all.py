@@ -154,14 +154,9 @@ def describe_machine() -> str:
     """CPU model and cores, accelerator, OS, Python and torch: what the figures depend on."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from llmlab.train.telemetry import cpu_model
+
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
     return (
         f"{os.cpu_count()} CPU cores ({cpu}), {gpu}, {platform.system()} {platform.machine()}, "

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from tests.helpers.tiny import rank_trainer
+
 BATCH, T = 8, 16
 
 
@@ -122,8 +124,7 @@ def fit(
     import lightning as L
     import torch.distributed as dist
 
-    from llmlab.parallel.parallelize import parallelize_model
-    from llmlab.parallel.strategy import NDParallelStrategy
+    from llmlab.parallel.strategy import hand_transforms
     from llmlab.train.task import CausalLMTask
     from llmlab.train.telemetry import TrainingTelemetry
 
@@ -153,34 +154,18 @@ def fit(
     task = CausalLMTask(model=dict(model), lr=lr, warmup_steps=1, max_steps=steps)
     if prepare is not None:
         prepare(strategy, task)
-    elif isinstance(strategy, NDParallelStrategy):
-        strategy.transforms = type(strategy.transforms).from_config(transforms)
     else:
-        task.loss_fn = parallelize_model(
-            task.model, transforms=type_transforms(transforms)
-        ).task_loss(task.loss_fn)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
+        hand_transforms(strategy, task, transforms)
+    trainer = rank_trainer(
+        strategy,
+        devices,
+        steps,
         precision=precision,
         plugins=list(plugins) or None,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         gradient_clip_val=clip,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        use_distributed_sampler=False,
         callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record(), *callbacks],
     )
     trainer.fit(task, datamodule=make_data(model["vocab_size"], steps))
     return {"losses": losses, "norms": norms, "master_norm": master[0], "trainer": trainer}
-
-
-def type_transforms(transforms: Mapping[str, Any] | None) -> Any:
-    from llmlab.parallel.parallelize import ModelTransforms
-
-    return ModelTransforms.from_config(transforms)

@@ -741,5 +741,31 @@ class NDParallelStrategy(DDPStrategy):
         )
 
 
+def hand_transforms(
+    strategy: Any,
+    module: Any,
+    transforms: ModelTransforms | Mapping[str, Any] | None,
+    model_attribute: str = "model",
+) -> None:
+    """Give ``transforms`` to whoever applies them to ``module.<model_attribute>``.
+
+    An N-D strategy (and its pipeline / tensor presets) applies them with its layout when it sets
+    up; any other strategy (one process, DDP, bucketed, parameter server, DeepSpeed) trains a
+    replicated model, so ``parallelize_model`` runs here with no layout and applies only the
+    transforms (and the task's loss becomes the one it returns: compiled, with ``compile``).
+    """
+    transforms = ModelTransforms.from_config(transforms)
+    if isinstance(strategy, NDParallelStrategy):
+        if strategy.transforms not in (ModelTransforms(), transforms):
+            raise ValueError(
+                f"the strategy already has transforms {strategy.transforms}; give them once, "
+                f"not also {transforms}"
+            )
+        strategy.transforms = transforms
+        return
+    model = getattr(module, model_attribute)
+    module.loss_fn = parallelize_model(model, transforms=transforms).task_loss(module.loss_fn)
+
+
 if "nd" not in StrategyRegistry:
     NDParallelStrategy.register_strategies(StrategyRegistry)

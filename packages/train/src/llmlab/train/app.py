@@ -361,25 +361,16 @@ def model_transforms(cfg: DictConfig) -> Any:
 
 
 def hand_model_transforms(cfg: DictConfig, strategy: Any, task: Any) -> None:
-    """Give the transforms to whoever applies them: the N-D strategy (and its pipeline / tensor
-    presets) passes them to ``parallelize_model`` with the layout when it sets up; for the other
-    strategies (one process, DDP, bucketed, parameter server, DeepSpeed) the model is replicated,
-    so ``parallelize_model`` runs here with no layout and applies only the transforms. The app
-    never transforms a model itself."""
-    from llmlab.parallel.parallelize import parallelize_model
-    from llmlab.parallel.strategy import NDParallelStrategy
+    """``model_transforms`` and ``compile`` to whoever applies them
+    (:func:`llmlab.parallel.strategy.hand_transforms`); the app never transforms a model."""
+    from llmlab.parallel.strategy import hand_transforms
 
-    transforms = model_transforms(cfg)
-    if isinstance(strategy, NDParallelStrategy):
-        if strategy.transforms not in (type(transforms)(), transforms):
-            raise ConfigError(
-                f"the strategy config sets transforms {strategy.transforms}; set them under "
-                "model_transforms (and compile) instead, once"
-            )
-        strategy.transforms = transforms
-        return
-    model = getattr(task, cfg.strategy.get("model_attribute", "model"))
-    task.loss_fn = parallelize_model(model, transforms=transforms).task_loss(task.loss_fn)
+    try:
+        hand_transforms(
+            strategy, task, model_transforms(cfg), cfg.strategy.get("model_attribute", "model")
+        )
+    except ValueError as err:
+        raise ConfigError(f"model_transforms: {err}") from err
 
 
 def trainer_arguments(cfg: DictConfig) -> dict[str, Any]:

@@ -79,17 +79,20 @@ def _cache_file() -> Path:
     return Path(root) / "peak_flops.json"
 
 
-def _machine_key() -> str:
-    """CPU model, thread count and torch version: what the matmul rate depends on."""
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{cpu} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    return platform.processor() or platform.machine()
+
+
+def _machine_key() -> str:
+    """CPU model, thread count and torch version: what the matmul rate depends on."""
+    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
 def cached_cpu_peak_flops(measured: float | None = None) -> float:
