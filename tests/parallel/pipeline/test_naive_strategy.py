@@ -58,3 +58,19 @@ def test_the_strategy_splits_the_model_and_trains_as_the_unsplit_one():
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         NaiveModelParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["precision=fp16_master"], "precision=FP16MasterPrecision"),
+        (["precision=bf16_mixed"], "precision=bf16-mixed"),
+        (["+model_transforms.activation_checkpointing=1"], "activation_checkpointing"),
+    ],
+)
+def test_unchecked_combinations_are_refused_by_config_validation(overrides, named):
+    from llmlab.train.app import ConfigError, compose_config, validate_config
+
+    cfg = compose_config(["experiment=resnet50_naive_mp", *overrides])
+    with pytest.raises(ConfigError, match=f"strategy=naive_mp was checked .*{named}"):
+        validate_config(cfg)

@@ -168,6 +168,15 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             "fp16), so the plugin's fp32 masters or fp8 layers would not be what trains; valid "
             "with deepspeed: precision=fp32 or bf16_mixed"
         )
+    if strategy.endswith("NaiveModelParallelStrategy"):
+        precision = OmegaConf.select(cfg, "precision.trainer_precision", default="32-true")
+        if plugin or precision not in (None, "32-true") or cfg.get("model_transforms"):
+            raise ConfigError(
+                "strategy=naive_mp was checked against the unsplit model in fp32 without memory "
+                f"transforms only; got precision={plugin.rsplit('.', 1)[-1] or precision}, "
+                f"model_transforms={dict(cfg.get('model_transforms') or {})}; "
+                "use precision=fp32 and model_transforms={} with it"
+            )
     if cfg.get("compile"):
         from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_refusal
 
