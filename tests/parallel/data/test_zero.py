@@ -87,3 +87,21 @@ def test_zero_stages_match_ddp_and_one_process_dp2() -> None:
 @pytest.mark.slow
 def test_zero_stages_match_ddp_and_one_process_dp4() -> None:
     check(4)
+
+
+def stages_on_one_rank(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (1, 2, 3):
+        out[stage] = train_zero(partial(ZeroEngine, stage=stage), rank, world)
+        out[stage].pop("state")
+    return out
+
+
+def test_zero_on_a_data_group_of_one_is_one_process() -> None:
+    """``data=1`` (PP × TP layouts): every stage must still train; the shard is the whole
+    buffer, so nothing may be freed or gathered at stages 1-2 (it once was: freed)."""
+    ref = single_process()
+    (by_stage,) = run_distributed(stages_on_one_rank, 1)
+    for stage, r in by_stage.items():
+        assert curve_diff(r["losses"], ref["losses"]) <= 1e-6, stage
+        assert max_diff(r["params"], ref["params"]) <= 1e-6, stage

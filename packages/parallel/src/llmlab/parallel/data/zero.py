@@ -223,11 +223,13 @@ class ZeroEngine:
         for u in self.units:
             if u.master is not u.shard:
                 u.shard.copy_(u.master)  # fp32 master -> bf16/fp16 compute shard
-            if self.stage <= 2 and self.world > 1:
+            if self.stage >= 3:
+                if u.gathered:
+                    self._free(u)  # stale: gathered again when next used
+            elif self.world > 1:
                 self.comm_bytes += u.full.nbytes
                 works.append(_all_gather(u.full.data, u.shard, group=self.group, async_op=True))
-            elif u.gathered:
-                self._free(u)  # stale: gathered again when next used
+            # one data rank at stages 1-2: the shard is the full buffer, already up to date
         for w in works:
             w.wait()
 
