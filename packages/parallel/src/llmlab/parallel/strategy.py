@@ -29,9 +29,14 @@ every optimizer step:
   (activations and gradients sent to other stages, plus the tied-weight all-reduce) and
   ``comm/dp_bytes`` (the gradient all-reduce), per optimizer step and rank; ``pipeline/bubble``
   from a recorded timeline every ``timeline_every_n_steps``.
-* **checkpoints** are consolidated (:mod:`llmlab.parallel.consolidate`): the unsplit model's
-  weights, optimizer state and fp32 master weights by parameter name, so a checkpoint from any
-  layout loads into a plain model or resumes in any other layout.
+* **checkpoints** hold the unsplit model's tensors by name, so a checkpoint from any layout
+  resumes in any other (another data, pipeline or tensor degree, another ZeRO stage) and loads
+  into a plain model. By default they are consolidated (:mod:`llmlab.parallel.consolidate`):
+  gathered into one file on rank 0. With ``sharded_checkpoints=True`` every rank writes only
+  what it holds into a ``torch.distributed.checkpoint`` folder
+  (:mod:`llmlab.parallel.checkpoint.layout_state`): no rank ever holds the whole model, which is
+  the point of sharding it. Loading reads either kind, whatever layout wrote it;
+  ``python -m llmlab.parallel.checkpoint consolidate DIR OUT.pt`` makes a plain ``state_dict``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ from torch.optim import Optimizer
 
 from llmlab.parallel import consolidate
 from llmlab.parallel.buffers import all_reduce_mean_
+from llmlab.parallel.checkpoint import is_sharded, read_extra
+from llmlab.parallel.checkpoint.layout_state import LayoutState
 from llmlab.parallel.compile import COMPILE_WITH_TENSOR
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.data.zero import ZeroEngine
@@ -74,6 +81,8 @@ from llmlab.parallel.pipeline.transport import broadcast_tensor
 from llmlab.parallel.tensor.accounting import CommLedger, record_into
 
 log = logging.getLogger(__name__)
+
+SHARDED_KEY = "llmlab_sharded_checkpoint"  # a loaded checkpoint's marker: its DCP folder
 
 ZERO_WITH_PIPELINE = (
     "a pipeline runs several micro-batch backward passes per step, so ZeRO-2 would either keep "
@@ -107,6 +116,8 @@ class NDParallelStrategy(DDPStrategy):
     ``tensor``, ``sequence_parallel``. ``transforms``: memory options (``ModelTransforms`` or
     its config mapping). ``timeline_every_n_steps``: how often a pipeline records its timeline,
     logs ``pipeline/bubble`` and (rank 0) draws the Gantt chart; 0 turns it off.
+    ``zero``: ZeRO stage of the data dimension. ``sharded_checkpoints``: each rank writes its own
+    shards (a DCP folder) instead of gathering the model on rank 0.
     """
 
     strategy_name = "nd"
@@ -126,6 +137,7 @@ class NDParallelStrategy(DDPStrategy):
         timeline_every_n_steps: int = 50,
         timeline_dir: str | None = None,
         zero: int = 0,
+        sharded_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -172,6 +184,8 @@ class NDParallelStrategy(DDPStrategy):
         self.last_bubble: float | None = None
         self.zero = zero
         self.zero_engine: ZeroEngine | None = None
+        self.sharded_checkpoints = bool(sharded_checkpoints)
+        self._pending_sharded_load: str | None = None  # a sharded checkpoint to load in setup
 
     # ------------------------------------------------------------------- layout
     @property
@@ -279,6 +293,9 @@ class NDParallelStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._wire_precision_plugin()
+        if self._pending_sharded_load is not None:  # every tensor exists in its final place now
+            path, self._pending_sharded_load = self._pending_sharded_load, None
+            self._load_sharded(path)
 
     def _build_engine(self) -> PipelineEngine:
         assert self.parallel is not None and self.parallel.stage is not None
@@ -349,7 +366,7 @@ class NDParallelStrategy(DDPStrategy):
         if getattr(plugin, "masters", None) is not None and not getattr(plugin, "_nd_wired", 0):
             local_state, local_load = plugin.state_dict, plugin.load_state_dict
             plugin.state_dict = lambda: self._master_state(local_state())  # type: ignore[method-assign]
-            plugin.load_state_dict = lambda s: local_load(self._local_master_state(s))  # type: ignore[method-assign]
+            plugin.load_state_dict = lambda s: self._load_master_state(s, local_load)  # type: ignore[method-assign]
             plugin._nd_wired = 1  # type: ignore[attr-defined]
 
     def configure_ddp(self) -> None:  # no DDP wrapper: gradients are reduced in ``backward``
@@ -599,11 +616,18 @@ class NDParallelStrategy(DDPStrategy):
     def _split(self) -> bool:
         return self.parallel is not None
 
+    def _sharded(self) -> bool:
+        return self.sharded_checkpoints and self._split()
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsplit model's state dict, full tensors (a collective)."""
+        """The unsplit model's state dict, full tensors (a collective). With sharded checkpoints
+        only what lies outside the model: the model goes to ``save_checkpoint``'s folder."""
         module = self.lightning_module
         if not self._split():
             return module.state_dict()
+        if self.sharded_checkpoints:
+            prefix = f"{self.model_attribute}."
+            return {k: v for k, v in module.state_dict().items() if not k.startswith(prefix)}
         named = consolidate.named_state(module)
         if self.zero_engine is not None:  # the fp32 masters, assembled from the data shards
             full = self.zero_engine.full_params()
@@ -612,9 +636,18 @@ class NDParallelStrategy(DDPStrategy):
         return consolidate.gather_full(named, self.groups.tensor, self.groups.pipeline)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Full weights: loaded as they are before ``setup``, sliced to this rank after."""
+        """Full weights: loaded as they are before ``setup``, sliced to this rank after. A
+        sharded checkpoint is read where every tensor lives: at the end of ``setup`` (or now,
+        once set up)."""
         module = self.lightning_module
         full = checkpoint["state_dict"]
+        if SHARDED_KEY in checkpoint:
+            module.load_state_dict(full, strict=False)  # what lies outside the model, if any
+            if self._split():
+                self._load_sharded(checkpoint[SHARDED_KEY])
+            else:
+                self._pending_sharded_load = checkpoint[SHARDED_KEY]
+            return
         if not self._split():
             module.load_state_dict(full, strict=strict)
             return
@@ -641,6 +674,8 @@ class NDParallelStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._split():
             return optimizer.state_dict()
+        if self.sharded_checkpoints:  # written by save_checkpoint, shard by shard
+            return {"format": SHARDED_KEY}
         if self.zero_engine is not None:
             return self._zero_optimizer_state(optimizer)
         return consolidate.optimizer_state(
@@ -648,6 +683,8 @@ class NDParallelStrategy(DDPStrategy):
         )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if SHARDED_KEY in checkpoint:
+            return  # loaded with the model, by _load_sharded
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             if saved.get("format") == consolidate.FORMAT and self.zero_engine is not None:
                 self._load_zero_optimizer_state(optimizer, saved)
@@ -720,11 +757,20 @@ class NDParallelStrategy(DDPStrategy):
         return {info[id(m)][0]: (m, info[id(m)][1]) for m in masters.masters}
 
     def _master_state(self, local: dict[str, Any]) -> dict[str, Any]:
-        """The plugin's state with its fp32 masters consolidated by name (a collective)."""
+        """The plugin's state with its fp32 masters consolidated by name (a collective); with
+        sharded checkpoints without them (they are the checkpoint's model values)."""
+        if self.sharded_checkpoints:
+            return {k: v for k, v in local.items() if k != "masters"}
         full = consolidate.gather_full(
             self._master_named(), self.groups.tensor, self.groups.pipeline
         )
         return {**{k: v for k, v in local.items() if k != "masters"}, "masters_by_name": full}
+
+    def _load_master_state(self, state: dict[str, Any], local_load: Callable) -> None:
+        masters = getattr(self.precision_plugin, "masters", None)
+        if "masters" not in state and "masters_by_name" not in state and masters is not None:
+            masters.skipped_steps = int(state.get("skipped_steps", 0))  # a sharded checkpoint
+        local_load(self._local_master_state(state))
 
     def _local_master_state(self, state: dict[str, Any]) -> dict[str, Any]:
         if "masters_by_name" not in state:
@@ -733,6 +779,69 @@ class NDParallelStrategy(DDPStrategy):
         slices = consolidate.local_slices(state["masters_by_name"], named, self.groups.tensor)
         masters = [slices[name] for name in named]
         return {**{k: v for k, v in state.items() if k != "masters_by_name"}, "masters": masters}
+
+    # ------------------------------------------------------ sharded checkpoints
+    def _layout_state(self) -> LayoutState:
+        assert self.parallel is not None
+        plugin_masters = getattr(self.precision_plugin, "masters", None)
+        masters = {}
+        if plugin_masters is not None and self.zero_engine is None:
+            masters = {
+                id(p): m
+                for p, m in zip(plugin_masters.model_params, plugin_masters.masters, strict=True)
+            }
+        dims = self.dims
+        return LayoutState(
+            self._target_model(),
+            self.groups.coords,
+            dims.tensor,
+            duplicates=self.parallel.duplicates,
+            zero=self.zero_engine,
+            masters=masters,
+            layout={
+                "data": dims.data, "pipeline": dims.pipeline, "tensor": dims.tensor,
+                "zero": self.zero, "sequence_parallel": self.sequence_parallel,
+            },
+        )  # fmt: skip
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Consolidated: rank 0 writes the file. Sharded: every rank writes its shards into the
+        folder ``filepath`` (atomically), rank 0 also Lightning's small state."""
+        if not self._sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise ValueError("sharded checkpoints take no storage_options (they write with DCP)")
+        optimizers = self.optimizers if "optimizer_states" in checkpoint else []
+        self._layout_state().save(filepath, optimizers, checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """A sharded checkpoint (a DCP folder) from any layout, or a consolidated file. Of a
+        sharded one only Lightning's small state is read here; the tensors follow in
+        ``load_model_state_dict``."""
+        if not is_sharded(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = read_extra(checkpoint_path)
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise ValueError(
+                f"{checkpoint_path} is a sharded checkpoint without a Trainer's state (written by "
+                "save_zero?): resume from a Trainer checkpoint, or consolidate it and load the "
+                "weights yourself"
+            )
+        checkpoint[SHARDED_KEY] = str(checkpoint_path)
+        return checkpoint
+
+    def _load_sharded(self, path: str) -> None:
+        """Model and optimizer state from a sharded checkpoint into this rank's tensors, then
+        the copies that follow them (ZeRO's compute parameters, a plugin's fp16/bf16 model)."""
+        self._layout_state().load(path, self.optimizers)
+        if self.zero_engine is not None:
+            self.zero_engine.refresh_params()
+        else:
+            masters = getattr(self.precision_plugin, "masters", None)
+            if masters is not None:
+                masters.copy_to_model()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -30,10 +30,16 @@ ZIP_MAGIC = b"PK\x03\x04"
 def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     """What is wrong with the checkpoint at ``path``, as a phrase; ``None`` if it looks whole.
 
-    A file must be a complete ``torch.save`` archive; a directory (DeepSpeed's layout) must hold
-    ``.pt`` files that each are one.
+    A file must be a complete ``torch.save`` archive; a directory is either a sharded N-D
+    checkpoint (``torch.distributed.checkpoint``: its index and every shard file it names) or
+    DeepSpeed's layout (``.pt`` files that each are one).
     """
+    from llmlab.parallel.checkpoint import is_sharded
+    from llmlab.parallel.checkpoint import problem as sharded_problem
+
     path = Path(path)
+    if is_sharded(path):
+        return sharded_problem(path)
     if path.is_dir():
         files = sorted(path.rglob("*.pt"))
         if not files:

@@ -2,8 +2,9 @@
 
 Loads a Lightning checkpoint written by ``llmlab.train`` (``CausalLMTask``: the model under
 ``model.``, its config -- ``arch`` included -- and the tokenizer's config in
-``hyper_parameters``), rebuilds the same model class (``llmlab.models.build_model``) and the
-tokenizer, and prints the prompt's continuation, streamed as it is generated. Every
+``hyper_parameters``; a file, or the folder of a sharded N-D checkpoint), rebuilds the same
+model class (``llmlab.models.build_model``) and the tokenizer, and prints the prompt's
+continuation, streamed as it is generated. Every
 ``llmlab.decoding.GenerationConfig`` field can be overridden (``max_new_tokens=100
 temperature=0.7 top_k=50 num_beams=4 seed=0``); values are parsed as YAML (``true``, ``0.7``,
 ``[1, 2]``). Defaults: sampling at temperature 0.8 with top-k 50, 256 new tokens, and a sliding
@@ -70,12 +71,18 @@ def build_tokenizer(spec: dict[str, Any] | None) -> Any:
 
 def load_checkpoint(path: str) -> tuple[torch.nn.Module, Any]:
     """The model and tokenizer of an ``llmlab.train`` checkpoint, on CPU, in eval mode."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    from llmlab.parallel.checkpoint import consolidate, is_sharded, read_extra
+
+    if is_sharded(path):  # each rank's shards (strategy.sharded_checkpoints): assembled here
+        ckpt, state = read_extra(path) or {}, consolidate(path)
+    else:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        state = ckpt.get("state_dict", {})
+        state = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     hp = ckpt.get("hyper_parameters", {})
     if "model" not in hp:
         raise ValueError(f"{path} has no hyper_parameters['model']: not an llmlab.train checkpoint")
     model = build_model(hp["model"])
-    state = {k[len("model.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(state)
     return model.eval(), build_tokenizer(hp.get("tokenizer"))
 

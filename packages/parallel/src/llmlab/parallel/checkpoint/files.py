@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,36 @@ def metadata(path: str | os.PathLike) -> Metadata:
     return FileSystemReader(path).read_metadata()
 
 
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a DCP checkpoint folder (as opposed to a ``torch.save`` file)."""
+    return (Path(path) / METADATA).is_file()
+
+
+def problem(path: str | os.PathLike) -> str | None:
+    """What is wrong with the DCP folder ``path``, as a phrase; ``None`` if it looks whole:
+    the index reads and every shard file it names is there, at least as long as it says. Reads
+    no tensor."""
+    path = Path(path)
+    try:
+        md = metadata(path)
+    except FileNotFoundError as err:
+        return str(err).removeprefix(f"{path} ")
+    except Exception as err:  # a damaged index: pickle or format errors
+        return f"has an unreadable {METADATA} ({type(err).__name__}: {err})"
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"lacks the shard file {name} that its {METADATA} names"
+        size = file.stat().st_size
+        if size < end:
+            return f"holds {name} truncated to {size:,} bytes (its index needs {end:,})"
+    return None
+
+
 def load(
     state_dict: dict[str, Any], path: str | os.PathLike, group: dist.ProcessGroup | None = None
 ) -> None:
@@ -79,6 +110,12 @@ def load(
     the elements it covers, whatever layout wrote them; other values are replaced."""
     metadata(path)  # a clear error for a wrong path
     dcp.load(state_dict, checkpoint_id=Path(path), process_group=group)
+
+
+def _load_on_one_process(state_dict: dict[str, Any], path: str | os.PathLike) -> None:
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state_dict, checkpoint_id=Path(path), no_dist=True)
 
 
 def read_full(path: str | os.PathLike, prefix: str) -> dict[str, Tensor]:
@@ -91,7 +128,7 @@ def read_full(path: str | os.PathLike, prefix: str) -> dict[str, Tensor]:
     }
     if not wanted:
         raise KeyError(f"{path} holds no tensor under {prefix!r}")
-    dcp.load(wanted, checkpoint_id=Path(path), no_dist=True)
+    _load_on_one_process(wanted, path)
     return {key[len(prefix) :]: value for key, value in wanted.items()}
 
 
@@ -101,5 +138,5 @@ def read_object(path: str | os.PathLike, key: str) -> Any:
     if key not in md.state_dict_metadata:
         raise KeyError(f"{path} has no entry {key!r}")
     out: dict[str, Any] = {key: None}
-    dcp.load(out, checkpoint_id=Path(path), no_dist=True)
+    _load_on_one_process(out, path)
     return out[key]

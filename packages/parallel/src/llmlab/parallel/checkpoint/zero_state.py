@@ -43,7 +43,7 @@ def _view(values: Tensor, p: nn.Parameter, name: str, lo: int, placement: Placem
     return ShardedView.from_flat(values.detach().reshape(-1), p.shape, lo, offset, global_shape)
 
 
-def _settings(optimizer: Optimizer | None) -> list[dict[str, Any]]:
+def optimizer_settings(optimizer: Optimizer | None) -> list[dict[str, Any]]:
     if optimizer is None:
         return []
     out = []
@@ -80,7 +80,11 @@ def sharded_state_dict(
                 entry[key] = value  # a scalar (AdamW's step): equal on every rank, saved once
         if entry:
             optim[name] = entry
-    meta = {"format": FORMAT, "aliases": engine.aliases, "param_groups": _settings(optimizer)}
+    meta = {
+        "format": FORMAT,
+        "aliases": engine.aliases,
+        "param_groups": optimizer_settings(optimizer),
+    }
     out: dict[str, Any] = {"model": model, "meta": json.dumps(meta)}
     if optim:
         out["optim"] = optim
@@ -145,12 +149,12 @@ def load_zero(
         for param, state in created:
             if state:
                 optimizer.state[param] = state
-        _restore_settings(optimizer, json.loads(target["meta"])["param_groups"])
+        restore_optimizer_settings(optimizer, json.loads(target["meta"])["param_groups"])
     engine.refresh_params()
     return pickle.loads(target["extra"]) if target.get("extra") is not None else None
 
 
-def _restore_settings(optimizer: Optimizer, saved: list[dict[str, Any]]) -> None:
+def restore_optimizer_settings(optimizer: Optimizer, saved: list[dict[str, Any]]) -> None:
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(
             f"the checkpoint's optimizer has {len(saved)} param groups, this one "
@@ -169,6 +173,14 @@ def _restore_settings(optimizer: Optimizer, saved: list[dict[str, Any]]) -> None
 def _some_keys(md: dict[str, Any]) -> str:
     keys = sorted(k[len("model.") :] for k in md if k.startswith("model."))
     return f"{keys[:4]}{' ...' if len(keys) > 4 else ''}"
+
+
+def read_extra(path: str | os.PathLike) -> Any:
+    """The ``extra`` a checkpoint was saved with (``None`` if none), on one process, no group:
+    for an N-D Trainer checkpoint, Lightning's own state (hyper-parameters, loops...)."""
+    if "extra" not in files.metadata(path).state_dict_metadata:
+        return None
+    return pickle.loads(files.read_object(path, "extra"))
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, Tensor]:

@@ -1,0 +1,313 @@
+"""An N-D layout's training state as a sharded checkpoint: each rank writes only what it holds.
+
+The format is :mod:`~llmlab.parallel.checkpoint.zero_state`'s, so ``consolidate`` and
+``python -m llmlab.parallel.checkpoint`` read it unchanged. Every key names the *unsplit*
+model's tensor at its global shape:
+
+    model.<name>               the model's tensors: fp32 masters where a precision plugin or
+                               ZeRO keeps them, else the parameters themselves; buffers
+    optim.<name>.<state key>   element-wise optimizer state (AdamW: exp_avg, exp_avg_sq) in the
+                               same boxes as the parameter, scalars (AdamW's step) whole
+    meta                       JSON: tied-parameter aliases, optimizer settings, the layout
+    extra                      the caller's small state (Lightning's loops, callbacks, schedulers)
+
+What a rank holds of a tensor is a rectangle of the global tensor (its tensor-parallel slice: the
+``chunk(tensor, dim)[rank]`` that :mod:`llmlab.parallel.consolidate` gathers) or, under ZeRO, a
+flat range of that slice (:func:`~llmlab.parallel.checkpoint.boxes.flat_boxes` turns it into
+boxes). Exactly one rank writes each element: data rank 0 for replicated values (ZeRO: every
+data rank its piece), tensor rank 0 for what tensor parallelism replicates, and the stage that
+owns a tied weight, not the stage holding its copy. Loading asks for the boxes of *this* layout,
+so a checkpoint from one data × pipeline × tensor degree and ZeRO stage loads into any other.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.optim import Optimizer
+
+from llmlab.parallel.checkpoint import files
+from llmlab.parallel.checkpoint.boxes import ShardedView
+from llmlab.parallel.checkpoint.zero_state import (
+    FORMAT,
+    optimizer_settings,
+    restore_optimizer_settings,
+)
+from llmlab.parallel.data.zero import ZeroEngine
+from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
+
+
+@dataclass
+class Held:
+    """One tensor of the unsplit model as this rank holds it."""
+
+    name: str  # the unsplit model's state-dict key ("blocks.0.attn.qkv.weight")
+    values: Tensor  # the storage checkpointed: elements lo: of the local tensor, flattened
+    local_shape: tuple[int, ...]  # this rank's (tensor-parallel) slice
+    lo: int
+    offset: tuple[int, ...]  # where the slice sits in the global tensor
+    global_shape: tuple[int, ...]
+    writer: bool  # this rank writes these elements (exactly one rank does)
+    optimizer_param: Tensor | None  # what the optimizer steps for it here
+
+    def view(self, flat_like_values: Tensor) -> ShardedView:
+        """``flat_like_values`` (shaped like ``values``) as boxes of the global tensor."""
+        flat = flat_like_values.reshape(-1)
+        return ShardedView.from_flat(
+            flat, self.local_shape, self.lo, self.offset, self.global_shape
+        )
+
+
+def _placement(
+    t: Tensor, tensor_rank: int, tensor_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Offset and global shape of a tensor-parallel slice (``chunk(dim)[rank]``)."""
+    dim = getattr(t, SHARD_DIM_ATTR, None)
+    shape = tuple(t.shape)
+    if dim is None or tensor_size == 1:
+        return (0,) * len(shape), shape
+    offset = [0] * len(shape)
+    offset[dim] = tensor_rank * shape[dim]
+    global_shape = list(shape)
+    global_shape[dim] *= tensor_size
+    return tuple(offset), tuple(global_shape)
+
+
+class LayoutState:
+    """This rank's part of an N-D layout's model and optimizer state, for DCP.
+
+    Args:
+        model: the (split) model: its state-dict keys are the unsplit model's.
+        coords: this rank's ``(data, pipeline, tensor)`` coordinates; ``tensor_size`` the degree.
+        duplicates: tied copies another stage owns (held here, written there).
+        zero: the ZeRO engine, whose fp32 pieces stand for the parameters it manages.
+        masters: ``id(model parameter) -> fp32 master`` of a precision plugin (no ZeRO).
+        layout: recorded in the checkpoint's meta, for people reading it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        coords: tuple[int, int, int],
+        tensor_size: int,
+        duplicates: Iterable[Tensor] = (),
+        zero: ZeroEngine | None = None,
+        masters: Mapping[int, Tensor] | None = None,
+        layout: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.data_rank, _, self.tensor_rank = coords
+        self.tensor_size = tensor_size
+        self.duplicates = {id(t) for t in duplicates}
+        self.zero = zero
+        self.masters = dict(masters or {})
+        self.layout = dict(layout or {})
+
+    # ------------------------------------------------------------------- what is held
+    def held(self) -> tuple[list[Held], dict[str, str]]:
+        """Every tensor this rank holds (``meta`` placeholders of other stages are not), once
+        each, and the aliases (``alias -> canonical name``) of tensors it holds twice."""
+        zero = self.zero
+        managed = {id(p) for _, p in zero.named_params()} if zero is not None else set()
+        pieces = {id(p): (lo, v) for _, p, lo, _, v in zero.pieces()} if zero is not None else {}
+        out: list[Held] = []
+        seen: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if t.is_meta:
+                continue
+            if id(t) in seen:
+                aliases[name] = seen[id(t)]
+                continue
+            seen[id(t)] = name
+            offset, global_shape = _placement(t, self.tensor_rank, self.tensor_size)
+            replicated_over_tensor = global_shape == tuple(t.shape) and self.tensor_size > 1
+            owns = id(t) not in self.duplicates and not (
+                replicated_over_tensor and self.tensor_rank != 0
+            )
+            if id(t) in managed:
+                if id(t) not in pieces:
+                    continue  # ZeRO keeps none of its elements on this data rank
+                lo, values = pieces[id(t)]
+                writer = owns
+                optimizer_param = zero.optimizer_param(t)  # type: ignore[union-attr]
+            else:
+                lo = 0
+                values = self.masters.get(id(t), t)
+                writer = owns and self.data_rank == 0
+                optimizer_param = values if isinstance(t, nn.Parameter) else None
+            if not values.is_contiguous():
+                raise ValueError(f"{name}: a checkpoint view needs contiguous storage")
+            out.append(
+                Held(
+                    name,
+                    values.detach(),
+                    tuple(t.shape),
+                    lo,
+                    offset,
+                    global_shape,
+                    writer,
+                    optimizer_param,
+                )
+            )
+        return out, aliases
+
+    # ------------------------------------------------------------------------- saving
+    def state_dict(
+        self, optimizers: Sequence[Optimizer] = (), extra: Any = None, is_rank0: bool = True
+    ) -> dict[str, Any]:
+        """This rank's part of the checkpoint: views into live storage, nothing is copied. A
+        collective (the aliases of every stage are merged into rank 0's meta)."""
+        held, aliases = self.held()
+        owner = _owners(optimizers)
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for h in held:
+            if not h.writer:
+                continue
+            model[h.name] = h.view(h.values)
+            opt = owner.get(id(h.optimizer_param)) if h.optimizer_param is not None else None
+            if opt is None:
+                continue
+            entry = {}
+            for key, value in opt.state.get(h.optimizer_param, {}).items():
+                elementwise = isinstance(value, Tensor) and value.dim() > 0
+                if elementwise and value.numel() == h.values.numel():
+                    entry[key] = h.view(value)
+                else:
+                    entry[key] = value  # a scalar (AdamW's step): equal on every rank
+            if entry:
+                optim[h.name] = entry
+        out: dict[str, Any] = {"model": model}
+        if optim:
+            out["optim"] = optim
+        aliases = _merged(aliases)
+        if is_rank0:
+            meta = {
+                "format": FORMAT,
+                "aliases": aliases,
+                "param_groups": optimizer_settings(optimizers[0]) if optimizers else [],
+                "optimizers": [optimizer_settings(o) for o in optimizers],
+                "layout": self.layout,
+            }
+            out["meta"] = json.dumps(meta)
+            if extra is not None:
+                out["extra"] = pickle.dumps(extra)
+        return out
+
+    def save(self, path: Any, optimizers: Sequence[Optimizer] = (), extra: Any = None) -> None:
+        """Write this rank's part to the DCP folder ``path`` (atomically; every rank calls)."""
+        is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        files.save(self.state_dict(optimizers, extra, is_rank0), path)
+
+    # ------------------------------------------------------------------------ loading
+    def load(self, path: Any, optimizers: Sequence[Optimizer] = ()) -> None:
+        """Fill this rank's tensors (and fresh optimizer state) from ``path``, whatever layout
+        wrote it; every rank calls. The caller refreshes what follows the loaded values (ZeRO's
+        compute parameters, a plugin's low-precision copies)."""
+        md = files.metadata(path).state_dict_metadata
+        meta = json.loads(files.read_object(path, "meta"))
+        saved_aliases: dict[str, str] = meta.get("aliases", {})
+        held, _ = self.held()
+        owner = _owners(optimizers)
+        target: dict[str, Any] = {"model": {}}
+        created: list[tuple[Optimizer, Tensor, dict[str, Tensor]]] = []
+        problems: list[str] = []
+        for h in held:
+            name = h.name if f"model.{h.name}" in md else saved_aliases.get(h.name, h.name)
+            saved = md.get(f"model.{name}")
+            if saved is None:
+                problems.append(f"it lacks {h.name!r}")
+                continue
+            if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != h.global_shape:
+                problems.append(
+                    f"{h.name!r} has shape {tuple(saved.size)} there, {h.global_shape} here"
+                )
+                continue
+            target["model"][name] = h.view(h.values)
+            opt = owner.get(id(h.optimizer_param)) if h.optimizer_param is not None else None
+            if opt is not None:
+                state = self._optimizer_target(md, name, h, target)
+                created.append((opt, h.optimizer_param, state))  # type: ignore[arg-type]
+        _refuse_mismatch(md, held, saved_aliases, problems, path)
+        files.load(target, path)
+        for opt, param, state in created:
+            if state:
+                opt.state[param] = state
+        saved_groups = meta.get("optimizers") or [meta.get("param_groups", [])]
+        for opt, settings in zip(optimizers, saved_groups):
+            restore_optimizer_settings(opt, settings)
+
+    @staticmethod
+    def _optimizer_target(
+        md: Mapping[str, Any], name: str, h: Held, target: dict[str, Any]
+    ) -> dict[str, Tensor]:
+        """Fresh optimizer state for ``h`` (element-wise entries shaped like its values,
+        scalars whole), entered into ``target`` for DCP to fill."""
+        state: dict[str, Tensor] = {}
+        prefix = f"optim.{name}."
+        for key, entry in md.items():
+            if not key.startswith(prefix) or not isinstance(entry, TensorStorageMetadata):
+                continue
+            skey = key[len(prefix) :]
+            if tuple(entry.size) == h.global_shape and entry.size != torch.Size([]):
+                state[skey] = torch.zeros_like(h.values, dtype=entry.properties.dtype)
+                value: Any = h.view(state[skey])
+            else:
+                state[skey] = torch.zeros(entry.size, dtype=entry.properties.dtype)
+                value = state[skey]
+            target.setdefault("optim", {}).setdefault(name, {})[skey] = value
+        return state
+
+
+def _owners(optimizers: Sequence[Optimizer]) -> dict[int, Optimizer]:
+    return {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def _merged(aliases: dict[str, str]) -> dict[str, str]:
+    """Every stage's aliases (a tied weight is aliased on each stage that holds it)."""
+    out: dict[str, str] = {}
+    for part in _gather_objects(aliases):
+        out.update(part)
+    return out
+
+
+def _refuse_mismatch(
+    md: Mapping[str, Any],
+    held: list[Held],
+    aliases: Mapping[str, str],
+    problems: list[str],
+    path: Any,
+) -> None:
+    """Refuse a checkpoint of another model on every rank (a collective, before any tensor is
+    read): a tensor a rank holds that is missing or shaped otherwise, or a checkpoint tensor no
+    rank of this layout asks for (it would be dropped silently: a model with fewer layers)."""
+    asked = {aliases.get(h.name, h.name) for h in held} | {h.name for h in held}
+    parts = _gather_objects((asked, problems))
+    everyone = set().union(*(a for a, _ in parts))
+    found = sorted({p for _, ps in parts for p in ps})
+    left = [k[len("model.") :] for k in md if k.startswith("model.")]
+    found += [
+        f"it holds {k!r}, which this model has not" for k in sorted(left) if k not in everyone
+    ]
+    if found:
+        raise KeyError(
+            f"{path} does not fit this model ({len(found)} problems): {'; '.join(found[:4])}"
+            f"{' ...' if len(found) > 4 else ''}"
+        )
