@@ -388,20 +388,24 @@ def test_2x2x2_zero1_sharded_checkpoint_resumes_in_other_layouts_and_consolidate
         {"name": "half", "layout": sharded, "steps": HALF, "save": "half.ckpt"},
         {"name": "resumed", "layout": sharded, "resume": "half.ckpt"},
         {"name": "consolidated", "layout": LAYOUT_3D, "save": "consolidated.ckpt"},
+        {"name": "zero0", "layout": dict(sharded, zero=0), "steps": 1, "save": "zero0.ckpt"},
     ]
     results = run_distributed(_nd_runs, 8, str(tmp_path), cases, timeout=1500)
 
     # Each of the 8 ranks wrote its own shard file, and every element of every tensor (weights,
-    # AdamW moments) was written exactly once: the chunks tile each tensor.
+    # AdamW moments) was written exactly once: the chunks tile each tensor. Without ZeRO the data
+    # replicas hold equal copies, and they share the writing.
     half = tmp_path / "half.ckpt"
+    for path in (half, tmp_path / "zero0.ckpt"):
+        shard_files = sorted(p.name for p in path.glob("*.distcp"))
+        assert len(shard_files) == 8, shard_files
+        cover = _chunk_cover(path)
+        assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in cover)
+        for key, (written, numel) in cover.items():
+            assert written == numel, (path.name, key, written, numel)
+        sizes = [(path / f).stat().st_size for f in shard_files]
+        assert min(sizes) > 0 and max(sizes) < sum(sizes) / 3, (path.name, sizes)
     shard_files = sorted(p.name for p in half.glob("*.distcp"))
-    assert len(shard_files) == 8, shard_files
-    cover = _chunk_cover(half)
-    assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in cover)
-    for key, (written, numel) in cover.items():
-        assert written == numel, (key, written, numel)
-    sizes = [(half / f).stat().st_size for f in shard_files]
-    assert max(sizes) < sum(sizes) / 3, sizes  # no rank wrote the model
 
     # Resumed in the same layout, the run continues the uninterrupted curve.
     for r in results:

@@ -795,6 +795,7 @@ class NDParallelStrategy(DDPStrategy):
             self._target_model(),
             self.groups.coords,
             dims.tensor,
+            data_size=dims.data,
             duplicates=self.parallel.duplicates,
             zero=self.zero_engine,
             masters=masters,

@@ -14,10 +14,12 @@ model's tensor at its global shape:
 What a rank holds of a tensor is a rectangle of the global tensor (its tensor-parallel slice: the
 ``chunk(tensor, dim)[rank]`` that :mod:`llmlab.parallel.consolidate` gathers) or, under ZeRO, a
 flat range of that slice (:func:`~llmlab.parallel.checkpoint.boxes.flat_boxes` turns it into
-boxes). Exactly one rank writes each element: data rank 0 for replicated values (ZeRO: every
-data rank its piece), tensor rank 0 for what tensor parallelism replicates, and the stage that
-owns a tied weight, not the stage holding its copy. Loading asks for the boxes of *this* layout,
-so a checkpoint from one data × pipeline × tensor degree and ZeRO stage loads into any other.
+boxes). Exactly one rank writes each element. A tensor several ranks hold equal (data replicas
+without ZeRO, what tensor parallelism replicates) goes to one of them, spread by bytes so that
+every replica writes about as much (:class:`_Spread`); ZeRO pieces are written by their data
+rank; a tied weight by the stage that owns it, not the stage holding its copy. Loading asks for
+the boxes of *this* layout, so a checkpoint from one data × pipeline × tensor degree and ZeRO
+stage loads into any other.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class LayoutState:
 
     Args:
         model: the (split) model: its state-dict keys are the unsplit model's.
-        coords: this rank's ``(data, pipeline, tensor)`` coordinates; ``tensor_size`` the degree.
+        coords: this rank's ``(data, pipeline, tensor)`` coordinates.
+        tensor_size, data_size: the tensor-parallel and data-parallel degrees.
         duplicates: tied copies another stage owns (held here, written there).
         zero: the ZeRO engine, whose fp32 pieces stand for the parameters it manages.
         masters: ``id(model parameter) -> fp32 master`` of a precision plugin (no ZeRO).
@@ -98,6 +101,7 @@ class LayoutState:
         model: nn.Module,
         coords: tuple[int, int, int],
         tensor_size: int,
+        data_size: int = 1,
         duplicates: Iterable[Tensor] = (),
         zero: ZeroEngine | None = None,
         masters: Mapping[int, Tensor] | None = None,
@@ -106,6 +110,7 @@ class LayoutState:
         self.model = model
         self.data_rank, _, self.tensor_rank = coords
         self.tensor_size = tensor_size
+        self.data_size = data_size
         self.duplicates = {id(t) for t in duplicates}
         self.zero = zero
         self.masters = dict(masters or {})
@@ -121,6 +126,7 @@ class LayoutState:
         out: list[Held] = []
         seen: dict[int, str] = {}
         aliases: dict[str, str] = {}
+        spread = _Spread(self.data_rank, self.tensor_rank)
         for name, t in self.model.state_dict(keep_vars=True).items():
             if t.is_meta:
                 continue
@@ -129,21 +135,21 @@ class LayoutState:
                 continue
             seen[id(t)] = name
             offset, global_shape = _placement(t, self.tensor_rank, self.tensor_size)
-            replicated_over_tensor = global_shape == tuple(t.shape) and self.tensor_size > 1
-            owns = id(t) not in self.duplicates and not (
-                replicated_over_tensor and self.tensor_rank != 0
-            )
+            tensor_copies = self.tensor_size if global_shape == tuple(t.shape) else 1
             if id(t) in managed:
                 if id(t) not in pieces:
                     continue  # ZeRO keeps none of its elements on this data rank
                 lo, values = pieces[id(t)]
-                writer = owns
+                data_copies = 1  # each data rank holds its own piece
                 optimizer_param = zero.optimizer_param(t)  # type: ignore[union-attr]
             else:
                 lo = 0
                 values = self.masters.get(id(t), t)
-                writer = owns and self.data_rank == 0
+                data_copies = self.data_size
                 optimizer_param = values if isinstance(t, nn.Parameter) else None
+            writer = id(t) not in self.duplicates and spread.mine(
+                data_copies, tensor_copies, values.numel() * values.element_size()
+            )
             if not values.is_contiguous():
                 raise ValueError(f"{name}: a checkpoint view needs contiguous storage")
             out.append(
@@ -266,6 +272,27 @@ class LayoutState:
                 value = state[skey]
             target.setdefault("optim", {}).setdefault(name, {})[skey] = value
         return state
+
+
+class _Spread:
+    """Which of the ranks holding equal copies of a tensor writes it: the one that has written
+    the fewest bytes so far. Every holder runs the same choices on the same sequence of tensors
+    (their models have equal shapes), so they agree without talking."""
+
+    def __init__(self, data_rank: int, tensor_rank: int) -> None:
+        self.data_rank, self.tensor_rank = data_rank, tensor_rank
+        self.written: dict[tuple[int, int], list[int]] = {}
+
+    def mine(self, data_copies: int, tensor_copies: int, nbytes: int) -> bool:
+        if data_copies * tensor_copies == 1:
+            return True
+        written = self.written.setdefault(
+            (data_copies, tensor_copies), [0] * (data_copies * tensor_copies)
+        )
+        chosen = min(range(len(written)), key=written.__getitem__)
+        written[chosen] += nbytes
+        me = (self.data_rank % data_copies) * tensor_copies + self.tensor_rank % tensor_copies
+        return chosen == me
 
 
 def _owners(optimizers: Sequence[Optimizer]) -> dict[int, Optimizer]:
