@@ -72,7 +72,12 @@ def make_data():
 
 
 def fit(
-    strategy, devices: int, max_steps: int, ckpt_path: str | None = None, model: dict = MODEL
+    strategy,
+    devices: int,
+    max_steps: int,
+    ckpt_path: str | None = None,
+    model: dict = MODEL,
+    plugins: list | None = None,
 ) -> dict:
     import lightning as L
     import torch.distributed as dist
@@ -105,6 +110,7 @@ def fit(
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record()],
+        plugins=plugins,
     )
     task = make_task(model)
     trainer.fit(task, datamodule=make_data(), ckpt_path=ckpt_path)
@@ -130,13 +136,17 @@ def _nd_runs(rank: int, world: int, root: str, cases: list[dict]) -> dict:
         strategy = cls(**case["layout"], timeline_every_n_steps=0)
         ckpt = os.path.join(root, case["resume"]) if case.get("resume") else None
         steps = case.get("steps", STEPS)
-        run = fit(strategy, world, steps, ckpt_path=ckpt, model=case.get("model", MODEL))
+        plugins = [case["precision"]()] if case.get("precision") else None
+        run = fit(strategy, world, steps, ckpt, case.get("model", MODEL), plugins)
         result = {
             "losses": run["losses"],
             "norms": run["norms"],
             "params": strategy.local_param_count,
             "coords": strategy.groups.coords,
             "comm": dict(strategy.last_comm),
+            "loss_scale": getattr(run["trainer"].precision_plugin.masters, "loss_scale", None)
+            if case.get("precision")
+            else None,
         }
         if case.get("save"):
             run["trainer"].save_checkpoint(os.path.join(root, case["save"]))
@@ -370,6 +380,30 @@ def _chunk_cover(path: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _fp16_master_cases() -> list[dict]:
+    """data × tensor = 2×2 with fp16 weights and fp32 masters: a run whose loss scale grows
+    every 2 steps (so the scaler's state changes the curve) saved and resumed as is, and a run
+    with the default scaler saved without ZeRO and resumed at ``zero=1``."""
+    from functools import partial
+
+    from llmlab.parallel.precision.plugins import FP16MasterPrecision
+
+    growing = partial(FP16MasterPrecision, growth_interval=2)
+    layout = dict(data=2, tensor=2, sharded_checkpoints=True)
+    return [
+        {"name": "fp16-full", "layout": layout, "precision": growing},
+        {"name": "fp16-half", "layout": layout, "precision": growing, "steps": HALF,
+         "save": "fp16-half.ckpt"},
+        {"name": "fp16-resumed", "layout": layout, "precision": growing,
+         "resume": "fp16-half.ckpt"},
+        {"name": "fp16d-full", "layout": layout, "precision": FP16MasterPrecision},
+        {"name": "fp16d-half", "layout": layout, "precision": FP16MasterPrecision, "steps": HALF,
+         "save": "fp16d-half.ckpt"},
+        {"name": "fp16-zero1", "layout": dict(layout, zero=1), "precision": FP16MasterPrecision,
+         "resume": "fp16d-half.ckpt"},
+    ]  # fmt: skip
+
+
 def _plain_gpt(state: dict):
     from llmlab.models import GPT, GPTConfig
 
@@ -448,14 +482,21 @@ def test_2x2x2_zero1_sharded_checkpoint_resumes_in_other_layouts_and_consolidate
          "resume": "half.ckpt"},
         {"name": "2x1x2-zero3", "layout": dict(data=2, tensor=2, zero=3), "resume": "half.ckpt"},
         {"name": "4x1x1-zero2", "layout": dict(data=4, zero=2), "resume": "half.ckpt"},
+        *_fp16_master_cases(),
     ]  # fmt: skip
     full = results[0]["full"]  # every rank logs the global loss and norm
     results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
     for r in results:
-        for case in cases:
-            name = case["name"]
+        for name in ("1x2x2-zero1", "2x1x2-zero3", "4x1x1-zero2"):
             _close(r[name]["losses"], full["losses"][HALF:], f"{name} loss", tol=LAYOUT_TOL)
             _close(r[name]["norms"], full["norms"][HALF:], f"{name} grad_norm", tol=LAYOUT_TOL)
+        # fp16 with fp32 masters: the masters and the loss scaler come back, not the fp16
+        # weights (resuming from those would miss by ~1e-4); into ZeRO's master shards too.
+        for name, uninterrupted in (("fp16-resumed", "fp16-full"), ("fp16-zero1", "fp16d-full")):
+            _close(r[name]["losses"], r[uninterrupted]["losses"][HALF:], name, tol=RESUME_TOL)
+            _close(r[name]["norms"], r[uninterrupted]["norms"][HALF:], name, tol=RESUME_TOL)
+        assert r["fp16-full"]["loss_scale"] > 2.0**16  # the scale grew: its state matters
+        assert r["fp16-resumed"]["loss_scale"] == r["fp16-full"]["loss_scale"]
 
     # The resume check accepts the folder and names what is wrong with a damaged one.
     assert checkpoint_problem(half) is None
