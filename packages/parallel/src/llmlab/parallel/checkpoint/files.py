@@ -62,14 +62,19 @@ def save(
     return path
 
 
-def metadata(path: str | os.PathLike) -> Metadata:
-    """The chunk index of a DCP checkpoint (every key, its global shape and dtype)."""
-    path = Path(path)
+def _require_index(path: Path) -> None:
     if not (path / METADATA).is_file():
         raise FileNotFoundError(
             f"{path} is not a sharded checkpoint: it has no {METADATA} file (an interrupted save "
             f"leaves a .{path.name}.partial folder instead)"
         )
+
+
+def metadata(path: str | os.PathLike) -> Metadata:
+    """The chunk index of a DCP checkpoint (every key, its global shape and dtype). Reading it
+    unpickles an entry per chunk (tens of ms for a small model): read it once per load."""
+    path = Path(path)
+    _require_index(path)
     return FileSystemReader(path).read_metadata()
 
 
@@ -108,7 +113,7 @@ def load(
 ) -> None:
     """Fill ``state_dict`` in place from ``path``: each tensor (or ``ShardedView``) gets exactly
     the elements it covers, whatever layout wrote them; other values are replaced."""
-    metadata(path)  # a clear error for a wrong path
+    _require_index(Path(path))  # a clear error for a wrong path
     dcp.load(state_dict, checkpoint_id=Path(path), process_group=group)
 
 
@@ -134,9 +139,12 @@ def read_full(path: str | os.PathLike, prefix: str) -> dict[str, Tensor]:
 
 def read_object(path: str | os.PathLike, key: str) -> Any:
     """One non-tensor value (saved replicated), read on one process."""
-    md = metadata(path)
-    if key not in md.state_dict_metadata:
-        raise KeyError(f"{path} has no entry {key!r}")
+    _require_index(Path(path))
     out: dict[str, Any] = {key: None}
-    _load_on_one_process(out, path)
+    try:
+        _load_on_one_process(out, path)
+    except Exception as err:
+        if key not in metadata(path).state_dict_metadata:
+            raise KeyError(f"{path} has no entry {key!r}") from err
+        raise
     return out[key]

@@ -220,19 +220,24 @@ class LayoutState:
         wrote it; every rank calls. The caller refreshes what follows the loaded values (ZeRO's
         compute parameters, a plugin's low-precision copies)."""
         md = files.metadata(path).state_dict_metadata
-        meta = json.loads(files.read_object(path, "meta"))
-        saved_aliases: dict[str, str] = meta.get("aliases", {})
         held, _ = self.held()
         owner = _owners(optimizers)
-        target: dict[str, Any] = {"model": {}}
+        target: dict[str, Any] = {"model": {}, "meta": None}
         created: list[tuple[Optimizer, Tensor, dict[str, Tensor]]] = []
         problems: list[str] = []
+        asked: set[str] = set()
+        aliases: dict[str, str] | None = None  # the saved ones: read only if a name needs them
         for h in held:
-            name = h.name if f"model.{h.name}" in md else saved_aliases.get(h.name, h.name)
+            name = h.name
+            if f"model.{name}" not in md:
+                if aliases is None:
+                    aliases = json.loads(files.read_object(path, "meta")).get("aliases", {})
+                name = aliases.get(name, name)
             saved = md.get(f"model.{name}")
             if saved is None:
                 problems.append(f"it lacks {h.name!r}")
                 continue
+            asked.add(name)
             if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != h.global_shape:
                 problems.append(
                     f"{h.name!r} has shape {tuple(saved.size)} there, {h.global_shape} here"
@@ -243,11 +248,12 @@ class LayoutState:
             if opt is not None:
                 state = self._optimizer_target(md, name, h, target)
                 created.append((opt, h.optimizer_param, state))  # type: ignore[arg-type]
-        _refuse_mismatch(md, held, saved_aliases, problems, path)
+        _refuse_mismatch(md, asked, problems, path)
         files.load(target, path)
         for opt, param, state in created:
             if state:
                 opt.state[param] = state
+        meta = json.loads(target["meta"])
         saved_groups = meta.get("optimizers") or [meta.get("param_groups", [])]
         for opt, settings in zip(optimizers, saved_groups):
             restore_optimizer_settings(opt, settings)
@@ -316,23 +322,16 @@ def _merged(aliases: dict[str, str]) -> dict[str, str]:
 
 
 def _refuse_mismatch(
-    md: Mapping[str, Any],
-    held: list[Held],
-    aliases: Mapping[str, str],
-    problems: list[str],
-    path: Any,
+    md: Mapping[str, Any], asked: set[str], problems: list[str], path: Any
 ) -> None:
     """Refuse a checkpoint of another model on every rank (a collective, before any tensor is
     read): a tensor a rank holds that is missing or shaped otherwise, or a checkpoint tensor no
     rank of this layout asks for (it would be dropped silently: a model with fewer layers)."""
-    asked = {aliases.get(h.name, h.name) for h in held} | {h.name for h in held}
     parts = _gather_objects((asked, problems))
     everyone = set().union(*(a for a, _ in parts))
     found = sorted({p for _, ps in parts for p in ps})
-    left = [k[len("model.") :] for k in md if k.startswith("model.")]
-    found += [
-        f"it holds {k!r}, which this model has not" for k in sorted(left) if k not in everyone
-    ]
+    left = sorted(k[len("model.") :] for k in md if k.startswith("model."))
+    found += [f"it holds {k!r}, which this model has not" for k in left if k not in everyone]
     if found:
         raise KeyError(
             f"{path} does not fit this model ({len(found)} problems): {'; '.join(found[:4])}"

@@ -178,9 +178,10 @@ def _some_keys(md: dict[str, Any]) -> str:
 def read_extra(path: str | os.PathLike) -> Any:
     """The ``extra`` a checkpoint was saved with (``None`` if none), on one process, no group:
     for an N-D Trainer checkpoint, Lightning's own state (hyper-parameters, loops...)."""
-    if "extra" not in files.metadata(path).state_dict_metadata:
+    try:
+        return pickle.loads(files.read_object(path, "extra"))
+    except KeyError:
         return None
-    return pickle.loads(files.read_object(path, "extra"))
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, Tensor]:
