@@ -30,7 +30,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -40,6 +39,7 @@ from llmlab.parallel.checkpoint import files
 from llmlab.parallel.checkpoint.boxes import ShardedView
 from llmlab.parallel.checkpoint.zero_state import (
     FORMAT,
+    fresh_optimizer_state,
     optimizer_settings,
     restore_optimizer_settings,
 )
@@ -246,7 +246,9 @@ class LayoutState:
             target["model"][name] = h.view(h.values)
             opt = owner.get(id(h.optimizer_param)) if h.optimizer_param is not None else None
             if opt is not None:
-                state = self._optimizer_target(md, name, h, target)
+                state = fresh_optimizer_state(
+                    md, name, h.values, len(h.global_shape), h.view, target
+                )
                 created.append((opt, h.optimizer_param, state))  # type: ignore[arg-type]
         _refuse_mismatch(md, asked, problems, path)
         files.load(target, path)
@@ -257,27 +259,6 @@ class LayoutState:
         saved_groups = meta.get("optimizers") or [meta.get("param_groups", [])]
         for opt, settings in zip(optimizers, saved_groups):
             restore_optimizer_settings(opt, settings)
-
-    @staticmethod
-    def _optimizer_target(
-        md: Mapping[str, Any], name: str, h: Held, target: dict[str, Any]
-    ) -> dict[str, Tensor]:
-        """Fresh optimizer state for ``h`` (element-wise entries shaped like its values,
-        scalars whole), entered into ``target`` for DCP to fill."""
-        state: dict[str, Tensor] = {}
-        prefix = f"optim.{name}."
-        for key, entry in md.items():
-            if not key.startswith(prefix) or not isinstance(entry, TensorStorageMetadata):
-                continue
-            skey = key[len(prefix) :]
-            if tuple(entry.size) == h.global_shape and entry.size != torch.Size([]):
-                state[skey] = torch.zeros_like(h.values, dtype=entry.properties.dtype)
-                value: Any = h.view(state[skey])
-            else:
-                state[skey] = torch.zeros(entry.size, dtype=entry.properties.dtype)
-                value = state[skey]
-            target.setdefault("optim", {}).setdefault(name, {})[skey] = value
-        return state
 
 
 class _Spread:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -121,26 +122,14 @@ def load_zero(
     md = files.metadata(path).state_dict_metadata
     target: dict[str, Any] = {"model": {}, "meta": None}
     created: list[tuple[Tensor, dict[str, Tensor]]] = []
-    for name, p, lo, hi, values in engine.pieces():
+    for name, p, lo, _, values in engine.pieces():
         if f"model.{name}" not in md:
             raise KeyError(f"{path} has no parameter {name!r} (it holds {_some_keys(md)})")
         target["model"][name] = _view(values, p, name, lo, placement)
         if optimizer is None:
             continue
-        state: dict[str, Tensor] = {}
-        prefix = f"optim.{name}."
-        for key, meta in md.items():
-            if not key.startswith(prefix) or not isinstance(meta, TensorStorageMetadata):
-                continue
-            skey = key[len(prefix) :]
-            if len(meta.size) == p.dim() and meta.size != torch.Size([]):
-                state[skey] = torch.zeros(hi - lo, dtype=meta.properties.dtype, device=p.device)
-                target.setdefault("optim", {}).setdefault(name, {})[skey] = _view(
-                    state[skey], p, name, lo, placement
-                )
-            else:
-                state[skey] = torch.zeros(meta.size, dtype=meta.properties.dtype)
-                target.setdefault("optim", {}).setdefault(name, {})[skey] = state[skey]
+        view = partial(_view, p=p, name=name, lo=lo, placement=placement)
+        state = fresh_optimizer_state(md, name, values, p.dim(), view, target)
         created.append((engine.optimizer_param(p), state))
     if "extra" in md:
         target["extra"] = None
@@ -152,6 +141,34 @@ def load_zero(
         restore_optimizer_settings(optimizer, json.loads(target["meta"])["param_groups"])
     engine.refresh_params()
     return pickle.loads(target["extra"]) if target.get("extra") is not None else None
+
+
+def fresh_optimizer_state(
+    md: Mapping[str, Any],
+    name: str,
+    like: Tensor,
+    ndim: int,
+    view: Callable[[Tensor], Any],
+    target: dict[str, Any],
+) -> dict[str, Tensor]:
+    """Optimizer state for parameter ``name`` as the checkpoint's index lists it, zero-filled for
+    DCP to load into: element-wise entries (``ndim`` dims, like the parameter) shaped like
+    ``like`` (this rank's piece) and entered into ``target`` as ``view(entry)``; scalars (AdamW's
+    step) whole."""
+    state: dict[str, Tensor] = {}
+    prefix = f"optim.{name}."
+    for key, entry in md.items():
+        if not key.startswith(prefix) or not isinstance(entry, TensorStorageMetadata):
+            continue
+        skey = key[len(prefix) :]
+        if len(entry.size) == ndim and entry.size != torch.Size([]):
+            state[skey] = torch.zeros_like(like, dtype=entry.properties.dtype)
+            value = view(state[skey])
+        else:
+            state[skey] = torch.zeros(entry.size, dtype=entry.properties.dtype)
+            value = state[skey]
+        target.setdefault("optim", {}).setdefault(name, {})[skey] = value
+    return state
 
 
 def restore_optimizer_settings(optimizer: Optimizer, saved: list[dict[str, Any]]) -> None:
