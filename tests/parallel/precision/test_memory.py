@@ -43,6 +43,23 @@ def test_matches_sdpa_outputs_and_grads(causal: bool, T: int, block: int) -> Non
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2], ids=["multi-query", "grouped-query"])
+def test_grouped_query_attention_matches_sdpa_enable_gqa(kv_heads: int) -> None:
+    """k and v with fewer heads than q (Llama's GQA): SDPA's ``enable_gqa`` is the oracle for
+    outputs and for the k/v gradients, which sum over each key/value head's query group."""
+    q = qkv((2, 4, 50, 8))[0]
+    _, k, v = qkv((2, kv_heads, 50, 8), seed=1)
+    out = memory_efficient_attention(q, k, v, causal=True, block_size=16)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(math_attention(q, k, v), ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    theirs = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_math_attention_matches_sdpa() -> None:
     q, k, v = qkv((1, 2, 40, 8))
     torch.testing.assert_close(
@@ -64,6 +81,9 @@ def test_bad_inputs_are_named() -> None:
         memory_efficient_attention(q, k, v, block_size=0)
     with pytest.raises(ValueError, match=r"\(B, H, T, D\)"):
         memory_efficient_attention(q[0], k[0], v[0])
+    _, k3, v3 = qkv((1, 3, 8, 4))
+    with pytest.raises(ValueError, match="H_kv dividing H"):  # 3 k/v heads for 2 query heads
+        memory_efficient_attention(q, k3, v3)
 
 
 def attn_bytes(T: int, swap) -> int:
@@ -100,6 +120,29 @@ def test_recompute_attention_model_matches_standard() -> None:
     ours.load_state_dict(ref.state_dict())
     assert use_recompute_attention(ours) == len(ours.blocks)  # one attention per block
     x = torch.randint(0, 64, (2, 96))
+    a, b = ref(x), ours(x)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for (n, p), q in zip(ref.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_recompute_attention_llama_with_grouped_query_attention_matches_standard() -> None:
+    """Llama with 4 query and 2 key/value heads: recompute attention gives SDPA's logits and
+    every parameter's gradient (the k/v projections' too, summed over the groups)."""
+    from llmlab.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+        intermediate_size=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = Llama(config)
+    ours = Llama(config)
+    ours.load_state_dict(ref.state_dict())
+    assert use_recompute_attention(ours, block_size=16) == config.n_layer
+    x = torch.randint(0, 64, (2, 48))
     a, b = ref(x), ours(x)
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     a.square().mean().backward()

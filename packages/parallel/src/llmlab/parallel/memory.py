@@ -47,6 +47,7 @@ def math_attention(
     The quadratic-memory baseline: PyTorch's SDPA on CPU may pick a fused kernel that does not
     store them either, which would hide the difference being measured.
     """
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         scores = scores.masked_fill(_causal_mask(q.shape[-2], k.shape[-2], 0, q.device), -math.inf)
@@ -64,6 +65,18 @@ def _causal_mask(tq: int, tk: int, offset: int, device: torch.device) -> Tensor:
     return cols > rows
 
 
+def _repeat_kv(t: Tensor, heads: int) -> Tensor:
+    """Grouped-query attention's key/value heads repeated to ``heads``: query head ``h`` uses
+    key/value head ``h // (heads / H_kv)``, as SDPA's ``enable_gqa`` (and HF's ``repeat_kv``)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _sum_groups(t: Tensor, kv_heads: int) -> Tensor:
+    """The gradient of :func:`_repeat_kv`: each key/value head gets the sum over its group."""
+    B, H, T, D = t.shape
+    return t if kv_heads == H else t.view(B, kv_heads, H // kv_heads, T, D).sum(dim=2)
+
+
 def _accumulation_dtype(t: Tensor) -> torch.dtype:
     """fp32 for fp32 and narrower inputs (as FlashAttention's accumulators); fp64 stays fp64."""
     return torch.promote_types(t.dtype, torch.float32)
@@ -74,6 +87,8 @@ class MemoryEfficientAttention(torch.autograd.Function):
 
     Forward and backward both walk the queries in blocks of ``block_size`` rows, so even the
     transient score matrix is ``block_size × T``. Math in fp32 (fp64 for fp64 inputs).
+    Grouped-query attention (k, v with ``H_kv`` heads dividing q's ``H``): k and v are saved
+    with their own heads and repeated only inside each pass; their gradients sum over groups.
 
     Backward, for a block of rows with ``P = exp(S − L)`` and ``Δ = rowsum(dO ∘ O)``:
     ``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − Δ)``, ``dQ = dS K / √d``,
@@ -89,7 +104,7 @@ class MemoryEfficientAttention(torch.autograd.Function):
         # ``transpose(1, 2).reshape(B, T, H·D)`` is then a view, not a second copy to save.
         out = torch.empty(B, T, H, D, dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
-        kf, vf = k.to(acc), v.to(acc)
+        kf, vf = _repeat_kv(k.to(acc), H), _repeat_kv(v.to(acc), H)
         for i0 in range(0, T, block_size):
             i1 = min(i0 + block_size, T)
             s = (q[..., i0:i1, :].to(acc) @ kf.transpose(-2, -1)) * scale
@@ -110,7 +125,9 @@ class MemoryEfficientAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         scale, T = ctx.scale, q.shape[-2]
         acc = _accumulation_dtype(q)
-        qf, kf, vf, do = q.to(acc), k.to(acc), v.to(acc), grad_out.to(acc)
+        H, kv_heads = q.shape[1], k.shape[1]
+        qf, do = q.to(acc), grad_out.to(acc)
+        kf, vf = _repeat_kv(k.to(acc), H), _repeat_kv(v.to(acc), H)
         delta = (do * out.to(acc)).sum(dim=-1)  # (B, H, T)
         dq = torch.empty_like(qf)
         dk = torch.zeros_like(kf)
@@ -127,6 +144,7 @@ class MemoryEfficientAttention(torch.autograd.Function):
             ds = p * (dp - delta[..., i0:i1].unsqueeze(-1))
             dq[..., i0:i1, :] = (ds @ kf) * scale
             dk += (ds.transpose(-2, -1) @ qi) * scale
+        dk, dv = _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -148,10 +166,17 @@ def memory_efficient_attention(
             f"memory_efficient_attention has no attention dropout (got dropout_p={dropout_p}); "
             "train with dropout=0.0 or keep the standard attention"
         )
-    if q.dim() != 4 or k.shape[:-2] != q.shape[:-2] or v.shape[:-1] != k.shape[:-1]:
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or k.shape[0] != q.shape[0]
+        or q.shape[1] % k.shape[1]
+        or v.shape[:-1] != k.shape[:-1]
+    ):
         raise ValueError(
-            "memory_efficient_attention wants q, k, v of shape (B, H, T, D) with matching B, H "
-            f"and k/v lengths; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            "memory_efficient_attention wants q of shape (B, H, T, D) and k, v of shape "
+            "(B, H_kv, T_k, D) with H_kv dividing H (grouped-query attention) and equal k/v "
+            f"lengths; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
