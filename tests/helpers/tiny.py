@@ -87,6 +87,8 @@ def tiny_tokens(
     from torch.utils.data import DataLoader, TensorDataset
 
     class TinyTokens(L.LightningDataModule):
+        batch_size = batch  # global, as TextDataModule's (the N-D strategy checks it)
+
         def _loader(self, steps: int, seed: int) -> DataLoader:
             g = torch.Generator().manual_seed(seed)
             ids = torch.randint(0, vocab_size, (steps * batch, seq + 1), generator=g)

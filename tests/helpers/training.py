@@ -21,35 +21,14 @@ from typing import Any
 
 import torch
 
-from tests.helpers.tiny import rank_trainer
+from tests.helpers.tiny import rank_trainer, tiny_tokens
 
 BATCH, T = 8, 16
 
 
-def global_batches(count: int, seed: int, vocab: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (count, BATCH, T + 1), generator=g)
-
-
 def make_data(vocab: int, steps: int):
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    class TinyTokens(L.LightningDataModule):
-        """Fixed global batches in a fixed order; each data-parallel replica gets its rows."""
-
-        batch_size = BATCH  # global, as TextDataModule's (strategies check it)
-
-        def train_dataloader(self) -> DataLoader:
-            kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-            replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
-            share = BATCH // replicas
-            ids = global_batches(steps, 0, vocab)[:, rank * share : (rank + 1) * share]
-            rows = ids.reshape(-1, T + 1)  # step after step, so each batch is one step's rows
-            # a real batch sampler (DeepSpeed reads its batch_size), in order
-            return DataLoader([(r[:-1], r[1:]) for r in rows], batch_size=share, shuffle=False)
-
-    return TinyTokens()
+    """``steps`` fixed global batches of ``BATCH`` rows, each replica reading its share."""
+    return tiny_tokens(steps, val_batches=1, batch=BATCH, vocab_size=vocab, seq=T)
 
 
 def _data_replicas(strategy: Any) -> tuple[int, Any]:

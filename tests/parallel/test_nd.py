@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import rank_trainer, tiny_gpt_config, tiny_task
+from tests.helpers.tiny import rank_trainer, tiny_gpt_config, tiny_task, tiny_tokens
 
 MODEL = tiny_gpt_config(n_layer=4, n_head=4, dropout=0.0)
 T = 16
@@ -47,28 +47,9 @@ def global_batches(count: int, seed: int) -> torch.Tensor:
 
 
 def make_data():
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    class TinyTokens(L.LightningDataModule):
-        """Fixed global batches in a fixed order; each data-parallel replica gets its rows."""
-
-        batch_size = BATCH  # global, as TextDataModule's (the strategy checks it)
-
-        def _loader(self, count: int, seed: int) -> DataLoader:
-            kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-            replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
-            share = BATCH // replicas
-            ids = global_batches(count, seed)[:, rank * share : (rank + 1) * share]
-            return DataLoader([(b[:, :-1], b[:, 1:]) for b in ids], batch_size=None)
-
-        def train_dataloader(self) -> DataLoader:
-            return self._loader(HALF, 0)
-
-        def val_dataloader(self) -> DataLoader:
-            return self._loader(1, 1)
-
-    return TinyTokens()
+    """The global batches of ``global_batches`` (same generator, same order), HALF an epoch,
+    each data-parallel replica reading its rows."""
+    return tiny_tokens(HALF, val_batches=1, batch=BATCH, vocab_size=MODEL["vocab_size"], seq=T)
 
 
 def fit(
