@@ -79,3 +79,29 @@ def test_offline_run_can_be_read_back_locally(tmp_path):
         if r["type"] == "config":
             config_keys |= set(r["config"].get("update", {}))
     assert {"model", "data", "trainer", "experiment"} <= config_keys
+
+
+def test_sharded_checkpoint_of_a_zero_run_resumes_from_the_app(tmp_path):
+    """``strategy.sharded_checkpoints=true``: ``last.ckpt`` is a folder of per-rank shards, and
+    ``ckpt_path=last`` resumes it (the resume check reads its index) in the same run and W&B
+    run, with another ZeRO stage; the sampler reads the folder."""
+    from llmlab.parallel.checkpoint import is_sharded, read_extra
+    from llmlab.train.sample import load_checkpoint
+
+    nd = ["experiment=gpt_ddp", "strategy=nd", "strategy.sharded_checkpoints=true", *TINY]
+    result = run_train([*nd, "strategy.zero=1", "trainer.max_steps=3"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = [p for p in (tmp_path / "gpt_ddp").iterdir() if p.is_dir()]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert is_sharded(last) and len(list(last.glob("*.distcp"))) == 2
+    assert read_extra(last)["global_step"] == 3
+
+    result = run_train([*nd, "strategy.zero=2", "ckpt_path=last", "trainer.max_steps=6"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p for p in (tmp_path / "gpt_ddp").iterdir() if p.is_dir()] == [run_dir]
+    assert read_extra(last)["global_step"] == 6
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    resumed = [h for h in wandb_history(wandb_runs[-1]) if "train/loss" in h]
+    assert resumed[0]["trainer/global_step"] == 3
+    model, _ = load_checkpoint(str(last))
+    assert sum(p.numel() for p in model.parameters()) > 0
