@@ -76,10 +76,6 @@ WHY_REFUSED = {
     PS_PRECISION: "its servers step the optimizer; the plugin's fp32 masters never would",
     DEEPSPEED_PRECISION: "DeepSpeed's engine steps in its own precision (its bf16 / fp16 config)",
 }
-# Supported, but without the logged train/grad_norm (the loss curve and the master-gradient norm
-# are still compared): the parameter server steps on its servers, outside Lightning's
-# optimizer hooks, where the telemetry reads the norm. Asserted absent, so it cannot go unnoticed.
-NO_LOGGED_NORM = {"ps_sync": "train/grad_norm is not logged: its servers step outside the hooks"}
 
 
 def refusal(strategy: str, precision: str, memory: str, kernels: str) -> str | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from tests.integration.composition_cells import (
     AXES,
     CELLS,
-    NO_LOGGED_NORM,
     PAIRWISE,
     TOLERANCES,
     WHY_REFUSED,
@@ -38,8 +37,7 @@ def table() -> str:
     for s in strategies:
         row = [_summary([c for c in CELLS if c.strategy == s and c.precision == p])
                for p in precisions]  # fmt: skip
-        note = f" ({NO_LOGGED_NORM[s]})" if s in NO_LOGGED_NORM else ""
-        lines.append(f"| `{s}`{note} | " + " | ".join(row) + " |")
+        lines.append(f"| `{s}` | " + " | ".join(row) + " |")
     supported = sum(not c.refused for c in CELLS)
     tol = ", ".join(f"{p} {loss:g} / {norm:g}" for p, (loss, norm) in TOLERANCES.items())
     lines += [

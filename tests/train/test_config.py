@@ -44,6 +44,14 @@ def test_master_weight_precision_on_a_parameter_server_is_refused(precision):
     validate_config(compose_config(["experiment=gpt_ps_sync", "precision=fp8"]))
 
 
+def test_clipping_by_norm_with_several_async_servers_is_refused():
+    overrides = ["strategy=ps_async", "strategy.num_servers=2", "trainer.devices=4"]
+    with pytest.raises(ConfigError, match=r"gradient_clip_val=1\.0 .*num_servers=2.*mode=sync"):
+        validate_config(compose_config(overrides))
+    for fine in ("strategy.mode=sync", "+trainer.gradient_clip_algorithm=value"):
+        validate_config(compose_config([*overrides, fine]))
+
+
 def test_unknown_experiment_lists_the_available_ones():
     with pytest.raises(ConfigError, match=r"unknown experiment 'nope'.*gpt_shakespeare"):
         compose_config(["experiment=nope"])

@@ -9,6 +9,7 @@ the measured staleness is reported.
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -118,6 +119,65 @@ def test_sync_with_two_servers_matches_ddp() -> None:
     ddp = run_distributed(ddp_fit, WORKERS)
     ps = run_distributed(ps_fit, WORKERS + 2, 2, ["sync"])
     _check_sync(ps, ddp, WORKERS)
+
+
+CLIP_STEPS, CLIP = 6, 0.01  # far below TinyTask's gradient norms: every step clips
+
+
+def clipped_fit(rank: int, world: int, num_servers: int) -> dict:
+    """DDP (``num_servers=0``) or a sync PS, clipping by norm at every step. The norm: DDP's
+    gradient before clipping (Lightning's hook), the PS workers' logged ``train/grad_norm``."""
+    norms: list[float] = []
+
+    class RecordNorm(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if num_servers and not trainer.strategy.is_server:  # workers log it
+                norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+
+    task = TinyTask()
+    workers = world - num_servers
+    strategy = (
+        ParameterServerStrategy(num_servers=num_servers, mode="sync")
+        if num_servers
+        else DDPStrategy()
+    )
+    trainer = make_trainer(
+        strategy, world, CLIP_STEPS, gradient_clip_val=CLIP, callbacks=[RecordNorm()]
+    )
+    trainer.fit(task, shard_loader(workers, rank if rank < workers else 0, CLIP_STEPS))
+    return {"params": flat_params(task).tolist(), "losses": task.losses, "norms": norms}
+
+
+def test_sync_with_two_servers_clips_by_the_whole_models_norm() -> None:
+    """Two servers each own part of the parameters; clipping must use the whole model's norm
+    (the servers' shard norms combined), as DDP does, not each shard's own (it once did), and
+    the workers log that norm as ``train/grad_norm``. Every step clips."""
+    ddp = run_distributed(clipped_fit, WORKERS, 0)
+    ps = run_distributed(clipped_fit, WORKERS + 2, 2)
+    want = ddp[0]["norms"]
+    assert len(want) == CLIP_STEPS and min(want) > 10 * CLIP, want
+    for rank, r in enumerate(ps):
+        diff = (torch.tensor(r["params"]) - torch.tensor(ddp[0]["params"])).abs().max().item()
+        assert diff <= 1e-6, (rank, diff)
+    for rank in range(WORKERS):
+        diffs = [abs(a - b) for a, b in zip(ps[rank]["losses"], ddp[rank]["losses"])]
+        assert len(diffs) == CLIP_STEPS and max(diffs) <= 1e-6, (rank, diffs)
+        torch.testing.assert_close(
+            torch.tensor(ps[rank]["norms"]), torch.tensor(want), rtol=1e-6, atol=0
+        )
+
+
+def test_async_with_two_servers_refuses_clipping_by_norm() -> None:
+    from types import SimpleNamespace
+
+    strategy = ParameterServerStrategy(num_servers=2, mode="async")
+    clipping = SimpleNamespace(gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    with pytest.raises(ValueError, match="needs the whole model's gradient"):
+        strategy.setup(clipping)
 
 
 def test_shards_are_balanced_and_complete() -> None:

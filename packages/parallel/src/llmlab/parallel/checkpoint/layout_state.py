@@ -52,7 +52,7 @@ class Held:
     """One tensor of the unsplit model as this rank holds it."""
 
     name: str  # the unsplit model's state-dict key ("blocks.0.attn.qkv.weight")
-    values: Tensor  # the storage checkpointed: elements lo: of the local tensor, flattened
+    values: Tensor  # the storage checkpointed: the local tensor, or under ZeRO its elements lo:
     local_shape: tuple[int, ...]  # this rank's (tensor-parallel) slice
     lo: int
     offset: tuple[int, ...]  # where the slice sits in the global tensor

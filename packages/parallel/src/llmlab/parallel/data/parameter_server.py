@@ -25,10 +25,16 @@ Servers hold no data: ``distributed_sampler_kwargs`` reports ``W`` replicas and 
 on it). Before validation and at the end of training the owners broadcast their parameters, so
 every rank evaluates and checkpoints the current model. A checkpoint holds the servers' current
 parameters and their optimizer state (each server's AdamW moments for the parameters it owns,
-gathered onto rank 0), so a resumed run continues exactly. Limitations: with several servers
-gradient-norm clipping is per server shard; the master-weight precision plugins (fp16 with loss
-scaling, bf16 with fp32 masters) step in ``optimizer_step``, which servers do not run, so they
-are rejected at set-up (autocast bf16 and fp8 work).
+gathered onto rank 0), so a resumed run continues exactly.
+
+Gradient norm: in sync mode every server takes the norm of its shard of the averaged gradient
+and the servers all-reduce the squares among themselves, so clipping by norm uses the whole
+model's norm, as one process does, however many servers there are; the replies carry that norm
+back and the workers log it as ``train/grad_norm``. In async mode the servers step on their own
+schedules, so no whole-model gradient exists: clipping by norm with several async servers is
+refused at set-up (one server, ``mode=sync`` or clipping by value work). The master-weight
+precision plugins (fp16 with loss scaling, bf16 with fp32 masters) step in ``optimizer_step``,
+which servers do not run, so they are rejected at set-up (autocast bf16 and fp8 work).
 
 Where the bytes live: messages are packed on the parameters' device (a ``FlatBuffer`` of the
 gradients and the version number, so nothing assumes a device), then staged through host
@@ -49,11 +55,16 @@ from torch.optim import Optimizer
 
 from llmlab.parallel.buffers import FlatBuffer
 from llmlab.parallel.data.comm_intervals import CommTimeline
+from llmlab.parallel.norm import clip_by_total_norm_, global_grad_norm
 from llmlab.parallel.precision.plugins import MasterWeightPrecision
 
 WIRE = torch.device("cpu")  # the PS group's device: gloo, see the module docstring
 
 MODES = ("sync", "async")
+ASYNC_CLIP_BY_NORM = (
+    "clipping by norm needs the whole model's gradient, but async servers step on their own "
+    "schedules, so none exists; valid: num_servers=1, mode=sync, or gradient_clip_algorithm=value"
+)
 
 
 def assign_shards(numels: list[int], num_servers: int) -> list[list[int]]:
@@ -94,6 +105,9 @@ class ParameterServerStrategy(DDPStrategy):
         self._params: list[nn.Parameter] = []
         self._shards: list[list[int]] = []
         self._versions: list[int] = []
+        self._servers: dist.ProcessGroup | None = None  # the server ranks only
+        self._grad_norm = float("nan")  # server: the last averaged gradient's whole norm
+        self.last_grad_norm = float("nan")  # worker: that norm, as the last reply carried it
 
     # ------------------------------------------------------------------ roles
     @property
@@ -122,6 +136,11 @@ class ParameterServerStrategy(DDPStrategy):
                 f"{type(self.precision_plugin).__name__} ({self.precision_plugin.precision}); "
                 "valid: precision=fp32 (32-true), bf16_mixed (autocast) or fp8"
             )
+        if _clips_by_norm(trainer) and self.mode == "async" and self.num_servers > 1:
+            raise ValueError(
+                f"gradient_clip_val={trainer.gradient_clip_val} with {self.num_servers} async "
+                f"servers: {ASYNC_CLIP_BY_NORM}"
+            )
         super().setup(trainer)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -141,6 +160,8 @@ class ParameterServerStrategy(DDPStrategy):
             )
         self._versions = [0] * self.num_servers
         self._group = dist.new_group(backend="gloo")  # keeps PS traffic apart from Lightning's
+        servers = list(range(self.num_workers, self.world_size))
+        self._servers = dist.new_group(ranks=servers, backend="gloo")  # every rank calls it
         self._clocks = [0] * self.num_workers
         return model
 
@@ -175,7 +196,22 @@ class ParameterServerStrategy(DDPStrategy):
             # The servers stepped for us; tell torch's LR scheduler, which otherwise warns that
             # it is stepped before its optimizer (the worker's schedule only mirrors theirs).
             getattr(optimizer, "_optimizer", optimizer)._opt_called = True
+            if self.mode == "sync":
+                self._log_grad_norm()
         return loss
+
+    def _log_grad_norm(self) -> None:
+        """``train/grad_norm``: the averaged gradient's whole norm the servers replied with
+        (Lightning's own hook, where the telemetry callback logs it, never sees that gradient)."""
+        module = self.lightning_module
+        try:
+            module.log("train/grad_norm", self.last_grad_norm, on_step=True, on_epoch=False)
+        except Exception:  # outside a hook that may log: straight to the logger
+            trainer = module.trainer
+            if trainer.logger is not None and self.global_rank == 0:
+                trainer.logger.log_metrics(
+                    {"train/grad_norm": self.last_grad_norm}, step=trainer.global_step
+                )
 
     # ------------------------------------------------------------------ worker side
     def _push_pull(self) -> None:
@@ -185,12 +221,13 @@ class ParameterServerStrategy(DDPStrategy):
             msg = self._push_message(s).data.to(WIRE)
             msgs.append(msg)  # keep alive until the send completes
             sends.append(dist.isend(msg, self._server_rank(s), group=self._group))
-            buf = torch.empty(self._shard_numel(s) + 1, device=WIRE)
+            buf = torch.empty(self._shard_numel(s) + 2, device=WIRE)
             recvs.append((s, buf, dist.irecv(buf, self._server_rank(s), group=self._group)))
         stale = 0
         for s, buf, work in recvs:
             work.wait()
-            self._unflatten_into(s, buf[:-1])
+            self._unflatten_into(s, buf[:-2])
+            self.last_grad_norm = float(buf[-2])  # the same from every server (sync)
             new_version = int(buf[-1].item())
             # the server applied our gradient as update number new_version; every update between
             # our pull (self._versions[s]) and that one was somebody else's: that is staleness
@@ -271,7 +308,13 @@ class ParameterServerStrategy(DDPStrategy):
             else:
                 p.grad = None
         trainer = self.lightning_module.trainer
-        if trainer.gradient_clip_val:  # what Lightning's _after_closure does, on averaged grads
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if self.mode == "sync":  # every server is here for the same step: one whole norm
+            total = global_grad_norm(grads, [1.0] * len(grads), [self._servers])
+            self._grad_norm = float(total)
+        if _clips_by_norm(trainer) and self.mode == "sync":
+            clip_by_total_norm_(grads, total, float(trainer.gradient_clip_val))
+        elif trainer.gradient_clip_val:  # by value, or one async server: all it steps is here
             self.lightning_module.clip_gradients(
                 optimizer,
                 gradient_clip_val=trainer.gradient_clip_val,
@@ -281,8 +324,10 @@ class ParameterServerStrategy(DDPStrategy):
         self._versions[shard] += 1
 
     def _reply(self, shard: int) -> Tensor:
+        """The shard's parameters, then the whole gradient norm (sync), then the version."""
         params = [self._params[i].detach() for i in self._shards[shard]]
-        return _with_version(params, self._versions[shard]).data.to(WIRE)
+        norm = torch.full((1,), self._grad_norm, device=params[0].device)
+        return _with_version([*params, norm], self._versions[shard]).data.to(WIRE)
 
     # ------------------------------------------------------------------ consistency points
     def _sync_from_owners(self) -> None:
@@ -330,6 +375,11 @@ class ParameterServerStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         self._sync_from_owners()
         super().on_train_end()
+
+
+def _clips_by_norm(trainer: Any) -> bool:
+    """Lightning leaves ``gradient_clip_algorithm`` unset (``None``) for its default: norm."""
+    return bool(trainer.gradient_clip_val) and (trainer.gradient_clip_algorithm or "norm") == "norm"
 
 
 def _with_version(tensors: list[Tensor], version: int) -> FlatBuffer:
