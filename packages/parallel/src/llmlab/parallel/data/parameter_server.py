@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -206,7 +207,7 @@ class ParameterServerStrategy(DDPStrategy):
         module = self.lightning_module
         try:
             module.log("train/grad_norm", self.last_grad_norm, on_step=True, on_epoch=False)
-        except Exception:  # outside a hook that may log: straight to the logger
+        except (MisconfigurationException, AttributeError, RuntimeError):  # not where it may log
             trainer = module.trainer
             if trainer.logger is not None and self.global_rank == 0:
                 trainer.logger.log_metrics(
