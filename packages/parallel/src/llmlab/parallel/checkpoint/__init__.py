@@ -1,11 +1,12 @@
 """Sharded checkpoints: each rank writes only its shards; any layout reads them back.
 
-``save_zero`` / ``load_zero`` move a :class:`~llmlab.parallel.data.zero.ZeroEngine`'s parameters
-and optimizer state through ``torch.distributed.checkpoint`` under the unsharded parameter names;
-``consolidate`` (or ``python -m llmlab.parallel.checkpoint consolidate <dir> <out.pt>``) turns a
-sharded checkpoint into one ``state_dict`` that a plain model loads. An N-D layout's Trainer
-checkpoints (``NDParallelStrategy(sharded_checkpoints=True)``) use the same format through
-:class:`~llmlab.parallel.checkpoint.layout_state.LayoutState`.
+:class:`~llmlab.parallel.checkpoint.layout_state.LayoutState` moves any N-D layout's model and
+optimizer state (tensor-parallel slices, pipeline stages, ZeRO pieces, fp32 masters) through
+``torch.distributed.checkpoint`` under the unsharded tensor names: the N-D strategy's Trainer
+checkpoints (``NDParallelStrategy(sharded_checkpoints=True)``) and ``save_zero`` / ``load_zero``
+(a :class:`~llmlab.parallel.data.zero.ZeroEngine` alone) use it. ``consolidate`` (or
+``python -m llmlab.parallel.checkpoint consolidate <dir> <out.pt>``) turns a sharded checkpoint
+into one ``state_dict`` that a plain model loads.
 """
 
 from llmlab.parallel.checkpoint.boxes import ShardedView, flat_boxes
@@ -17,14 +18,8 @@ from llmlab.parallel.checkpoint.files import (
     read_full,
     save,
 )
-from llmlab.parallel.checkpoint.layout_state import LayoutState
-from llmlab.parallel.checkpoint.zero_state import (
-    consolidate,
-    load_zero,
-    read_extra,
-    save_zero,
-    sharded_state_dict,
-)
+from llmlab.parallel.checkpoint.layout_state import LayoutState, consolidate, read_extra
+from llmlab.parallel.checkpoint.zero_state import load_zero, save_zero
 
 __all__ = [
     "LayoutState",
@@ -40,5 +35,4 @@ __all__ = [
     "read_full",
     "save",
     "save_zero",
-    "sharded_state_dict",
 ]

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from llmlab.parallel.checkpoint.files import metadata
-from llmlab.parallel.checkpoint.zero_state import consolidate
+from llmlab.parallel.checkpoint.layout_state import consolidate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """An N-D layout's training state as a sharded checkpoint: each rank writes only what it holds.
 
-The format is :mod:`~llmlab.parallel.checkpoint.zero_state`'s, so ``consolidate`` and
-``python -m llmlab.parallel.checkpoint`` read it unchanged. Every key names the *unsplit*
-model's tensor at its global shape:
+The one implementation of the sharded format: the N-D strategy's Trainer checkpoints and
+``save_zero`` / ``load_zero`` (a ZeRO engine on its own) both go through :class:`LayoutState`, and
+:func:`consolidate` (``python -m llmlab.parallel.checkpoint consolidate``) reads either on one
+process. Every key names the *unsplit* model's tensor at its global shape:
 
     model.<name>               the model's tensors: fp32 masters where a precision plugin or
                                ZeRO keeps them, else the parameters themselves; buffers
@@ -25,11 +26,13 @@ stage loads into any other.
 from __future__ import annotations
 
 import json
+import os
 import pickle
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -37,14 +40,11 @@ from torch.optim import Optimizer
 
 from llmlab.parallel.checkpoint import files
 from llmlab.parallel.checkpoint.boxes import ShardedView
-from llmlab.parallel.checkpoint.zero_state import (
-    FORMAT,
-    fresh_optimizer_state,
-    optimizer_settings,
-    restore_optimizer_settings,
-)
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
+
+FORMAT = 1
+_SETTING_TYPES = (int, float, str, bool, tuple, list, Tensor)
 
 
 @dataclass
@@ -94,6 +94,7 @@ class LayoutState:
         zero: the ZeRO engine, whose fp32 pieces stand for the parameters it manages.
         masters: ``id(model parameter) -> fp32 master`` of a precision plugin (no ZeRO).
         layout: recorded in the checkpoint's meta, for people reading it.
+        group: every rank that holds a part of the model (default: the world).
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class LayoutState:
         zero: ZeroEngine | None = None,
         masters: Mapping[int, Tensor] | None = None,
         layout: Mapping[str, Any] | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model = model
         self.data_rank, _, self.tensor_rank = coords
@@ -115,6 +117,7 @@ class LayoutState:
         self.zero = zero
         self.masters = dict(masters or {})
         self.layout = dict(layout or {})
+        self.group = group
 
     # ------------------------------------------------------------------- what is held
     def held(self) -> tuple[list[Held], dict[str, str]]:
@@ -167,9 +170,7 @@ class LayoutState:
         return out, aliases
 
     # ------------------------------------------------------------------------- saving
-    def state_dict(
-        self, optimizers: Sequence[Optimizer] = (), extra: Any = None, is_rank0: bool = True
-    ) -> dict[str, Any]:
+    def state_dict(self, optimizers: Sequence[Optimizer] = (), extra: Any = None) -> dict[str, Any]:
         """This rank's part of the checkpoint: views into live storage, nothing is copied. A
         collective (the aliases of every stage are merged into rank 0's meta)."""
         held, aliases = self.held()
@@ -195,8 +196,8 @@ class LayoutState:
         out: dict[str, Any] = {"model": model}
         if optim:
             out["optim"] = optim
-        aliases = _merged(aliases)
-        if is_rank0:
+        aliases = _merged(aliases, self.group)
+        if not dist.is_initialized() or dist.get_rank(self.group) == 0:
             meta = {
                 "format": FORMAT,
                 "aliases": aliases,
@@ -211,14 +212,13 @@ class LayoutState:
 
     def save(self, path: Any, optimizers: Sequence[Optimizer] = (), extra: Any = None) -> None:
         """Write this rank's part to the DCP folder ``path`` (atomically; every rank calls)."""
-        is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        files.save(self.state_dict(optimizers, extra, is_rank0), path)
+        files.save(self.state_dict(optimizers, extra), path, self.group)
 
     # ------------------------------------------------------------------------ loading
-    def load(self, path: Any, optimizers: Sequence[Optimizer] = ()) -> None:
+    def load(self, path: Any, optimizers: Sequence[Optimizer] = ()) -> Any:
         """Fill this rank's tensors (and fresh optimizer state) from ``path``, whatever layout
-        wrote it; every rank calls. The caller refreshes what follows the loaded values (ZeRO's
-        compute parameters, a plugin's low-precision copies)."""
+        wrote it; every rank calls. Returns the saved ``extra``. The caller refreshes what
+        follows the loaded values (ZeRO's compute parameters, a plugin's low-precision copies)."""
         md = files.metadata(path).state_dict_metadata
         held, _ = self.held()
         owner = _owners(optimizers)
@@ -250,8 +250,10 @@ class LayoutState:
                     md, name, h.values, len(h.global_shape), h.view, target
                 )
                 created.append((opt, h.optimizer_param, state))  # type: ignore[arg-type]
-        _refuse_mismatch(md, asked, problems, path)
-        files.load(target, path)
+        _refuse_mismatch(md, asked, problems, path, self.group)
+        if "extra" in md:
+            target["extra"] = None
+        files.load(target, path, self.group)
         for opt, param, state in created:
             if state:
                 opt.state[param] = state
@@ -259,6 +261,7 @@ class LayoutState:
         saved_groups = meta.get("optimizers") or [meta.get("param_groups", [])]
         for opt, settings in zip(optimizers, saved_groups):
             restore_optimizer_settings(opt, settings)
+        return pickle.loads(target["extra"]) if target.get("extra") is not None else None
 
 
 class _Spread:
@@ -286,29 +289,33 @@ def _owners(optimizers: Sequence[Optimizer]) -> dict[int, Optimizer]:
     return {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
 
 
-def _gather_objects(obj: Any) -> list[Any]:
+def _gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     if not dist.is_initialized():
         return [obj]
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
     return parts
 
 
-def _merged(aliases: dict[str, str]) -> dict[str, str]:
+def _merged(aliases: dict[str, str], group: dist.ProcessGroup | None) -> dict[str, str]:
     """Every stage's aliases (a tied weight is aliased on each stage that holds it)."""
     out: dict[str, str] = {}
-    for part in _gather_objects(aliases):
+    for part in _gather_objects(aliases, group):
         out.update(part)
     return out
 
 
 def _refuse_mismatch(
-    md: Mapping[str, Any], asked: set[str], problems: list[str], path: Any
+    md: Mapping[str, Any],
+    asked: set[str],
+    problems: list[str],
+    path: Any,
+    group: dist.ProcessGroup | None,
 ) -> None:
     """Refuse a checkpoint of another model on every rank (a collective, before any tensor is
     read): a tensor a rank holds that is missing or shaped otherwise, or a checkpoint tensor no
     rank of this layout asks for (it would be dropped silently: a model with fewer layers)."""
-    parts = _gather_objects((asked, problems))
+    parts = _gather_objects((asked, problems), group)
     everyone = set().union(*(a for a, _ in parts))
     found = sorted({p for _, ps in parts for p in ps})
     left = sorted(k[len("model.") :] for k in md if k.startswith("model."))
@@ -318,3 +325,88 @@ def _refuse_mismatch(
             f"{path} does not fit this model ({len(found)} problems): {'; '.join(found[:4])}"
             f"{' ...' if len(found) > 4 else ''}"
         )
+
+
+# ------------------------------------------------------------------ the format's pieces
+def optimizer_settings(optimizer: Optimizer | None) -> list[dict[str, Any]]:
+    if optimizer is None:
+        return []
+    out = []
+    for group in optimizer.param_groups:
+        out.append(
+            {
+                k: (v.item() if isinstance(v, Tensor) else v)
+                for k, v in group.items()
+                if k != "params" and (v is None or isinstance(v, _SETTING_TYPES))
+            }
+        )
+    return out
+
+
+def restore_optimizer_settings(optimizer: Optimizer, saved: list[dict[str, Any]]) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved)} param groups, this one "
+            f"{len(optimizer.param_groups)}"
+        )
+    for group, settings in zip(optimizer.param_groups, saved):
+        for key, value in settings.items():
+            if isinstance(group.get(key), tuple) and isinstance(value, list):
+                value = tuple(value)
+            if isinstance(group.get(key), Tensor):
+                group[key].fill_(value)
+            else:
+                group[key] = value
+
+
+def fresh_optimizer_state(
+    md: Mapping[str, Any],
+    name: str,
+    like: Tensor,
+    ndim: int,
+    view: Callable[[Tensor], Any],
+    target: dict[str, Any],
+) -> dict[str, Tensor]:
+    """Optimizer state for parameter ``name`` as the checkpoint's index lists it, zero-filled for
+    DCP to load into: element-wise entries (``ndim`` dims, like the parameter) shaped like
+    ``like`` (this rank's piece) and entered into ``target`` as ``view(entry)``; scalars (AdamW's
+    step) whole."""
+    state: dict[str, Tensor] = {}
+    prefix = f"optim.{name}."
+    for key, entry in md.items():
+        if not key.startswith(prefix) or not isinstance(entry, TensorStorageMetadata):
+            continue
+        skey = key[len(prefix) :]
+        if len(entry.size) == ndim and entry.size != torch.Size([]):
+            state[skey] = torch.zeros_like(like, dtype=entry.properties.dtype)
+            value = view(state[skey])
+        else:
+            state[skey] = torch.zeros(entry.size, dtype=entry.properties.dtype)
+            value = state[skey]
+        target.setdefault("optim", {}).setdefault(name, {})[skey] = value
+    return state
+
+
+# ------------------------------------------------------------------ one-process readers
+def read_extra(path: str | os.PathLike) -> Any:
+    """The ``extra`` a checkpoint was saved with (``None`` if none), on one process, no group:
+    for an N-D Trainer checkpoint, Lightning's own state (hyper-parameters, loops...)."""
+    try:
+        return pickle.loads(files.read_object(path, "extra"))
+    except KeyError:
+        return None
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, Tensor]:
+    """One plain ``state_dict`` (tied aliases included) from a sharded checkpoint, on one
+    process; saved with ``torch.save`` to ``out`` when given, atomically."""
+    state = files.read_full(path, "model.")
+    meta = json.loads(files.read_object(path, "meta"))
+    for alias, canonical in meta.get("aliases", {}).items():
+        state[alias] = state[canonical]
+    if out is not None:
+        out = os.fspath(out)
+        tmp = f"{out}.partial"
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    return state
