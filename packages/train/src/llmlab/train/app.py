@@ -162,17 +162,16 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             "precision=fp32, bf16_mixed or fp8"
         )
     if strategy.endswith("ParameterServerStrategy"):
-        from llmlab.parallel.data.parameter_server import ASYNC_CLIP_BY_NORM
+        from llmlab.parallel.data.parameter_server import async_clip_refusal
 
-        servers = OmegaConf.select(cfg, "strategy.num_servers", default=1)
-        mode = OmegaConf.select(cfg, "strategy.mode", default="sync")
-        algorithm = OmegaConf.select(cfg, "trainer.gradient_clip_algorithm", default=None)
-        clip = OmegaConf.select(cfg, "trainer.gradient_clip_val", default=None)
-        if mode == "async" and servers > 1 and clip and (algorithm or "norm") == "norm":
-            raise ConfigError(
-                f"trainer.gradient_clip_val={clip} with strategy.mode=async and "
-                f"strategy.num_servers={servers}: {ASYNC_CLIP_BY_NORM}"
-            )
+        refusal = async_clip_refusal(
+            OmegaConf.select(cfg, "strategy.mode", default="sync"),
+            OmegaConf.select(cfg, "strategy.num_servers", default=1),
+            OmegaConf.select(cfg, "trainer.gradient_clip_val", default=None),
+            OmegaConf.select(cfg, "trainer.gradient_clip_algorithm", default=None),
+        )
+        if refusal:
+            raise ConfigError(f"trainer.{refusal}")
     if strategy.endswith("DeepSpeedStrategy") and plugin.endswith(LLMLAB_PLUGINS):
         raise ConfigError(
             f"precision plugin {plugin.rsplit('.', 1)[-1]} with strategy=deepspeed is refused: "

@@ -62,10 +62,26 @@ from llmlab.parallel.precision.plugins import MasterWeightPrecision
 WIRE = torch.device("cpu")  # the PS group's device: gloo, see the module docstring
 
 MODES = ("sync", "async")
-ASYNC_CLIP_BY_NORM = (
-    "clipping by norm needs the whole model's gradient, but async servers step on their own "
-    "schedules, so none exists; valid: num_servers=1, mode=sync, or gradient_clip_algorithm=value"
-)
+
+
+def async_clip_refusal(
+    mode: str, num_servers: int, clip_val: float | None, clip_algorithm: str | None
+) -> str | None:
+    """Why these settings cannot train exactly, or ``None``: clipping by norm needs the whole
+    model's gradient, which several async servers, each on its own schedule, never have.
+    Lightning leaves ``gradient_clip_algorithm`` unset (``None``) for its default, norm."""
+    if mode != "async" or num_servers < 2 or not _clips_by_norm(clip_val, clip_algorithm):
+        return None
+    return (
+        f"gradient_clip_val={clip_val} with mode=async and num_servers={num_servers}: clipping "
+        "by norm needs the whole model's gradient, but async servers step on their own "
+        "schedules, so none exists; valid: num_servers=1, mode=sync, or "
+        "gradient_clip_algorithm=value"
+    )
+
+
+def _clips_by_norm(clip_val: float | None, clip_algorithm: str | None) -> bool:
+    return bool(clip_val) and (clip_algorithm or "norm") == "norm"
 
 
 def assign_shards(numels: list[int], num_servers: int) -> list[list[int]]:
@@ -137,11 +153,11 @@ class ParameterServerStrategy(DDPStrategy):
                 f"{type(self.precision_plugin).__name__} ({self.precision_plugin.precision}); "
                 "valid: precision=fp32 (32-true), bf16_mixed (autocast) or fp8"
             )
-        if _clips_by_norm(trainer) and self.mode == "async" and self.num_servers > 1:
-            raise ValueError(
-                f"gradient_clip_val={trainer.gradient_clip_val} with {self.num_servers} async "
-                f"servers: {ASYNC_CLIP_BY_NORM}"
-            )
+        refusal = async_clip_refusal(
+            self.mode, self.num_servers, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        )
+        if refusal:
+            raise ValueError(refusal)
         super().setup(trainer)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -313,7 +329,9 @@ class ParameterServerStrategy(DDPStrategy):
         if self.mode == "sync":  # every server is here for the same step: one whole norm
             total = global_grad_norm(grads, [1.0] * len(grads), [self._servers])
             self._grad_norm = float(total)
-        if _clips_by_norm(trainer) and self.mode == "sync":
+        if self.mode == "sync" and _clips_by_norm(
+            trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        ):
             clip_by_total_norm_(grads, total, float(trainer.gradient_clip_val))
         elif trainer.gradient_clip_val:  # by value, or one async server: all it steps is here
             self.lightning_module.clip_gradients(
@@ -376,11 +394,6 @@ class ParameterServerStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         self._sync_from_owners()
         super().on_train_end()
-
-
-def _clips_by_norm(trainer: Any) -> bool:
-    """Lightning leaves ``gradient_clip_algorithm`` unset (``None``) for its default: norm."""
-    return bool(trainer.gradient_clip_val) and (trainer.gradient_clip_algorithm or "norm") == "norm"
 
 
 def _with_version(tensors: list[Tensor], version: int) -> FlatBuffer:
