@@ -113,19 +113,25 @@ def test_saved_bytes_linear_for_recompute_quadratic_for_math_attention() -> None
         assert m > o, f"T={T}: math attention should save more than recompute attention"
 
 
-def test_recompute_attention_model_matches_standard() -> None:
+def _recompute_matches_standard(make, layers: int, x: torch.Tensor, **options) -> None:
+    """A model from ``make()`` with recompute attention against an identical one with the
+    standard attention: logits, and every parameter's gradient of a loss on them."""
     torch.manual_seed(0)
-    ref = GPT(GPTConfig(**SMALL))
-    ours = GPT(GPTConfig(**SMALL))
+    ref = make()
+    ours = make()
     ours.load_state_dict(ref.state_dict())
-    assert use_recompute_attention(ours) == len(ours.blocks)  # one attention per block
-    x = torch.randint(0, 64, (2, 96))
+    assert use_recompute_attention(ours, **options) == layers  # one attention per block
     a, b = ref(x), ours(x)
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     a.square().mean().backward()
     b.square().mean().backward()
     for (n, p), q in zip(ref.named_parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_recompute_attention_model_matches_standard() -> None:
+    x = torch.randint(0, 64, (2, 96))
+    _recompute_matches_standard(lambda: GPT(GPTConfig(**SMALL)), SMALL["n_layer"], x)
 
 
 def test_recompute_attention_llama_with_grouped_query_attention_matches_standard() -> None:
@@ -137,18 +143,8 @@ def test_recompute_attention_llama_with_grouped_query_attention_matches_standard
         vocab_size=64, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
         intermediate_size=64,
     )  # fmt: skip
-    torch.manual_seed(0)
-    ref = Llama(config)
-    ours = Llama(config)
-    ours.load_state_dict(ref.state_dict())
-    assert use_recompute_attention(ours, block_size=16) == config.n_layer
     x = torch.randint(0, 64, (2, 48))
-    a, b = ref(x), ours(x)
-    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-    a.square().mean().backward()
-    b.square().mean().backward()
-    for (n, p), q in zip(ref.named_parameters(), ours.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=n)
+    _recompute_matches_standard(lambda: Llama(config), config.n_layer, x, block_size=16)
 
 
 def test_activation_checkpointing_saved_bytes_factor_and_exact_grads() -> None:
