@@ -385,6 +385,27 @@ def _fp16_master_cases() -> list[dict]:
     ]  # fmt: skip
 
 
+def _llama_cases() -> list[dict]:
+    """Llama GQA at PP × TP = 2 × 2, interleaved (two chunks per rank), every block wrapped by
+    activation checkpointing: saved sharded at step 5, resumed as is and as DP × TP ZeRO-1."""
+    layout = dict(
+        pipeline=2,
+        tensor=2,
+        schedule="interleaved",
+        microbatches=2,
+        transforms=dict(activation_checkpointing=1),
+        sharded_checkpoints=True,
+    )
+    return [
+        {"name": "ll-full", "layout": layout, "model": LLAMA},
+        {"name": "ll-half", "layout": layout, "model": LLAMA, "steps": HALF,
+         "save": "ll-half.ckpt"},
+        {"name": "ll-resumed", "layout": layout, "model": LLAMA, "resume": "ll-half.ckpt"},
+        {"name": "ll-dp2tp2-zero1", "layout": dict(data=2, tensor=2, zero=1), "model": LLAMA,
+         "resume": "ll-half.ckpt"},
+    ]  # fmt: skip
+
+
 def _plain_gpt(state: dict):
     from llmlab.models import GPT, GPTConfig
 
@@ -464,6 +485,7 @@ def test_2x2x2_zero1_sharded_checkpoint_resumes_in_other_layouts_and_consolidate
         {"name": "2x1x2-zero3", "layout": dict(data=2, tensor=2, zero=3), "resume": "half.ckpt"},
         {"name": "4x1x1-zero2", "layout": dict(data=4, zero=2), "resume": "half.ckpt"},
         *_fp16_master_cases(),
+        *_llama_cases(),
     ]  # fmt: skip
     full = results[0]["full"]  # every rank logs the global loss and norm
     results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
@@ -476,6 +498,12 @@ def test_2x2x2_zero1_sharded_checkpoint_resumes_in_other_layouts_and_consolidate
         for name, uninterrupted in (("fp16-resumed", "fp16-full"), ("fp16-zero1", "fp16d-full")):
             _close(r[name]["losses"], r[uninterrupted]["losses"][HALF:], name, tol=RESUME_TOL)
             _close(r[name]["norms"], r[uninterrupted]["norms"][HALF:], name, tol=RESUME_TOL)
+        # Llama (untied, GQA), interleaved virtual stages, checkpoint-wrapped blocks: resumed as
+        # is (exact) and as data × tensor with ZeRO-1 (the Llama N-D test's 1e-5 on losses).
+        for name in ("ll-resumed", "ll-dp2tp2-zero1"):
+            tol = RESUME_TOL if name == "ll-resumed" else TOL
+            _close(r[name]["losses"], r["ll-full"]["losses"][HALF:], name, tol=tol)
+        _close(r["ll-resumed"]["norms"], r["ll-full"]["norms"][HALF:], "ll norms", tol=RESUME_TOL)
         assert r["fp16-full"]["loss_scale"] > 2.0**16  # the scale grew: its state matters
         assert r["fp16-resumed"]["loss_scale"] == r["fp16-full"]["loss_scale"]
 
