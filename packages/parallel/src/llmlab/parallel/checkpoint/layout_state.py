@@ -215,10 +215,11 @@ class LayoutState:
         files.save(self.state_dict(optimizers, extra), path, self.group)
 
     # ------------------------------------------------------------------------ loading
-    def load(self, path: Any, optimizers: Sequence[Optimizer] = ()) -> Any:
+    def load(self, path: Any, optimizers: Sequence[Optimizer] = ()) -> None:
         """Fill this rank's tensors (and fresh optimizer state) from ``path``, whatever layout
-        wrote it; every rank calls. Returns the saved ``extra``. The caller refreshes what
-        follows the loaded values (ZeRO's compute parameters, a plugin's low-precision copies)."""
+        wrote it; every rank calls. The caller refreshes what follows the loaded values (ZeRO's
+        compute parameters, a plugin's low-precision copies) and reads ``extra`` if it wants it
+        (:func:`read_extra`: a Trainer reads it before its tensors exist)."""
         md = files.metadata(path).state_dict_metadata
         held, _ = self.held()
         owner = _owners(optimizers)
@@ -251,8 +252,6 @@ class LayoutState:
                 )
                 created.append((opt, h.optimizer_param, state))  # type: ignore[arg-type]
         _refuse_mismatch(md, asked, problems, path, self.group)
-        if "extra" in md:
-            target["extra"] = None
         files.load(target, path, self.group)
         for opt, param, state in created:
             if state:
@@ -261,7 +260,6 @@ class LayoutState:
         saved_groups = meta.get("optimizers") or [meta.get("param_groups", [])]
         for opt, settings in zip(optimizers, saved_groups):
             restore_optimizer_settings(opt, settings)
-        return pickle.loads(target["extra"]) if target.get("extra") is not None else None
 
 
 class _Spread:

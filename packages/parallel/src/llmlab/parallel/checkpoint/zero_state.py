@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from llmlab.parallel.checkpoint.layout_state import LayoutState
+from llmlab.parallel.checkpoint.layout_state import LayoutState, read_extra
 from llmlab.parallel.data.zero import ZeroEngine
 
 
@@ -48,6 +48,6 @@ def load_zero(
     The optimizer (already rewired) gets fresh state tensors shaped like this rank's pieces,
     filled from disk, and its param groups' settings (learning rate...) are restored.
     """
-    extra = _layout_state(engine).load(path, [optimizer] if optimizer is not None else [])
+    _layout_state(engine).load(path, [optimizer] if optimizer is not None else [])
     engine.refresh_params()
-    return extra
+    return read_extra(path)
