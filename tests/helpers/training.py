@@ -40,11 +40,9 @@ def _data_replicas(strategy: Any) -> tuple[int, Any]:
     if hasattr(strategy, "num_servers"):  # parameter server: servers return a zero loss
         return 1, None  # rank 0 is a worker; with one worker its loss is the global one
     if hasattr(strategy, "dims"):  # the N-D strategy: a pipeline returns the global loss
-        if getattr(strategy, "pipeline", 1) > 1:
+        if strategy.dims.pipeline > 1:
             return 1, None
         return strategy.dims.data, strategy.groups.data
-    if getattr(strategy, "tensor", 1) > 1:
-        return 1, None
     return dist.get_world_size(), None
 
 
@@ -64,7 +62,7 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
     total = torch.zeros((), dtype=torch.float64)
     parallel = getattr(strategy, "parallel", None)
     if parallel is not None and getattr(strategy, "zero_engine", None) is None:
-        d, _, t = strategy.groups.coords
+        d, t = strategy.groups.coords.data, strategy.groups.coords.tensor
         duplicates = {id(p) for p in parallel.duplicates}
         for p in params:
             owner = model_of.get(id(p), p)
@@ -103,7 +101,7 @@ def fit(
     import lightning as L
     import torch.distributed as dist
 
-    from llmlab.parallel.strategy import hand_transforms
+    from llmlab.parallel.parallelize import hand_transforms
     from llmlab.train.task import CausalLMTask
     from llmlab.train.telemetry import TrainingTelemetry
 

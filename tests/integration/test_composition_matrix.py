@@ -57,8 +57,8 @@ def _fit_cell(cell: Cell) -> dict:
 
     cfg = compose_config(cell.overrides())
     OmegaConf.set_struct(cfg, False)
-    validate_config(cfg)
-    strategy = build_strategy(cfg)
+    run = validate_config(cfg)
+    strategy = build_strategy(cfg, run.transforms)
     precision, plugins = build_precision(cfg)
     run = fit(
         strategy,
@@ -67,7 +67,7 @@ def _fit_cell(cell: Cell) -> dict:
         steps=STEPS,
         plugins=plugins,
         precision=precision,
-        prepare=lambda s, task: hand_model_transforms(cfg, s, task),
+        prepare=lambda s, task: hand_model_transforms(cfg, s, task, run.transforms),
     )
     return {k: run[k] for k in ("losses", "norms", "master_norm")}
 

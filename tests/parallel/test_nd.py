@@ -75,7 +75,7 @@ def fit(
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             loss = outputs["loss"].detach().float().clone()
             s = trainer.strategy
-            if getattr(s, "pipeline", 1) == 1 and devices > 1 and s.dims.data > 1:
+            if devices > 1 and s.dims.pipeline == 1 and s.dims.data > 1:
                 dist.all_reduce(loss, group=s.groups.data)
                 loss /= s.dims.data
             losses.append(float(loss))
@@ -170,7 +170,7 @@ def _check_final_weights(path: Path, reference: dict) -> None:
         torch.testing.assert_close(plain(x), ref(x), atol=1e-4, rtol=0)
 
 
-def _analytical_comm(coords: tuple[int, int, int], sp: bool, m: int) -> dict[str, float]:
+def _analytical_comm(coords, sp: bool, m: int) -> dict[str, float]:
     """Payload bytes one rank sends per step at DP × PP × TP = 2 × 2 × 2, 1F1B (README).
 
     b = rows per replica, L = blocks per stage (2), C, V, T; fp32 (4 bytes).
@@ -180,7 +180,7 @@ def _analytical_comm(coords: tuple[int, int, int], sp: bool, m: int) -> dict[str
     shards), and both all-reduce their copy of the tied embedding shard (V/tp × C).
     dp: one all-reduce of every held gradient.
     """
-    _, stage, _ = coords
+    stage = coords.pipeline
     tp, b, L, C, V = 2, BATCH // 2, MODEL["n_layer"] // 2, MODEL["n_embd"], MODEL["vocab_size"]
     act = b * T * C * 4
     loss = 3 * b * T * 4

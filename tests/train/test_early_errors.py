@@ -1,5 +1,6 @@
 """Mistakes end in one ``error:`` line before any process, run dir or W&B run exists; options
-mean what their config comments say. Each runs ``python -m llmlab.train`` as a user would."""
+mean what their config comments say. Each runs ``python -m llmlab.train`` as a user would. (A
+layout the world, the heads or the batch cannot take: tests/parallel/test_layout_errors.py.)"""
 
 from __future__ import annotations
 
@@ -30,12 +31,6 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *fragments: str) 
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
     return errors[0]
-
-
-def test_a_tensor_degree_that_does_not_divide_the_heads_fails_before_any_process(tmp_path):
-    result = run_train(["experiment=gpt_tp2", "model.n_head=3", "model.n_embd=48"], tmp_path)
-    assert_one_error_line(result, "model.n_head=3 is not divisible by strategy.tensor=2")
-    assert not (tmp_path / "gpt_tp2").exists()  # no run dir, so no W&B run either
 
 
 def test_a_damaged_checkpoint_is_named_before_the_run_dir_exists(tmp_path):

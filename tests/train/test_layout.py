@@ -1,75 +1,102 @@
-"""The parallel layout is checked from the config alone: world, batch split, model shape."""
+"""The parallel layout is checked from the config alone: world, batch split, model shape.
+
+One function judges a layout (``llmlab.parallel.mesh.check_layout``); the app reaches it through
+the strategy's own ``check_config``, with the model built on the ``meta`` device.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from llmlab.parallel.mesh import ParallelDims, check_layout, layout_problems
+from llmlab.parallel.preflight import RunConfig, check_strategy_config
 from llmlab.train.app import ConfigError, compose_config, experiments_dir, validate_config
-from llmlab.train.layout import Layout, layout_from_config, layout_problems, spelling_of
+
+
+def _gpt(**fields):
+    from llmlab.models import GPT, GPTConfig
+
+    config = dict(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=16) | fields
+    with torch.device("meta"):
+        return GPT(GPTConfig(**config))
 
 
 def test_both_spellings_of_the_pipeline_degree_read_the_same():
-    nd = {"data": 2, "pipeline": 2, "tensor": 1, "virtual_stages": 2, "microbatches": 4}
-    today = {"stages": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": None}
-    expected = Layout(world_size=4, pipeline=2, virtual_stages=2, microbatches=4)
-    assert layout_from_config(nd, 4) == Layout(**{**vars(expected), "data": 2})
-    assert layout_from_config(today, 4) == expected  # interleaved: 2 chunks per rank
-    assert spelling_of(today) == {"pipeline": "strategy.stages"} and spelling_of(nd) == {}
-    with pytest.raises(ValueError, match=r"strategy.pipeline=2 and strategy.stages=4"):
-        layout_from_config({"pipeline": 2, "stages": 4}, 8)
+    from llmlab.parallel.pipeline.preset import PipelineStrategy
+    from llmlab.parallel.strategy import NDParallelStrategy
+
+    nd = NDParallelStrategy(data=2, pipeline=2, microbatches=4, schedule="interleaved")
+    preset = PipelineStrategy(stages=2, microbatches=4, schedule="interleaved")
+    assert preset.requested == ParallelDims(
+        data=None, pipeline=2, microbatches=4, schedule="interleaved", virtual_stages=2
+    )  # interleaved: 2 chunks per rank
+    assert nd.requested.resolve(4) == preset.requested.resolve(4)
+    with pytest.raises(ValueError, match=r"pipeline=4 and stages=2 are two spellings"):
+        PipelineStrategy(stages=2, pipeline=4)
 
 
 def test_a_strategy_without_layout_keys_is_data_parallel_over_the_world():
-    assert layout_from_config({"find_unused_parameters": False}, 2, num_nodes=2) == Layout(4)
-    assert Layout(4).data_parallel == 4
-    ps = layout_from_config({"num_servers": 1, "mode": "sync"}, 3)
-    assert ps.data_parallel == 2  # the server holds no data
-    assert layout_problems(ps, global_batch=32) == []
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from llmlab.parallel.data import ParameterServerStrategy
+
+    check_strategy_config(DDPStrategy, {"find_unused_parameters": False}, RunConfig(4, 32))
+    with pytest.raises(ValueError, match=r"global batch 30 is not divisible by data \(4\)"):
+        check_strategy_config(DDPStrategy, {}, RunConfig(4, 30))
+    ps = {"num_servers": 1, "mode": "sync"}
+    check_strategy_config(ParameterServerStrategy, ps, RunConfig(3, 32))  # 2 workers
+    with pytest.raises(ValueError, match=r"global batch 33 is not divisible by data \(2\)"):
+        check_strategy_config(ParameterServerStrategy, ps, RunConfig(3, 33))  # servers: no data
 
 
 @pytest.mark.parametrize(
-    "layout, kwargs, message",
+    "dims, kwargs, message",
     [
-        (Layout(4, data=2, tensor=2, pipeline=2), {},
-         "strategy.data (2) × strategy.pipeline (2) × strategy.tensor (2) = 8 ranks, but "
-         "trainer.devices × trainer.num_nodes = 4"),
-        (Layout(3, tensor=2), {}, "trainer.devices × trainer.num_nodes = 3 is not divisible by "
-         "strategy.pipeline (1) × strategy.tensor (2) = 2"),
-        (Layout(4, pipeline=2, microbatches=4), {"global_batch": 20},
-         "data.batch_size=20 (global) cannot be split into 2 data-parallel replica(s) × 4 "
-         "micro-batches = 8 equal parts; use a multiple of 8"),
-        (Layout(3), {"global_batch": 32}, "data.batch_size=32 (global) cannot be split into 3 "
-         "data-parallel replica(s) = 3 equal parts"),
-        (Layout(2, pipeline=2, virtual_stages=4), {"pipeline_layers": 6},
-         "the model has 6 pipeline layers (model.pipeline_layers()), fewer than strategy.pipeline "
-         "(2) × strategy.virtual_stages (4) = 8 stages"),
-        (Layout(2, tensor=2), {"tensor_divisors": {"n_head": 3, "n_embd": 48}},
-         "model.n_head=3 is not divisible by strategy.tensor=2"),
-        (Layout(2, tensor=0), {}, "strategy.tensor=0 must be a positive integer"),
+        (ParallelDims(data=2, tensor=2, pipeline=2), {"world_size": 4},
+         "data (2) × pipeline (2) × tensor (2) = 8, but the world size is 4"),
+        (ParallelDims(data=None, tensor=2), {"world_size": 3},
+         "world size 3 is not divisible by pipeline (1) × tensor (2) = 2"),
+        (ParallelDims(data=None, pipeline=2, microbatches=4), {"world_size": 4, "global_batch": 20},
+         "global batch 20 is not divisible by data (2) × microbatches (4) = 8; use a multiple of "
+         "8"),
+        (ParallelDims(data=None), {"world_size": 3, "global_batch": 32},
+         "global batch 32 is not divisible by data (3); use a multiple of 3"),
+        (ParallelDims(pipeline=2, schedule="interleaved", virtual_stages=4, microbatches=4),
+         {"model": _gpt()},
+         "the model has 6 pipeline layers, fewer than pipeline (2) × virtual stages (4) = 8"),
+        (ParallelDims(tensor=2), {"model": _gpt(n_head=3, n_embd=48)},
+         "model.n_head=3 is not divisible by tensor=2"),
     ],
 )  # fmt: skip
-def test_each_layout_problem_names_its_numbers(layout, kwargs, message):
-    problems = layout_problems(layout, **kwargs)
+def test_each_layout_problem_names_its_numbers(dims, kwargs, message):
+    problems = layout_problems(dims, **kwargs)
     assert any(message in p for p in problems), problems
+    with pytest.raises(ValueError, match=r"^this layout cannot run: "):
+        check_layout(dims, **kwargs)
+
+
+def test_bad_sizes_are_refused_when_the_layout_is_built():
+    with pytest.raises(ValueError, match=r"tensor=0 must be a positive integer"):
+        ParallelDims(tensor=0)
 
 
 def test_a_layout_that_fits_has_no_problems():
-    layout = Layout(8, data=2, pipeline=2, tensor=2, virtual_stages=2, microbatches=4)
-    divisors = {"n_head": 4, "n_embd": 128, "vocab_size": 256}
-    assert layout_problems(layout, 32, pipeline_layers=6, tensor_divisors=divisors) == []
+    dims = ParallelDims(data=2, pipeline=2, tensor=2, schedule="interleaved", microbatches=4)
+    assert layout_problems(dims, 8, _gpt(), 32) == []
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["experiment=gpt_tp2", "model.n_head=3", "model.n_embd=48"],
-         r"^model.n_head=3 is not divisible by strategy.tensor=2$"),
+         r"^this layout cannot run: model.n_head=3 is not divisible by tensor=2$"),
         (["experiment=gpt_tp2", "model.n_layer=2", "+model.vocab_size=255"],
-         r"model.vocab_size=255 is not divisible by strategy.tensor=2"),
+         r"model.vocab_size=255 is not divisible by tensor=2"),
         (["experiment=gpt_pp2_gpipe", "model.n_layer=1", "strategy.stages=4", "trainer.devices=4"],
-         r"the model has 3 pipeline layers .* fewer than strategy.stages \(4\)"),
+         r"the model has 3 pipeline layers, fewer than pipeline \(4\)"),
         (["experiment=gpt_pp2_dp2", "data.batch_size=12"], r"use a multiple of 8"),
-        (["experiment=gpt_tp2_dp2", "trainer.devices=2"], r"= 4 ranks, but trainer.devices"),
+        (["experiment=gpt_tp2_dp2", "trainer.devices=2"], r"= 4, but the world size is 2"),
         (["experiment=resnet50_pp2", "strategy.stages=8", "trainer.devices=8"],
          r"the model has 6 pipeline layers"),
     ],

@@ -111,8 +111,8 @@ def _gpt_dp_pp_cases(rank: int, world: int, n_layer: int, data: int, cases):
     """``data`` pipeline replicas of ``world // data`` stages; replica d runs rows d·B/data..."""
     dims = ParallelDims(data=data, pipeline=world // data)
     groups = build_process_groups(dims)
-    dp, stage, _ = dims.coords(rank)
-    pipelines = [[dims.rank_of(d, s, 0) for s in range(dims.pipeline)] for d in range(data)]
+    dp, stage = dims.coords(rank)[:2]
+    pipelines = [[dims.rank_of(d, s) for s in range(dims.pipeline)] for d in range(data)]
     x, y = token_batch()
     share = x.shape[0] // data
     xs, ys = x[dp * share : (dp + 1) * share], y[dp * share : (dp + 1) * share]

@@ -56,15 +56,16 @@ def test_strategy_checks_batch_size_and_schedule_arguments():
         PipelineStrategy(stages=4, microbatches=6, schedule="interleaved")
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
         PipelineStrategy(stages=2, schedule="pipedream")
-    from llmlab.parallel.parallelize import Layout, check_layout
+    from llmlab.parallel.mesh import check_layout
 
-    layout = Layout(ParallelDims(data=2, pipeline=2), microbatches=4)
+    layout = ParallelDims(data=2, pipeline=2, microbatches=4)
     with pytest.raises(ValueError, match=r"global batch 12 is not divisible by data \(2\) × "
                        r"microbatches \(4\) = 8"):  # fmt: skip
-        check_layout(tiny(), layout, global_batch=12)
+        check_layout(layout, model=tiny(), global_batch=12)
+    interleaved = ParallelDims(pipeline=2, schedule="interleaved", virtual_stages=3, microbatches=2)
     with pytest.raises(ValueError, match=r"4 pipeline layers, fewer than pipeline \(2\) × "
                        r"virtual stages \(3\)"):  # fmt: skip
-        check_layout(tiny(), Layout(ParallelDims(pipeline=2), virtual_stages=3))
+        check_layout(interleaved, model=tiny())
 
 
 def test_explicit_and_balanced_boundaries():

@@ -198,7 +198,7 @@ def tp2_checks(rank: int, world_size: int, ckpt: str) -> list[int]:
     return _greedy(model, PROMPT, 8, group)
 
 
-def tp4_and_dp_checks(rank: int, world_size: int) -> None:
+def tp4_and_dp_checks(rank: int, world_size: int) -> tuple[int, list[int], list[int]]:
     from llmlab.parallel import ParallelDims, build_process_groups
     from llmlab.parallel.buffers import all_reduce_mean_
     from llmlab.parallel.tensor import (
@@ -240,6 +240,7 @@ def tp4_and_dp_checks(rank: int, world_size: int) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.testing.assert_close(global_loss / 2, ref_loss, **TOL)
+    return dist.get_world_size(groups.tensor), groups.tensor_ranks, groups.data_ranks
 
 
 @pytest.mark.distributed
@@ -254,7 +255,10 @@ def test_gpt_tp2_exact_counted_and_checkpoint_decodes_alike(tmp_path: Path) -> N
 
 @pytest.mark.distributed
 def test_gpt_tp4_exact_and_dp2_tp2_curve() -> None:
-    run_distributed(tp4_and_dp_checks, 4)
+    out = run_distributed(tp4_and_dp_checks, 4)
+    # build_process_groups(data=2, tensor=2) on four ranks: tensor innermost
+    assert out[0] == (2, [0, 1], [0, 2])
+    assert out[3] == (2, [2, 3], [1, 3])
 
 
 def test_misconfiguration_names_the_numbers() -> None:

@@ -192,7 +192,7 @@ def test_fp16_master_weights_train_the_shards_under_tensor_parallel(tmp_path: Pa
 def test_layout_mismatch_fails_before_training() -> None:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from llmlab.parallel.parallelize import Layout, check_layout
+    from llmlab.parallel.mesh import check_layout
     from llmlab.parallel.tensor import TensorParallelStrategy
 
     def dims(world: int, **kwargs):
@@ -209,7 +209,7 @@ def test_layout_mismatch_fails_before_training() -> None:
     with pytest.raises(
         ValueError, match=r"n_head=6 is not divisible by tensor=4.*vocab_size=66 is not"
     ):
-        check_layout(model, Layout(dims(4, tensor=4)))
+        check_layout(dims(4, tensor=4), model=model)
 
 
 def GPT_like(**fields):

@@ -27,19 +27,6 @@ from torch import nn
 
 from llmlab.parallel.contracts import HasRepeatedBlocks, require
 
-# Strategies (the class name of a config's ``strategy._target_``, or a Lightning strategy name)
-# with which compile=true was run and matched eager training (tests/parallel/test_compile.py).
-# Not listed, so refused: TensorParallelStrategy (measured: its sharded blocks recompile until
-# dynamo's recompile_limit and then silently run eager), PortableDeepSpeedStrategy and
-# ParameterServerStrategy (not checked).
-COMPILE_STRATEGIES = (
-    "auto",
-    "ddp",
-    "DDPStrategy",
-    "BucketedDataParallelStrategy",
-    "PipelineStrategy",
-    "NDParallelStrategy",
-)
 COMPILE_WITH_TENSOR = (
     "compile=true with tensor parallelism is refused: its sharded blocks recompile until "
     "dynamo's recompile_limit and then silently run eager (measured); use tensor=1 or "
@@ -68,13 +55,13 @@ def compile_loss(loss_fn: Callable[..., torch.Tensor], **options: Any) -> Callab
     return torch.compile(loss_fn, **options)
 
 
-def compile_refusal(strategy: str) -> str | None:
-    """Why ``compile=true`` is refused with ``strategy`` (a ``_target_`` or a name), or None."""
-    name = strategy.rsplit(".", 1)[-1] if strategy else "auto"
-    if name in COMPILE_STRATEGIES:
-        return None
+def compile_refusal(strategy: str) -> str:
+    """Why ``compile=true`` is refused with ``strategy``: each strategy's ``check_config`` says
+    whether compile was checked with it (one process, DDP, bucketed and the N-D strategy without
+    tensor parallelism were, in tests/parallel/test_compile.py; tensor parallelism recompiles its
+    sharded blocks until dynamo's recompile_limit and then silently runs eager, measured)."""
     return (
-        f"compile=true is not supported with strategy {name}: only auto (one process), ddp, "
+        f"compile=true is not supported with strategy {strategy}: only auto (one process), ddp, "
         "bucketed and pipeline were checked to match eager training; use one of those, or "
         "compile=false"
     )

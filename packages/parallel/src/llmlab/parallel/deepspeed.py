@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import _DEEPSPEED_AVAILABLE
+
+from llmlab.parallel.compile import compile_refusal
+from llmlab.parallel.preflight import RunConfig, check_data_parallel
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
@@ -111,6 +115,23 @@ class PortableDeepSpeedStrategy(DeepSpeedStrategy):
         if offloading:
             # Offload with the task's torch optimizer (not DeepSpeedCPUAdam, which JIT-compiles).
             self.config.setdefault("zero_force_ds_cpu_optimizer", False)
+
+    @classmethod
+    def check_config(cls, options: Mapping[str, Any], run: RunConfig) -> None:
+        """No precision plugin (DeepSpeed's engine steps the optimizer in its own precision, so
+        a plugin's fp32 masters or fp8 layers would not be what trains), no compile (not
+        checked); the global batch split over every rank. Its own settings are checked when it
+        is built (:func:`validate_deepspeed_settings`)."""
+        if run.plugin is not None:
+            raise ValueError(
+                f"precision plugin {run.plugin.__name__} with strategy=deepspeed is refused: "
+                "DeepSpeed's engine steps the optimizer in its own precision (its config's bf16 "
+                "/ fp16), so the plugin's fp32 masters or fp8 layers would not be what trains; "
+                "valid with deepspeed: precision=fp32 or bf16_mixed"
+            )
+        if run.transforms.compile:
+            raise ValueError(compile_refusal(cls.__name__))
+        check_data_parallel(run)
 
     @property
     def on_cuda(self) -> bool:

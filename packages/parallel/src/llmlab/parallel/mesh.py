@@ -1,81 +1,263 @@
-"""``ParallelDims``: one validated (data × pipeline × tensor) layout and its process groups.
+"""``ParallelDims``: the one validated layout (data × pipeline × context × tensor), and its groups.
 
 Ranks are laid out with tensor parallelism innermost (neighbouring ranks share a tensor-parallel
-group, as Megatron-LM does, so the chattiest collectives stay closest), then pipeline, then data:
+group, as Megatron-LM does, so the chattiest collectives stay closest), then context, then
+pipeline, then data -- the order of a ``DeviceMesh`` of shape ``(data, pipeline, context, tensor)``:
 
-    rank = (dp_index * pipeline + pp_index) * tensor + tp_index
+    rank = ((dp · pipeline + pp) · context + cp) · tensor + tp
 
-Every strategy builds its groups from here, so a layout is checked once, with a message that
-names the numbers, before any work starts.
+A layout is built once from the strategy's options (``NDParallelStrategy`` builds it from its
+arguments; the app's config check builds it through the strategy's ``check_config``) and every
+caller -- the app, the strategy, ``parallelize_model`` -- judges it with :func:`check_layout`, the
+one function that raises a :class:`LayoutError`. So a layout that cannot run on this world, this
+batch or this model is refused with the same message wherever it is found first, naming the
+numbers, before any work starts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
+from torch import nn
+
+from llmlab.parallel.contracts import (
+    PipelineSplittable,
+    TensorParallelShardable,
+    require,
+    tensor_parallel_problems,
+)
+from llmlab.parallel.pipeline.schedules import validate_schedule_args
+
+DIMS = ("data", "pipeline", "context", "tensor")  # outermost first; tensor innermost
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run here: every problem found, each naming its numbers."""
+
+
+class Coords(NamedTuple):
+    """One rank's index along each dimension."""
+
+    data: int
+    pipeline: int
+    context: int
+    tensor: int
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the data, pipeline and tensor dimensions; their product is the world size."""
+    """The sizes of the four dimensions, and how the pipeline and tensor dimensions run.
 
-    data: int = 1
+    ``data=None`` takes whatever the world leaves: :meth:`resolve` fills it in. ``context`` is a
+    dimension of the mesh already; context parallelism itself (ring attention) is not built yet,
+    so ``context > 1`` is refused. ``microbatches`` defaults to 4 with a pipeline, else 1;
+    ``virtual_stages`` to 2 for the interleaved schedule, else 1. ``boundaries``: the first layer
+    index of every virtual stage after the first (``None``: balanced by parameter count).
+    """
+
+    data: int | None = 1
     pipeline: int = 1
+    context: int = 1
     tensor: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    boundaries: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("data", "pipeline", "tensor"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelDims.{name} must be a positive integer, got {value!r}")
+        if self.microbatches is None:
+            pipelined = isinstance(self.pipeline, int) and self.pipeline > 1
+            object.__setattr__(self, "microbatches", 4 if pipelined else 1)
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", 2 if self.schedule == "interleaved" else 1)
+        if self.boundaries is not None:
+            object.__setattr__(self, "boundaries", tuple(self.boundaries))
+        object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel))
+        check_layout(self)
+
+    # ------------------------------------------------------------------ the world
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one copy of the model: pipeline × context × tensor."""
+        return self.pipeline * self.context * self.tensor
 
     @property
     def world_size(self) -> int:
-        return self.data * self.pipeline * self.tensor
+        return self._data() * self.model_parallel
 
-    @classmethod
-    def infer(cls, world_size: int, pipeline: int = 1, tensor: int = 1) -> ParallelDims:
-        """Fill in the data dimension: ``world_size / (pipeline * tensor)``, which must divide."""
-        model_parallel = pipeline * tensor
-        if world_size % model_parallel != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by pipeline ({pipeline}) × tensor "
-                f"({tensor}) = {model_parallel}; use a world size that is a multiple of "
-                f"{model_parallel}, or change the pipeline/tensor degrees"
-            )
-        return cls(data=world_size // model_parallel, pipeline=pipeline, tensor=tensor)
+    def resolve(self, world_size: int) -> ParallelDims:
+        """This layout on ``world_size`` ranks: ``data`` filled in (or checked); raises the
+        :class:`LayoutError` of :func:`check_layout` when the numbers do not fit."""
+        check_layout(self, world_size=world_size)
+        return (
+            self if self.data is not None else replace(self, data=world_size // self.model_parallel)
+        )
 
-    def validate(self, world_size: int) -> None:
-        if self.world_size != world_size:
-            raise ValueError(
-                f"data ({self.data}) × pipeline ({self.pipeline}) × tensor ({self.tensor}) = "
-                f"{self.world_size}, but the world size is {world_size}"
-            )
+    def _data(self) -> int:
+        if self.data is None:
+            raise ValueError("ParallelDims(data=None) takes the world's size: call resolve() first")
+        return self.data
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(data, pipeline, tensor) indices of ``rank``."""
-        tp = rank % self.tensor
-        pp = (rank // self.tensor) % self.pipeline
-        dp = rank // (self.tensor * self.pipeline)
-        return dp, pp, tp
+    # ------------------------------------------------------------------ ranks
+    def coords(self, rank: int) -> Coords:
+        """(data, pipeline, context, tensor) indices of ``rank``."""
+        rank, tp = divmod(rank, self.tensor)
+        rank, cp = divmod(rank, self.context)
+        dp, pp = divmod(rank, self.pipeline)
+        return Coords(dp, pp, cp, tp)
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return (dp * self.pipeline + pp) * self.tensor + tp
+    def rank_of(self, data: int, pipeline: int, context: int = 0, tensor: int = 0) -> int:
+        return ((data * self.pipeline + pipeline) * self.context + context) * self.tensor + tensor
+
+    def sizes(self) -> dict[str, int]:
+        return {"data": self._data(), "pipeline": self.pipeline, "context": self.context,
+                "tensor": self.tensor}  # fmt: skip
 
     def group_ranks(self, dim: str) -> list[list[int]]:
-        """All groups along ``dim`` ("data", "pipeline" or "tensor"), each a list of ranks."""
-        sizes = {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor}
-        if dim not in sizes:
-            raise ValueError(f"unknown dimension {dim!r}; valid: {list(sizes)}")
+        """All groups along ``dim`` (one of :data:`DIMS`), each a list of ranks."""
+        if dim not in DIMS:
+            raise ValueError(f"unknown dimension {dim!r}; valid: {list(DIMS)}")
+        axis = DIMS.index(dim)
         groups: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.world_size):
-            dp, pp, tp = self.coords(rank)
-            key = {"data": (pp, tp), "pipeline": (dp, tp), "tensor": (dp, pp)}[dim]
-            groups.setdefault(key, []).append(rank)
+            coords = self.coords(rank)
+            groups.setdefault(coords[:axis] + coords[axis + 1 :], []).append(rank)
         return list(groups.values())
 
+    def pipeline_ranks(self, coords: Coords) -> list[int]:
+        """The ranks of the pipeline that ``coords`` belongs to, stage by stage."""
+        return [self.rank_of(coords.data, s, coords.context, coords.tensor)
+                for s in range(self.pipeline)]  # fmt: skip
 
+
+# ---------------------------------------------------------------------- the one check
+def layout_problems(
+    dims: ParallelDims,
+    world_size: int | None = None,
+    model: nn.Module | None = None,
+    global_batch: int | None = None,
+) -> list[str]:
+    """Why ``dims`` cannot run, one phrase per problem (empty when it can); see
+    :func:`check_layout`."""
+    sizes = {
+        "data": dims.data, "pipeline": dims.pipeline, "context": dims.context,
+        "tensor": dims.tensor, "microbatches": dims.microbatches,
+        "virtual_stages": dims.virtual_stages,
+    }  # fmt: skip
+    bad = [
+        f"{name}={value!r} must be a positive integer"
+        for name, value in sizes.items()
+        if not (value is None and name == "data") and not _positive(value)
+    ]
+    if bad:
+        return bad
+    problems: list[str] = []
+    if dims.context > 1:
+        problems.append(
+            f"context={dims.context}: context parallelism (ring attention) is not available "
+            "yet; use context=1"
+        )
+    if dims.sequence_parallel and dims.tensor == 1:
+        problems.append("sequence_parallel=true needs tensor > 1")
+    try:
+        validate_schedule_args(dims.schedule, dims.pipeline, dims.microbatches, dims.virtual_stages)
+    except ValueError as err:
+        problems.append(str(err))
+    data = dims.data
+    if world_size is not None:
+        problem, data = _world_problem(dims, world_size)
+        problems += [problem] if problem else []
+    if model is not None:
+        problems += _model_problems(dims, model)
+    if global_batch is not None and data:
+        split = data * dims.microbatches
+        if global_batch % split:
+            parts = f"data ({data})" + (
+                f" × microbatches ({dims.microbatches}) = {split}" if dims.microbatches > 1 else ""
+            )
+            problems.append(
+                f"global batch {global_batch} is not divisible by {parts}; use a multiple of "
+                f"{split} as the data module's batch_size"
+            )
+    return problems
+
+
+def check_layout(
+    dims: ParallelDims,
+    *,
+    world_size: int | None = None,
+    model: nn.Module | None = None,
+    global_batch: int | None = None,
+) -> None:
+    """Raise a :class:`LayoutError` listing every reason ``dims`` cannot run.
+
+    What is checked depends on what is given: the sizes and options alone always; the world
+    (``world_size``: trainer devices × nodes, or the process group's size); the model (through
+    its contracts: the tensor degree must divide ``tensor_parallel_divisors()``, every virtual
+    stage needs one of ``pipeline_layers()``; cheap on a model built on the ``meta`` device);
+    and the global batch, which must split into data × microbatches equal parts. A model that
+    lacks a contract the layout needs raises ``TypeError`` naming the missing method.
+    """
+    problems = layout_problems(dims, world_size, model, global_batch)
+    if problems:
+        raise LayoutError("this layout cannot run: " + "; ".join(problems))
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _product(dims: ParallelDims, with_data: bool) -> str:
+    """``data (2) × pipeline (2) × tensor (2)``: context only where it is used."""
+    names = ("data", "pipeline", "context", "tensor") if with_data else DIMS[1:]
+    return " × ".join(
+        f"{n} ({getattr(dims, n)})" for n in names if n != "context" or dims.context > 1
+    )
+
+
+def _world_problem(dims: ParallelDims, world: int) -> tuple[str | None, int | None]:
+    """The world-size problem, if any, and the data degree the world gives."""
+    mp = dims.model_parallel
+    fits = world >= mp and world % mp == 0
+    if dims.data is None:
+        if fits:
+            return None, world // mp
+        return (
+            f"world size {world} is not divisible by {_product(dims, False)} = {mp}; use a "
+            f"multiple of {mp} ranks (trainer devices × nodes) or other degrees"
+        ), None
+    if dims.data * mp == world:
+        return None, dims.data
+    hint = f"set data={world // mp} or change" if fits else "change"
+    return (
+        f"{_product(dims, True)} = {dims.data * mp}, but the world size is {world}; {hint} "
+        "the devices / nodes"
+    ), dims.data
+
+
+def _model_problems(dims: ParallelDims, model: nn.Module) -> list[str]:
+    problems = []
+    if dims.tensor > 1:
+        shardable = require(model, TensorParallelShardable, "tensor parallelism")
+        problems += [
+            f"model.{p}"
+            for p in tensor_parallel_problems(shardable.tensor_parallel_divisors(), dims.tensor)
+        ]
+    if dims.pipeline > 1:
+        layers = len(require(model, PipelineSplittable, "pipeline parallelism").pipeline_layers())
+        stages = dims.pipeline * dims.virtual_stages
+        if layers < stages:
+            problems.append(
+                f"the model has {layers} pipeline layers, fewer than pipeline ({dims.pipeline}) × "
+                f"virtual stages ({dims.virtual_stages}) = {stages}; every stage needs at least one"
+            )
+    return problems
+
+
+# ---------------------------------------------------------------------- process groups
 @dataclass
 class ProcessGroups:
     """This rank's process groups along each dimension (built collectively by every rank)."""
@@ -84,31 +266,42 @@ class ProcessGroups:
     rank: int
     data: dist.ProcessGroup | None = field(default=None, repr=False)
     pipeline: dist.ProcessGroup | None = field(default=None, repr=False)
+    context: dist.ProcessGroup | None = field(default=None, repr=False)
     tensor: dist.ProcessGroup | None = field(default=None, repr=False)
-    pipeline_ranks: list[int] = field(default_factory=list)
     data_ranks: list[int] = field(default_factory=list)
+    pipeline_ranks: list[int] = field(default_factory=list)
+    context_ranks: list[int] = field(default_factory=list)
     tensor_ranks: list[int] = field(default_factory=list)
 
     @property
-    def coords(self) -> tuple[int, int, int]:
+    def coords(self) -> Coords:
         return self.dims.coords(self.rank)
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        return {"data": self.data, "pipeline": self.pipeline, "context": self.context,
+                "tensor": self.tensor}[dim]  # fmt: skip
 
 
 def build_process_groups(dims: ParallelDims, backend: str | None = None) -> ProcessGroups:
     """Create every group of every dimension (``new_group`` is collective) and keep this rank's.
 
-    Call on all ranks after ``dist.init_process_group``; fails with the numbers when the layout
-    does not match the world size.
+    Call on all ranks after ``dist.init_process_group``; raises the :class:`LayoutError` of
+    :func:`check_layout` when the layout does not fit the world.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_process_groups needs torch.distributed to be initialised first")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dims.validate(world)
-    mine = ProcessGroups(dims=dims, rank=rank)
-    for dim in ("data", "pipeline", "tensor"):
+    dims = dims.resolve(dist.get_world_size())
+    mine = ProcessGroups(dims=dims, rank=dist.get_rank())
+    for dim in DIMS:
         for ranks in dims.group_ranks(dim):
             group = dist.new_group(ranks, backend=backend)
-            if rank in ranks:
-                setattr(mine, dim, group)
-                setattr(mine, f"{dim}_ranks", ranks)
+            if mine.rank in ranks:
+                if dim == "data":
+                    mine.data, mine.data_ranks = group, ranks
+                elif dim == "pipeline":
+                    mine.pipeline, mine.pipeline_ranks = group, ranks
+                elif dim == "context":
+                    mine.context, mine.context_ranks = group, ranks
+                else:
+                    mine.tensor, mine.tensor_ranks = group, ranks
     return mine

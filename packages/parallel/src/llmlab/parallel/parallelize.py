@@ -24,6 +24,7 @@ knows a model class.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +36,9 @@ from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_blocks, compile
 from llmlab.parallel.contracts import (
     TensorParallelShardable,
     require,
-    tensor_parallel_problems,
 )
 from llmlab.parallel.memory import apply_activation_checkpointing, use_recompute_attention
-from llmlab.parallel.mesh import ParallelDims, ProcessGroups
+from llmlab.parallel.mesh import ParallelDims, ProcessGroups, check_layout
 from llmlab.parallel.pipeline.stage import (
     StageModules,
     build_tie_groups,
@@ -66,6 +66,11 @@ class ModelTransforms:
     activation_checkpointing: int | None = None
     recompute_attention: int | None = None
     compile: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether any option changes the model (all off is the identity)."""
+        return self != ModelTransforms()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | ModelTransforms | None) -> ModelTransforms:
@@ -102,24 +107,12 @@ class ModelTransforms:
         return cls(activation_checkpointing=ac, recompute_attention=ra, compile=compile_)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where the model lives: the mesh's sizes and how the pipeline runs over it."""
-
-    dims: ParallelDims = field(default_factory=ParallelDims)
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-    boundaries: tuple[int, ...] | None = None
-
-
 @dataclass
 class ParallelModel:
     """What :func:`parallelize_model` produced on this rank."""
 
     model: nn.Module
-    layout: Layout
+    dims: ParallelDims
     transforms: ModelTransforms
     params: list[nn.Parameter]  # the parameters this rank holds and trains, each once
     stage: StageModules | None = None  # this rank's pipeline chunks (pipeline > 1)
@@ -136,40 +129,54 @@ class ParallelModel:
         """The loss the task must use from now on: the vocab-parallel one under tensor
         parallelism, else its own; compiled when the transforms say ``compile``."""
         loss = self.loss_fn or loss_fn
-        if self.transforms.compile and not getattr(loss, "_llmlab_compiled", False):
+        if self.transforms.compile and loss not in _COMPILED_LOSSES:
             loss = compile_loss(loss)
-            loss._llmlab_compiled = True  # type: ignore[attr-defined]
+            _COMPILED_LOSSES.add(loss)
         return loss
+
+
+# What parallelize_model did to each model (Lightning sets a strategy up again for validate after
+# fit: the second call returns the first result), and the losses it compiled, held weakly so
+# that neither outlives its object and nothing is written onto objects this module does not own.
+_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, ParallelModel] = weakref.WeakKeyDictionary()
+_COMPILED_LOSSES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def parallelize_model(
     model: nn.Module,
-    layout: Layout | None = None,
+    dims: ParallelDims | None = None,
     groups: ProcessGroups | None = None,
     transforms: ModelTransforms | None = None,
     convert_precision: Callable[[nn.Module], Any] | None = None,
     seed: int | None = None,
+    global_batch: int | None = None,
 ) -> ParallelModel:
     """Apply the layout and transforms to ``model`` in place, in the order above.
 
-    ``groups``: this rank's process groups (``None`` for one process or a replicated layout:
-    only the transforms apply). ``convert_precision``: the precision plugin's
-    ``convert_module``. ``seed``: the tensor-parallel RNG seed (default ``torch.initial_seed()``).
-    Calling it again on a model it already transformed returns the first result (Lightning sets
-    a strategy up again for ``validate`` after ``fit``); a different layout is an error.
+    ``dims``: the layout (``None``: one process). ``groups``: this rank's process groups
+    (``None`` for one process or a replicated layout: only the transforms apply); with them the
+    layout is first checked against the world, the model and ``global_batch`` by
+    :func:`~llmlab.parallel.mesh.check_layout` (the message a strategy or the app would give).
+    ``convert_precision``: the precision plugin's ``convert_module``. ``seed``: the
+    tensor-parallel RNG seed (default ``torch.initial_seed()``). Calling it again on a model it
+    already transformed returns the first result (Lightning sets a strategy up again for
+    ``validate`` after ``fit``); a different layout is an error.
     """
-    layout = layout or Layout()
+    dims = dims or ParallelDims()
+    if groups is not None:  # the world first: the groups were built for it
+        dims = dims.resolve(groups.dims.world_size)
     transforms = transforms or ModelTransforms()
-    previous: ParallelModel | None = getattr(model, "_llmlab_parallel", None)
+    previous = _PARALLELIZED.get(model)
     if previous is not None:
-        if (previous.layout, previous.transforms) != (layout, transforms):
+        if (previous.dims, previous.transforms) != (dims, transforms):
             raise ValueError(
-                f"this model was already parallelized as {previous.layout} with "
-                f"{previous.transforms}; build a fresh model for {layout} with {transforms}"
+                f"this model was already parallelized as {previous.dims} with "
+                f"{previous.transforms}; build a fresh model for {dims} with {transforms}"
             )
         return previous
-    dims = layout.dims
-    result = ParallelModel(model, layout, transforms, params=[])
+    if groups is not None:
+        check_layout(dims, model=model, global_batch=global_batch)
+    result = ParallelModel(model, dims, transforms, params=[])
 
     # 1-2. tensor (and sequence) parallelism: Megatron layers from the model's own plan
     if dims.tensor > 1:
@@ -179,13 +186,11 @@ def parallelize_model(
             model,
             shardable.tensor_parallel_plan(),
             groups.tensor,
-            sequence_parallel=layout.sequence_parallel,
+            sequence_parallel=dims.sequence_parallel,
             seed=torch.initial_seed() if seed is None else seed,
         )
         result.loss_fn = VocabParallelCrossEntropy(groups.tensor)
         result.applied["tensor_parallel"] = dims.tensor
-    elif layout.sequence_parallel:
-        raise ValueError("sequence_parallel=True needs tensor parallelism (tensor > 1)")
 
     # 3. memory: trade compute for activation memory
     if transforms.recompute_attention is not None:
@@ -210,19 +215,12 @@ def parallelize_model(
     # 4. pipeline: keep this stage's layers, free the others'
     if dims.pipeline > 1:
         assert groups is not None, "pipeline parallelism needs process groups"
-        pp = groups.coords[1]
+        pp = groups.coords.pipeline
         result.stage = cut_stage(
-            pipeline_layers_of(model),
-            dims.pipeline,
-            pp,
-            layout.virtual_stages,
-            layout.boundaries,
+            pipeline_layers_of(model), dims.pipeline, pp, dims.virtual_stages, dims.boundaries
         )
-        pipelines = [
-            [dims.rank_of(d, s, t) for s in range(dims.pipeline)]
-            for d in range(dims.data)
-            for t in range(dims.tensor)
-        ]
+        pipelines = [dims.pipeline_ranks(c) for c in map(dims.coords, range(dims.world_size))
+                     if c.pipeline == 0]  # fmt: skip
         result.tied = build_tie_groups(result.stage, pipelines)
         result.duplicates = list(result.stage.duplicate_copies)
         prune_to_stage(model, result.stage.chunks)
@@ -241,41 +239,36 @@ def parallelize_model(
     result.params = _unique_held_parameters(
         result.stage.chunks if result.stage is not None else [model]
     )
-    model._llmlab_parallel = result  # type: ignore[assignment]
+    _PARALLELIZED[model] = result
     return result
 
 
-def check_layout(model: nn.Module, layout: Layout, global_batch: int | None = None) -> None:
-    """Every check a layout needs that the model and config alone can answer, at once, with the
-    numbers: tensor ∤ heads / KV heads / hidden / vocabulary, fewer pipeline layers than
-    pipeline × virtual stages, a global batch not divisible by data × micro-batches.
+def hand_transforms(
+    strategy: Any,
+    module: Any,
+    transforms: ModelTransforms | Mapping[str, Any] | None,
+    model_attribute: str = "model",
+) -> None:
+    """Make sure ``transforms`` reach ``module.<model_attribute>``, exactly once.
 
-    Cheap on a model built on the ``meta`` device, so the app runs it before any process starts.
+    A strategy that applies them itself with its layout (the N-D strategy and its presets) takes
+    them at construction and holds them as ``strategy.transforms``: they must be these (given
+    twice, or differently, is an error). Any other strategy (one process, DDP, bucketed,
+    parameter server, DeepSpeed) trains a replicated model, so ``parallelize_model`` runs here
+    with no layout and applies only the transforms, and the task's loss becomes the one it
+    returns (compiled, with ``compile``).
     """
-    dims = layout.dims
-    problems: list[str] = []
-    if dims.tensor > 1:
-        shardable = require(model, TensorParallelShardable, "tensor parallelism")
-        problems += tensor_parallel_problems(shardable.tensor_parallel_divisors(), dims.tensor)
-    if dims.pipeline > 1:
-        layers = len(pipeline_layers_of(model))
-        parts = dims.pipeline * layout.virtual_stages
-        if layers < parts:
-            problems.append(
-                f"the model has {layers} pipeline layers, fewer than pipeline ({dims.pipeline}) "
-                f"× virtual stages ({layout.virtual_stages}) = {parts}"
+    transforms = ModelTransforms.from_config(transforms)
+    held = getattr(strategy, "transforms", None)
+    if isinstance(held, ModelTransforms):
+        if held != transforms:
+            raise ValueError(
+                f"{type(strategy).__name__} was built with transforms {held}, not {transforms}; "
+                "give them to the strategy at construction (transforms=...), once"
             )
-    if global_batch is not None:
-        per_step = dims.data * layout.microbatches
-        if global_batch % per_step:
-            problems.append(
-                f"global batch {global_batch} is not divisible by data ({dims.data}) × "
-                f"microbatches ({layout.microbatches}) = {per_step}; use a multiple of {per_step}"
-            )
-    if layout.sequence_parallel and dims.tensor == 1:
-        problems.append("sequence_parallel=True needs tensor > 1")
-    if problems:
-        raise ValueError("this layout cannot run: " + "; ".join(problems))
+        return
+    model = getattr(module, model_attribute)
+    module.loss_fn = parallelize_model(model, transforms=transforms).task_loss(module.loss_fn)
 
 
 def _unique_held_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:

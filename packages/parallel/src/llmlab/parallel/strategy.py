@@ -60,24 +60,18 @@ from llmlab.parallel import consolidate
 from llmlab.parallel.buffers import all_reduce_mean_
 from llmlab.parallel.checkpoint import is_sharded, read_extra
 from llmlab.parallel.checkpoint.layout_state import LayoutState
-from llmlab.parallel.compile import COMPILE_WITH_TENSOR
+from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_refusal
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
-from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
+from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
 from llmlab.parallel.norm import clip_by_total_norm_, global_grad_norm, piece_weights
-from llmlab.parallel.parallelize import (
-    Layout,
-    ModelTransforms,
-    ParallelModel,
-    check_layout,
-    parallelize_model,
-)
+from llmlab.parallel.parallelize import ModelTransforms, ParallelModel, parallelize_model
 from llmlab.parallel.pipeline.engine import PipelineEngine
-from llmlab.parallel.pipeline.schedules import validate_schedule_args
 from llmlab.parallel.pipeline.stage import move_held_tensors
 from llmlab.parallel.pipeline.timeline import gather_events, measured_bubble, plot_timeline
 from llmlab.parallel.pipeline.transport import broadcast_tensor
+from llmlab.parallel.preflight import RunConfig
 from llmlab.parallel.tensor.accounting import CommLedger, record_into
 
 log = logging.getLogger(__name__)
@@ -110,6 +104,8 @@ class NDParallelStrategy(DDPStrategy):
     """Data × pipeline × tensor parallelism of ``lightning_module.<model_attribute>``.
 
     ``data``: optional, inferred as ``world_size / (pipeline × tensor)`` and checked if given.
+    The layout options (``data`` ... ``boundaries``, ``context``) make one
+    :class:`~llmlab.parallel.mesh.ParallelDims`, checked at once.
     ``pipeline``, ``schedule`` ("naive", "gpipe", "1f1b", "interleaved"), ``microbatches``,
     ``virtual_stages`` (interleaved: chunks per rank, default 2), ``boundaries`` (first layer
     index of every virtual stage after the first; default: balanced by parameter count).
@@ -127,6 +123,7 @@ class NDParallelStrategy(DDPStrategy):
         data: int | None = None,
         pipeline: int = 1,
         tensor: int = 1,
+        context: int = 1,
         sequence_parallel: bool = False,
         schedule: str = "1f1b",
         microbatches: int | None = None,
@@ -141,6 +138,18 @@ class NDParallelStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.requested = ParallelDims(
+            data,
+            pipeline,
+            context,
+            tensor,
+            sequence_parallel=sequence_parallel,
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=virtual_stages,
+            boundaries=None if boundaries is None else tuple(boundaries),
+        )  # the layout as asked; ``dims`` is it on this world
+        self._dims: ParallelDims | None = None
         if zero not in ZERO_STAGES:
             raise ValueError(f"strategy.zero must be one of {ZERO_STAGES}, got {zero!r}")
         if zero >= 2 and pipeline > 1:
@@ -148,24 +157,6 @@ class NDParallelStrategy(DDPStrategy):
                 f"strategy.zero={zero} with strategy.pipeline={pipeline} is refused: "
                 f"{ZERO_WITH_PIPELINE}"
             )
-        for name, value in (("pipeline", pipeline), ("tensor", tensor), ("data", data)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"strategy.{name} must be a positive integer, got {value!r}")
-        if microbatches is None:
-            microbatches = 4 if pipeline > 1 else 1
-        if virtual_stages is None:
-            virtual_stages = 2 if schedule == "interleaved" else 1
-        validate_schedule_args(schedule, pipeline, microbatches, virtual_stages)
-        if sequence_parallel and tensor == 1:
-            raise ValueError("strategy.sequence_parallel=true needs strategy.tensor > 1")
-        self.data = data
-        self.pipeline = pipeline
-        self.tensor = tensor
-        self.sequence_parallel = bool(sequence_parallel)
-        self.schedule = schedule
-        self.microbatches = microbatches
-        self.virtual_stages = virtual_stages
-        self.boundaries = tuple(boundaries) if boundaries is not None else None
         self.transforms = ModelTransforms.from_config(transforms)
         if self.transforms.compile and tensor > 1:
             raise ValueError(COMPILE_WITH_TENSOR)
@@ -187,29 +178,27 @@ class NDParallelStrategy(DDPStrategy):
         self.sharded_checkpoints = bool(sharded_checkpoints)
         self._pending_sharded_load: str | None = None  # a sharded checkpoint to load in setup
 
+    # ---------------------------------------------------------------- config check
+    compile_checked = True  # compile=true matched eager training (tensor > 1 is refused anyway)
+
+    @classmethod
+    def check_config(cls, options: Mapping[str, Any], run: RunConfig) -> None:
+        """Every check of the constructor, then the layout against the run's world, batch and
+        model (built on the ``meta`` device only when tensor or pipeline > 1)."""
+        if run.transforms.compile and not cls.compile_checked:
+            raise ValueError(compile_refusal(cls.__name__))
+        dims = cls(**options, transforms=run.transforms).requested
+        model = run.model() if dims.tensor > 1 or dims.pipeline > 1 else None
+        check_layout(dims, world_size=run.world_size, model=model, global_batch=run.global_batch)
+
     # ------------------------------------------------------------------- layout
     @property
     def dims(self) -> ParallelDims:
-        """The layout for this world size; fails naming the numbers when they do not fit."""
-        dims = ParallelDims.infer(self.world_size, pipeline=self.pipeline, tensor=self.tensor)
-        if self.data is not None and self.data != dims.data:
-            raise ValueError(
-                f"data ({self.data}) × pipeline ({self.pipeline}) × tensor ({self.tensor}) = "
-                f"{self.data * self.pipeline * self.tensor}, but the world size is "
-                f"{self.world_size}; set data={dims.data} or change trainer.devices / num_nodes"
-            )
-        return dims
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(
-            self.dims,
-            self.sequence_parallel,
-            self.schedule,
-            self.microbatches,
-            self.virtual_stages,
-            self.boundaries,
-        )
+        """The layout on this world (``requested`` with ``data`` filled in); fails with
+        :func:`~llmlab.parallel.mesh.check_layout`'s message when the numbers do not fit."""
+        if self._dims is None or self._dims.world_size != self.world_size:
+            self._dims = self.requested.resolve(self.world_size)
+        return self._dims
 
     @property
     def groups(self) -> ProcessGroups:
@@ -222,20 +211,22 @@ class NDParallelStrategy(DDPStrategy):
         """Data-parallel replicas only: every pipeline stage and tensor rank of one replica
         reads the same batch."""
         dims = self.dims
-        return {"num_replicas": dims.data, "rank": dims.coords(self.global_rank)[0]}
+        return {"num_replicas": dims.data, "rank": dims.coords(self.global_rank).data}
 
     @property
     def stage_index(self) -> int:
-        return self.dims.coords(self.global_rank)[1]
+        return self.dims.coords(self.global_rank).pipeline
 
     @property
     def local_param_count(self) -> int:
         """Parameters this rank holds (a tied weight once)."""
         return self.parallel.held_parameter_count if self.parallel is not None else 0
 
-    def setup_environment(self) -> None:
-        _ = self.dims  # fail before the process group starts when the layout cannot fit
-        super().setup_environment()
+    def set_world_ranks(self) -> None:
+        """Lightning calls this when the Trainer is built: a layout that cannot fit this world
+        is refused there, before any process is launched."""
+        super().set_world_ranks()
+        _ = self.dims
 
     # -------------------------------------------------------------------- setup
     def _target_model(self) -> nn.Module:
@@ -251,20 +242,18 @@ class NDParallelStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        layout = self.layout
+        dims = self.dims
         model = self._target_model()
-        check_layout(
-            model, layout, getattr(getattr(trainer, "datamodule", None), "batch_size", None)
-        )
-        self._groups = build_process_groups(layout.dims)
+        self._groups = build_process_groups(dims)
         self.model_to_device()
         self.parallel = parallelize_model(
             model,
-            layout,
+            dims,
             self._groups,
             self.transforms,
             convert_precision=self.precision_plugin.convert_module,
             seed=torch.initial_seed(),
+            global_batch=getattr(getattr(trainer, "datamodule", None), "batch_size", None),
         )
         module = self.lightning_module
         if self.parallel.loss_fn is not None or self.transforms.compile:
@@ -275,8 +264,8 @@ class NDParallelStrategy(DDPStrategy):
         if self.zero >= 1 and self.zero_engine is None:
             self.zero_engine = self._build_zero_engine(model)
         log.info(
-            "nd layout %s: rank %d at (dp, pp, tp)=%s holds %d parameters; applied %s",
-            layout.dims, self.global_rank, self._groups.coords, self.local_param_count,
+            "nd layout %s: rank %d at %s holds %d parameters; applied %s",
+            dims, self.global_rank, self._groups.coords, self.local_param_count,
             self.parallel.applied,
         )  # fmt: skip
         if trainer.state.fn == TrainerFn.FITTING:
@@ -299,15 +288,15 @@ class NDParallelStrategy(DDPStrategy):
 
     def _build_engine(self) -> PipelineEngine:
         assert self.parallel is not None and self.parallel.stage is not None
-        dims, (dp, pp, tp) = self.dims, self.groups.coords
+        dims, coords = self.dims, self.groups.coords
         module = self.lightning_module
         plugin = self.precision_plugin
         scale = getattr(plugin, "scale_loss", None)
         return PipelineEngine(
             self.parallel.stage.chunks,
-            pp,
+            coords.pipeline,
             dims.pipeline,
-            ranks=[dims.rank_of(dp, s, tp) for s in range(dims.pipeline)],
+            ranks=dims.pipeline_ranks(coords),
             loss_fn=lambda out, target: module.loss_fn(out, target),
             group=self.groups.pipeline,
             device=self.root_device,
@@ -427,7 +416,9 @@ class NDParallelStrategy(DDPStrategy):
         for p in params:
             p.grad = None
         with self.precision_plugin.train_step_context():
-            result = self._engine.train_step(inputs, targets, self.microbatches, self.schedule)
+            result = self._engine.train_step(
+                inputs, targets, self.dims.microbatches, self.dims.schedule
+            )
         self._kept_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, grad in zip(params, previous, strict=True):
             p.grad = grad
@@ -558,8 +549,9 @@ class NDParallelStrategy(DDPStrategy):
     # -------------------------------------------------------------- validation
     def _pipelined_forward(self, inputs: Tensor) -> Tensor:
         assert self._engine is not None
-        m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
-        result = self._engine.eval_step(inputs, None, m, self.schedule)
+        dims = self.dims
+        m = dims.microbatches if inputs.shape[0] % dims.microbatches == 0 else 1
+        result = self._engine.eval_step(inputs, None, m, dims.schedule)
         output = result.output.float() if result.output is not None else None
         return broadcast_tensor(
             output, self._engine.ranks[-1], self.groups.pipeline, self.root_device
@@ -603,7 +595,7 @@ class NDParallelStrategy(DDPStrategy):
             merged,
             pipeline,
             out_dir / "timelines" / f"pipeline-step{step:06d}.png",
-            title=f"{self.schedule} p={pipeline} m={self.microbatches} step {step}",
+            title=f"{self.dims.schedule} p={pipeline} m={self.dims.microbatches} step {step}",
         )
         logger = self.lightning_module.trainer.logger
         if logger is not None and hasattr(logger, "log_image"):
@@ -790,10 +782,10 @@ class NDParallelStrategy(DDPStrategy):
                 id(p): m
                 for p, m in zip(plugin_masters.model_params, plugin_masters.masters, strict=True)
             }
-        dims = self.dims
+        dims, coords = self.dims, self.groups.coords
         return LayoutState(
             self._target_model(),
-            self.groups.coords,
+            (coords.data, coords.pipeline, coords.tensor),
             dims.tensor,
             data_size=dims.data,
             duplicates=self.parallel.duplicates,
@@ -801,7 +793,7 @@ class NDParallelStrategy(DDPStrategy):
             masters=masters,
             layout={
                 "data": dims.data, "pipeline": dims.pipeline, "tensor": dims.tensor,
-                "zero": self.zero, "sequence_parallel": self.sequence_parallel,
+                "zero": self.zero, "sequence_parallel": dims.sequence_parallel,
             },
         )  # fmt: skip
 
@@ -849,32 +841,6 @@ class NDParallelStrategy(DDPStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="llmlab data × pipeline × tensor parallelism"
         )
-
-
-def hand_transforms(
-    strategy: Any,
-    module: Any,
-    transforms: ModelTransforms | Mapping[str, Any] | None,
-    model_attribute: str = "model",
-) -> None:
-    """Give ``transforms`` to whoever applies them to ``module.<model_attribute>``.
-
-    An N-D strategy (and its pipeline / tensor presets) applies them with its layout when it sets
-    up; any other strategy (one process, DDP, bucketed, parameter server, DeepSpeed) trains a
-    replicated model, so ``parallelize_model`` runs here with no layout and applies only the
-    transforms (and the task's loss becomes the one it returns: compiled, with ``compile``).
-    """
-    transforms = ModelTransforms.from_config(transforms)
-    if isinstance(strategy, NDParallelStrategy):
-        if strategy.transforms not in (ModelTransforms(), transforms):
-            raise ValueError(
-                f"the strategy already has transforms {strategy.transforms}; give them once, "
-                f"not also {transforms}"
-            )
-        strategy.transforms = transforms
-        return
-    model = getattr(module, model_attribute)
-    module.loss_fn = parallelize_model(model, transforms=transforms).task_loss(module.loss_fn)
 
 
 if "nd" not in StrategyRegistry:

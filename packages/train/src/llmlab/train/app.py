@@ -100,7 +100,8 @@ def app_arguments(cfg: DictConfig) -> dict[str, tuple[str, ...]]:
     """The keywords ``train`` passes to a node's target on top of the node's own keys."""
     tokenizer = ("tokenizer",) if cfg.get("tokenizer") is not None else ()
     model = ("model",) if cfg.get("model") is not None else ()
-    return {"data": tokenizer, "task": model + tokenizer}
+    strategy = ("transforms",) if takes_transforms(cfg) else ()
+    return {"data": tokenizer, "task": model + tokenizer, "strategy": strategy}
 
 
 def _register_resolvers() -> None:
@@ -119,12 +120,10 @@ def _loss_scaler_default(name: str) -> Any:
 
 
 # --------------------------------------------------------------------------- checks
-MASTER_WEIGHT_PLUGINS = ("FP16MasterPrecision", "BF16MasterPrecision")
-LLMLAB_PLUGINS = (*MASTER_WEIGHT_PLUGINS, "FP8Precision")
-
-
-def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None:
-    """Everything checkable without data or processes, with messages that name the values.
+def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> Any:
+    """Everything checkable without data or processes, with messages that name the values;
+    returns the :class:`~llmlab.parallel.preflight.RunConfig` the strategy was judged in (its
+    ``transforms`` are the parsed ``model_transforms`` and ``compile``).
 
     ``train`` calls it once, after the tokenizer has filled in ``model.vocab_size: null``;
     ``tokenizer_vocab`` (else 256) stands in for it when a config is checked on its own.
@@ -153,87 +152,54 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             f"trainer.val_check_interval must be a positive integer (optimizer steps between "
             f"validations), got {interval!r}"
         )
-    strategy = str(OmegaConf.select(cfg, "strategy._target_", default=""))
-    plugin = str(OmegaConf.select(cfg, "precision.plugin._target_", default=""))
-    if strategy.endswith("ParameterServerStrategy") and plugin.endswith(MASTER_WEIGHT_PLUGINS):
-        raise ConfigError(
-            f"precision plugin {plugin.rsplit('.', 1)[-1]} cannot run on a parameter server (the "
-            "servers step the optimizer, the plugin's fp32 masters never would); valid there: "
-            "precision=fp32, bf16_mixed or fp8"
-        )
-    if strategy.endswith("ParameterServerStrategy"):
-        from llmlab.parallel.data.parameter_server import async_clip_refusal
-
-        refusal = async_clip_refusal(
-            OmegaConf.select(cfg, "strategy.mode", default="sync"),
-            OmegaConf.select(cfg, "strategy.num_servers", default=1),
-            OmegaConf.select(cfg, "trainer.gradient_clip_val", default=None),
-            OmegaConf.select(cfg, "trainer.gradient_clip_algorithm", default=None),
-        )
-        if refusal:
-            raise ConfigError(f"trainer.{refusal}")
-    if strategy.endswith("DeepSpeedStrategy") and plugin.endswith(LLMLAB_PLUGINS):
-        raise ConfigError(
-            f"precision plugin {plugin.rsplit('.', 1)[-1]} with strategy=deepspeed is refused: "
-            "DeepSpeed's engine steps the optimizer in its own precision (its config's bf16 / "
-            "fp16), so the plugin's fp32 masters or fp8 layers would not be what trains; valid "
-            "with deepspeed: precision=fp32 or bf16_mixed"
-        )
-    if strategy.endswith("NaiveModelParallelStrategy"):
-        precision = OmegaConf.select(cfg, "precision.trainer_precision", default="32-true")
-        if plugin or precision not in (None, "32-true") or cfg.get("model_transforms"):
-            raise ConfigError(
-                "strategy=naive_mp was checked against the unsplit model in fp32 without memory "
-                f"transforms only; got precision={plugin.rsplit('.', 1)[-1] or precision}, "
-                f"model_transforms={dict(cfg.get('model_transforms') or {})}; "
-                "use precision=fp32 and model_transforms={} with it"
-            )
-    if cfg.get("compile"):
-        from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_refusal
-
-        refusal = compile_refusal(strategy or str(OmegaConf.select(cfg, "strategy.name")))
-        if refusal:
-            raise ConfigError(refusal)
-        if (OmegaConf.select(cfg, "strategy.tensor") or 1) > 1:
-            raise ConfigError(COMPILE_WITH_TENSOR)
-    model_transforms(cfg)
     impl = OmegaConf.select(cfg, "task.optimizer_impl", default="foreach")
     if impl not in ("default", "foreach", "fused"):
         raise ConfigError(
             f"task.optimizer_impl={impl!r} is not one of ['default', 'foreach', 'fused']"
         )
-    check_layout(cfg, model)
+    run = run_config(cfg, model)
+    check_strategy(cfg, run)
     checkpoint_to_resume(cfg)
+    return run
 
 
-def check_layout(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> None:
-    """World size, batch split, pipeline layers and tensor divisors against the strategy's
-    layout; the model's side from a copy built on the ``meta`` device, only when it is needed
-    (from ``model_config`` if given: ``cfg.model`` with its vocabulary size filled in)."""
-    from llmlab.parallel.contracts import PipelineSplittable, TensorParallelShardable, require
-    from llmlab.train.layout import layout_from_config, layout_problems, spelling_of
+def run_config(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> Any:
+    """What the strategy needs to know about the rest of the run to judge its config: world
+    size, global batch, precision, transforms (parsed here, once), clipping, and the model on
+    the ``meta`` device (built only if the strategy asks)."""
+    from hydra.utils import get_object
 
-    strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
+    from llmlab.parallel.preflight import RunConfig
+
+    plugin = cfg.precision.get("plugin")
+    return RunConfig(
+        world_size=cfg.trainer.devices * (cfg.trainer.get("num_nodes") or 1),
+        global_batch=OmegaConf.select(cfg, "data.batch_size"),
+        precision=None if plugin else cfg.precision.get("trainer_precision", "32-true"),
+        plugin=get_object(plugin._target_) if plugin else None,
+        transforms=model_transforms(cfg),
+        gradient_clip_val=OmegaConf.select(cfg, "trainer.gradient_clip_val"),
+        gradient_clip_algorithm=OmegaConf.select(cfg, "trainer.gradient_clip_algorithm"),
+        build_model=lambda: model_on_meta(cfg, model_config),
+    )
+
+
+def check_strategy(cfg: DictConfig, run: Any) -> None:
+    """The strategy judges its own config in ``run`` (layout, precision, clipping, compile):
+    ``check_config`` of its class, or data parallelism for Lightning's own strategies."""
+    from hydra.utils import get_object
+
+    from llmlab.parallel.preflight import check_strategy_config
+    from llmlab.train.config_keys import HYDRA_KEYS
+
+    node = OmegaConf.to_container(cfg.strategy, resolve=True)
+    target = node.get("_target_")
+    options = {k: v for k, v in node.items() if k not in HYDRA_KEYS and k != "name"}
     try:
-        layout = layout_from_config(strategy, cfg.trainer.devices, cfg.trainer.get("num_nodes", 1))
-    except ValueError as err:
+        check_strategy_config(get_object(target) if target else node.get("name", "auto"),
+                              options, run)  # fmt: skip
+    except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from err
-    layers = divisors = None
-    if layout.pipeline > 1 or layout.tensor > 1:
-        model = model_on_meta(cfg, model_config)
-        try:
-            if layout.pipeline > 1:
-                splittable = require(model, PipelineSplittable, "pipeline parallelism")
-                layers = len(splittable.pipeline_layers())
-            if layout.tensor > 1:
-                shardable = require(model, TensorParallelShardable, "tensor parallelism")
-                divisors = shardable.tensor_parallel_divisors()
-        except TypeError as err:
-            raise ConfigError(str(err)) from err
-    batch = OmegaConf.select(cfg, "data.batch_size")
-    problems = layout_problems(layout, batch, layers, divisors, spelling_of(strategy))
-    if problems:
-        raise ConfigError("; ".join(problems))
 
 
 def model_on_meta(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> Any:
@@ -336,11 +302,29 @@ def build_task(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> A
     return build(cfg.task, "task", **app_args)
 
 
-def build_strategy(cfg: DictConfig) -> Any:
+def build_strategy(cfg: DictConfig, transforms: Any = None) -> Any:
+    """The strategy node's target, given ``transforms`` (the parsed ``model_transforms``) when
+    it applies them itself (:func:`takes_transforms`); or a Lightning registry name."""
     node = cfg.strategy
     if "_target_" in node:
-        return build(node, "strategy")
+        extra = {"transforms": transforms} if takes_transforms(cfg) else {}
+        return build(node, "strategy", **extra)
     return node.get("name", "auto")
+
+
+def takes_transforms(cfg: DictConfig) -> bool:
+    """Whether the strategy's target takes ``transforms`` (and applies them with its layout)."""
+    from hydra.utils import get_object
+
+    from llmlab.train.config_keys import accepted_keywords
+
+    node = cfg.get("strategy")
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    try:
+        accepted = accepted_keywords(get_object(target)) if target else None
+    except Exception:  # an import error: reported by name when the config is composed
+        return False
+    return "transforms" in (accepted or {})
 
 
 def build_precision(cfg: DictConfig) -> tuple[str | None, list[Any]]:
@@ -380,15 +364,14 @@ def model_transforms(cfg: DictConfig) -> Any:
         raise ConfigError(f"model_transforms: {err}") from err
 
 
-def hand_model_transforms(cfg: DictConfig, strategy: Any, task: Any) -> None:
-    """``model_transforms`` and ``compile`` to whoever applies them
-    (:func:`llmlab.parallel.strategy.hand_transforms`); the app never transforms a model."""
-    from llmlab.parallel.strategy import hand_transforms
+def hand_model_transforms(cfg: DictConfig, strategy: Any, task: Any, transforms: Any) -> None:
+    """``transforms`` to whoever applies them (:func:`llmlab.parallel.parallelize.hand_transforms`:
+    the strategy that took them at construction, else the replicated model); the app never
+    transforms a model itself."""
+    from llmlab.parallel.parallelize import hand_transforms
 
     try:
-        hand_transforms(
-            strategy, task, model_transforms(cfg), cfg.strategy.get("model_attribute", "model")
-        )
+        hand_transforms(strategy, task, transforms, cfg.strategy.get("model_attribute", "model"))
     except ValueError as err:
         raise ConfigError(f"model_transforms: {err}") from err
 
@@ -420,9 +403,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("model") is not None and cfg.model.get("vocab_size", 0) is None:
         cfg.model.vocab_size = int(tokenizer.vocab_size)  # null: the tokenizer's vocabulary
     log.info("Checking the config: model, layout, batch split, checkpoint")
-    validate_config(cfg)
+    run = validate_config(cfg)
     log.info("Instantiating strategy <%s>", cfg.strategy.get("_target_", cfg.strategy.get("name")))
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg, run.transforms)
     if cfg.precision.get("plugin"):
         log.info("Instantiating precision plugin <%s>", cfg.precision.plugin._target_)
     precision, plugins = build_precision(cfg)
@@ -444,7 +427,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if node is not None:
             log.info("Instantiating callback %s <%s>", name, node._target_)
             callbacks.append(build(node, f"callback {name}"))
-    hand_model_transforms(cfg, strategy, task)
+    hand_model_transforms(cfg, strategy, task, run.transforms)
     if cfg.get("compile"):
         from llmlab.parallel.compile import CompileMonitor
 

@@ -18,7 +18,7 @@ thread (one thread, so buckets stay ordered) over a dedicated process group.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from llmlab.parallel.buffers import FlatBuffer
 from llmlab.parallel.comm import ALL_REDUCE_ALGORITHMS, CommStats, all_reduce
 from llmlab.parallel.data.comm_intervals import CommTimeline
+from llmlab.parallel.preflight import RunConfig, check_data_parallel
 
 COLLECTIVES = ("torch", *ALL_REDUCE_ALGORITHMS)
 
@@ -187,6 +188,13 @@ class BucketedDataParallelStrategy(DDPStrategy):
         self.backward_start: float | None = None
         self.backward_compute_end: float | None = None
         self._sync_grads = True
+
+    @classmethod
+    def check_config(cls, options: Mapping[str, Any], run: RunConfig) -> None:
+        """The constructor's checks and the global batch split over every rank (compile=true
+        was checked with it: tests/parallel/test_compile.py)."""
+        cls(**options)
+        check_data_parallel(run)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         # Replicas must start equal: DDP broadcasts rank 0's parameters and buffers in its

@@ -45,6 +45,7 @@ any-source receive exists on gloo and not on NCCL.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,9 +56,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from llmlab.parallel.buffers import FlatBuffer
+from llmlab.parallel.compile import compile_refusal
 from llmlab.parallel.data.comm_intervals import CommTimeline
+from llmlab.parallel.mesh import ParallelDims, check_layout
 from llmlab.parallel.norm import clip_by_total_norm_, global_grad_norm
 from llmlab.parallel.precision.plugins import MasterWeightPrecision
+from llmlab.parallel.preflight import RunConfig
 
 WIRE = torch.device("cpu")  # the PS group's device: gloo, see the module docstring
 
@@ -125,6 +129,34 @@ class ParameterServerStrategy(DDPStrategy):
         self._servers: dist.ProcessGroup | None = None  # the server ranks only
         self._grad_norm = float("nan")  # server: the last averaged gradient's whole norm
         self.last_grad_norm = float("nan")  # worker: that norm, as the last reply carried it
+
+    @classmethod
+    def check_config(cls, options: Mapping[str, Any], run: RunConfig) -> None:
+        """The constructor's checks; no fp32-master plugin (servers step the optimizer, the
+        plugin's masters never would); no clipping by norm across async servers; no compile
+        (not checked); the global batch split over the workers (the servers hold no data)."""
+        strategy = cls(**options)
+        plugin = run.plugin
+        if plugin is not None and issubclass(plugin, MasterWeightPrecision):
+            raise ValueError(
+                f"precision plugin {plugin.__name__} cannot run on a parameter server (the "
+                "servers step the optimizer, the plugin's fp32 masters never would); valid "
+                "there: precision=fp32, bf16_mixed or fp8"
+            )
+        refusal = async_clip_refusal(
+            strategy.mode, strategy.num_servers, run.gradient_clip_val, run.gradient_clip_algorithm
+        )
+        if refusal:
+            raise ValueError(f"trainer.{refusal}")
+        if run.transforms.compile:
+            raise ValueError(compile_refusal(cls.__name__))
+        workers = run.world_size - strategy.num_servers
+        if workers < 1:
+            raise ValueError(
+                f"num_servers={strategy.num_servers} leaves no worker among the {run.world_size} "
+                "ranks (trainer devices × nodes); use fewer servers or more devices"
+            )
+        check_layout(ParallelDims(data=workers), global_batch=run.global_batch)
 
     # ------------------------------------------------------------------ roles
     @property

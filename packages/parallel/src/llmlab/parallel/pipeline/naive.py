@@ -13,7 +13,7 @@ its gradients equal gradient accumulation over the same micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from llmlab.parallel.pipeline.partition import split_ranges
 from llmlab.parallel.pipeline.stage import pipeline_layers_of
+from llmlab.parallel.preflight import RunConfig, check_data_parallel
 
 
 class ModelParallel(nn.Module):
@@ -141,6 +142,20 @@ class NaiveModelParallelStrategy(SingleDeviceStrategy):
         self.split_devices = devices
         self.microbatches = microbatches
         self.model_attribute = model_attribute
+
+    @classmethod
+    def check_config(cls, options: Mapping[str, Any], run: RunConfig) -> None:
+        """The constructor's checks; then what was checked against the unsplit model: fp32, no
+        memory transforms, no compile (anything else is refused, naming it)."""
+        cls(**options)
+        precision = run.plugin.__name__ if run.plugin is not None else run.precision
+        if run.plugin is not None or precision not in (None, "32-true") or run.transforms.active:
+            raise ValueError(
+                "strategy=naive_mp was checked against the unsplit model in fp32 without memory "
+                f"transforms only; got precision={precision}, model_transforms={run.transforms}; "
+                "use precision=fp32 and model_transforms={} with it"
+            )
+        check_data_parallel(run)
 
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module

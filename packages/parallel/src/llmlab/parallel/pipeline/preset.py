@@ -35,6 +35,12 @@ class PipelineStrategy(NDParallelStrategy):
         boundaries: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
+        pipeline = kwargs.pop("pipeline", stages)
+        if pipeline != stages:
+            raise ValueError(
+                f"pipeline={pipeline!r} and stages={stages!r} are two spellings of the pipeline "
+                "degree; set one (stages)"
+            )
         super().__init__(
             pipeline=stages,
             microbatches=microbatches,
