@@ -11,11 +11,15 @@ groups that split the model gives the same number on every rank:
                                                of a summed group, 0 for a tied duplicate.
 
 Weights are exact powers of two for n = 2, 4, 8, so the sum is as exact as the single-process one.
+
+:func:`global_grad_norm` is the one gradient norm of the project: the N-D strategy (through
+:class:`WholeModelNorm`), the ZeRO engine's clipping, the parameter server and the telemetry
+callback's ``train/grad_norm`` all compute it here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,3 +89,34 @@ def clip_by_total_norm_(grads: Iterable[Tensor | None], total: Tensor, max_norm:
 
 def _device_of(grads: Sequence[Tensor | None]) -> torch.device:
     return next((g.device for g in grads if g is not None), torch.device("cpu"))
+
+
+class WholeModelNorm:
+    """The whole model's gradient norm in one layout, from what this rank's optimizer steps.
+
+    ``tensor_size``: the tensor-parallel degree (replicated parameters count ``1/tensor_size``);
+    ``groups``: the groups whose ranks hold different pieces (tensor, pipeline, and data under
+    ZeRO); ``duplicates``: tied copies another stage owns; ``owner_of``: ``id(optimizer
+    tensor) -> model parameter`` for fp32 masters or ZeRO pieces, asked at each call (it is
+    built after the optimizers are).
+    """
+
+    def __init__(
+        self,
+        tensor_size: int,
+        groups: Iterable[dist.ProcessGroup | None],
+        duplicates: Iterable[nn.Parameter] = (),
+        owner_of: Callable[[], Mapping[int, nn.Parameter]] = dict,
+    ) -> None:
+        self.tensor_size = tensor_size
+        self.groups = list(groups)
+        self.duplicates = list(duplicates)
+        self.owner_of = owner_of
+
+    def __call__(self, params: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+        """The norm of ``params``' gradients as the whole model's (a collective)."""
+        params = list(params)
+        owner = self.owner_of()
+        owners = [owner.get(id(p), p) for p in params]
+        weights = piece_weights(owners, self.tensor_size, self.duplicates)
+        return global_grad_norm([p.grad for p in params], weights, self.groups, norm_type)

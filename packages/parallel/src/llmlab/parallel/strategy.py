@@ -65,7 +65,7 @@ from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
-from llmlab.parallel.norm import clip_by_total_norm_, global_grad_norm, piece_weights
+from llmlab.parallel.norm import WholeModelNorm, clip_by_total_norm_
 from llmlab.parallel.parallelize import ModelTransforms, ParallelModel, parallelize_model
 from llmlab.parallel.pipeline.engine import PipelineEngine
 from llmlab.parallel.pipeline.stage import move_held_tensors
@@ -511,21 +511,6 @@ class NDParallelStrategy(DDPStrategy):
             trainer.logger.log_metrics(self.last_comm, step=trainer.global_step)
 
     # ----------------------------------------------------------- gradient norm
-    def _norm_pieces(self, optimizer: Optimizer) -> tuple[list[Tensor | None], list[float]]:
-        """This rank's gradients (the optimizer's: fp32 masters where a plugin keeps them) and
-        each one's share of the whole model (see :mod:`llmlab.parallel.norm`)."""
-        assert self.parallel is not None
-        params = list(self.precision_plugin.main_params(optimizer))
-        model_param = self._model_param_of()
-        owners = [model_param.get(id(p), p) for p in params]
-        weights = piece_weights(owners, self.dims.tensor, self.parallel.duplicates)
-        return [p.grad for p in params], weights
-
-    def _norm_groups(self) -> tuple[dist.ProcessGroup | None, ...]:
-        """The groups whose ranks hold different pieces: ZeRO adds the data group."""
-        groups = (self.groups.tensor, self.groups.pipeline)
-        return (*groups, self.groups.data) if self.zero_engine is not None else groups
-
     def _model_param_of(self) -> dict[int, nn.Parameter]:
         """``id(master) -> model parameter`` for plugins with fp32 master weights (or ZeRO's
         pieces)."""
@@ -536,15 +521,25 @@ class NDParallelStrategy(DDPStrategy):
             return {}
         return {id(m): p for p, m in zip(masters.model_params, masters.masters, strict=True)}
 
+    def _whole_model_norm(self) -> WholeModelNorm:
+        """Shards summed over the tensor group, stages over the pipeline group, ZeRO's pieces
+        over the data group (see :mod:`llmlab.parallel.norm`)."""
+        assert self.parallel is not None
+        groups = (self.groups.tensor, self.groups.pipeline)
+        if self.zero_engine is not None:
+            groups = (*groups, self.groups.data)
+        return WholeModelNorm(
+            self.dims.tensor, groups, self.parallel.duplicates, self._model_param_of
+        )
+
     def global_grad_norm(self, optimizer: Optimizer) -> Tensor:
         """The whole model's gradient norm, identical on every rank (a collective)."""
-        grads, weights = self._norm_pieces(optimizer)
-        return global_grad_norm(grads, weights, self._norm_groups())
+        return self._whole_model_norm()(self.precision_plugin.main_params(optimizer))
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        grads, weights = self._norm_pieces(optimizer)
-        total = global_grad_norm(grads, weights, self._norm_groups())
-        clip_by_total_norm_(grads, total, float(clip_val))
+        params = list(self.precision_plugin.main_params(optimizer))
+        total = self._whole_model_norm()(params)
+        clip_by_total_norm_([p.grad for p in params], total, float(clip_val))
 
     # -------------------------------------------------------------- validation
     def _pipelined_forward(self, inputs: Tensor) -> Tensor:

@@ -31,6 +31,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from llmlab.parallel.norm import global_grad_norm
+
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) from the vendors' datasheets.
 GPU_PEAK_FLOPS = {
     "H200": 989e12,
@@ -186,12 +188,9 @@ class TrainingTelemetry(L.Callback):
             norm = trainer.strategy.global_grad_norm(optimizer)
             pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         else:
-            params = trainer.precision_plugin.main_params(optimizer)
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                norm = torch.linalg.vector_norm(
-                    torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
-                )
+            grads = [p.grad for p in trainer.precision_plugin.main_params(optimizer)]
+            if any(g is not None for g in grads):
+                norm = global_grad_norm(grads, [1.0] * len(grads))
                 pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         pl_module.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
 

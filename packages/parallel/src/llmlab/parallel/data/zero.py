@@ -26,8 +26,8 @@ stage, or a tensor-parallel shard: it never assumes either is the world or the w
   :class:`~llmlab.parallel.precision.master.MasterWeights` points them at fp32 masters), so a
   Lightning ``optimizer.step()`` steps only the shard; a step post-hook then all-gathers the new
   parameters (stages 1-2) or just refreshes the compute shard (stage 3, gathered lazily).
-* Clipping: :meth:`grad_norm_parts` returns this rank's sum of squares and the group to sum it
-  over (``None`` when the gradients are replicated); :meth:`clip_grad_norm_` clips by that norm.
+* Clipping: :meth:`clip_grad_norm_` by the norm of the shards summed over the data group, from
+  :func:`llmlab.parallel.norm.global_grad_norm` (the one norm every strategy uses).
 * Mixed precision: give the engine a model already cast to bf16/fp16 (and the fp32 values it had,
   ``initial``); at stages 1-3 it keeps the fp32 master *shards* itself, so the precision plugin
   keeps only the loss scale (:class:`~llmlab.parallel.data.zero_precision.ZeroMasterWeights`).
@@ -55,6 +55,7 @@ from llmlab.parallel.data.zero_layout import (
     partition,
     stage3_segments,
 )
+from llmlab.parallel.norm import clip_by_total_norm_, global_grad_norm
 
 STAGES = (0, 1, 2, 3)
 
@@ -108,7 +109,6 @@ class ZeroEngine:
             raise RuntimeError("ZeroEngine needs torch.distributed initialised (any backend)")
         self.module = module
         self.stage = stage
-        # never None: grad_norm_parts returns None for "nothing to sum over"
         self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -478,42 +478,15 @@ class ZeroEngine:
                 self._free(u)
 
     # ================================================================ clipping
-    def grad_norm_parts(self, norm_type: float = 2.0) -> tuple[Tensor, dist.ProcessGroup | None]:
-        """This rank's share of the gradient norm and the group to combine it over.
-
-        For ``norm_type`` p: ``(Σ|g|^p over this rank's gradients, group)``, to be summed over
-        the group (``None``: replicated already, count it once). For ``inf``: a max.
-        """
-        if self.stage == 0:
-            grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
-            group = None
-        else:
-            grads = [u.grad_shard for u in self.units]
-            group = self.group if self.world > 1 else None
-        device = self.units[0].shard.device
-        if norm_type == float("inf"):
-            vals = [g.detach().abs().max().float() for g in grads if g.numel()]
-            local = torch.stack(vals).max() if vals else torch.zeros((), device=device)
-        else:
-            local = torch.zeros((), device=device, dtype=torch.float32)
-            for g in grads:
-                local += g.detach().float().norm(norm_type) ** norm_type
-        return local, group
-
-    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        """The global gradient norm over this engine's parameters (a collective at stages 1-3)."""
-        local, group = self.grad_norm_parts(norm_type)
-        if group is not None:
-            op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-            dist.all_reduce(local, op=op, group=group)
-        return local if norm_type == float("inf") else local ** (1.0 / norm_type)
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the sharded gradients; returns the norm."""
-        total = self.grad_norm(norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self.scale_grads_(coef)
+        """``torch.nn.utils.clip_grad_norm_`` over the sharded gradients; returns the norm of
+        every parameter the engine manages (:func:`~llmlab.parallel.norm.global_grad_norm` of
+        the shards, summed over the data group)."""
+        grads = self.optimizer_grads()
+        groups = [self.group] if self.stage >= 1 and self.world > 1 else []
+        total = global_grad_norm(grads, [1.0] * len(grads), groups, norm_type)
+        clip_by_total_norm_(grads, total, max_norm)
         return total
 
     @torch.no_grad()
