@@ -277,10 +277,6 @@ class ProcessGroups:
     def coords(self) -> Coords:
         return self.dims.coords(self.rank)
 
-    def group(self, dim: str) -> dist.ProcessGroup | None:
-        return {"data": self.data, "pipeline": self.pipeline, "context": self.context,
-                "tensor": self.tensor}[dim]  # fmt: skip
-
 
 def build_process_groups(dims: ParallelDims, backend: str | None = None) -> ProcessGroups:
     """Create every group of every dimension (``new_group`` is collective) and keep this rank's.

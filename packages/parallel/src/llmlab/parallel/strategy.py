@@ -51,6 +51,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -65,12 +66,18 @@ from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
-from llmlab.parallel.norm import WholeModelNorm, clip_by_total_norm_
+from llmlab.parallel.norm import WholeModelNorm
 from llmlab.parallel.parallelize import ModelTransforms, ParallelModel, parallelize_model
 from llmlab.parallel.pipeline.engine import PipelineEngine
 from llmlab.parallel.pipeline.stage import move_held_tensors
 from llmlab.parallel.pipeline.timeline import gather_events, measured_bubble, plot_timeline
 from llmlab.parallel.pipeline.transport import broadcast_tensor
+from llmlab.parallel.precision.plugins import (
+    MasterWeightPrecision,
+    WholeModelClipping,
+    WholeModelPrecision,
+    with_whole_model_clipping,
+)
 from llmlab.parallel.preflight import RunConfig
 from llmlab.parallel.tensor.accounting import CommLedger, record_into
 
@@ -176,7 +183,6 @@ class NDParallelStrategy(DDPStrategy):
         self.zero = zero
         self.zero_engine: ZeroEngine | None = None
         self.sharded_checkpoints = bool(sharded_checkpoints)
-        self._pending_sharded_load: str | None = None  # a sharded checkpoint to load in setup
 
     # ---------------------------------------------------------------- config check
     compile_checked = True  # compile=true matched eager training (tensor > 1 is refused anyway)
@@ -221,6 +227,23 @@ class NDParallelStrategy(DDPStrategy):
     def local_param_count(self) -> int:
         """Parameters this rank holds (a tied weight once)."""
         return self.parallel.held_parameter_count if self.parallel is not None else 0
+
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = WholeModelPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """Lightning's own fp32 / autocast plugins become the subclasses that clip by the norm
+        this strategy gives them (``with_whole_model_clipping``)."""
+        self._precision_plugin = None if plugin is None else with_whole_model_clipping(plugin)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A checkpoint is read where every tensor lives: after ``setup``."""
+        return True
 
     def set_world_ranks(self) -> None:
         """Lightning calls this when the Trainer is built: a layout that cannot fit this world
@@ -276,15 +299,22 @@ class NDParallelStrategy(DDPStrategy):
                     group["params"] = [p for p in group["params"] if id(p) in held]
                 if self.zero_engine is not None:
                     self.zero_engine.rewire(optimizer)
-        if self.zero_engine is not None:
-            self._zero_master_weights()
+        plugin = self.precision_plugin
+        if self.zero_engine is not None and isinstance(plugin, MasterWeightPrecision):
+            plugin.use_masters(  # the engine's fp32 shards are the masters
+                ZeroMasterWeights(self.zero_engine, plugin.scaler, plugin.skip_nonfinite)
+            )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._wire_precision_plugin()
-        if self._pending_sharded_load is not None:  # every tensor exists in its final place now
-            path, self._pending_sharded_load = self._pending_sharded_load, None
-            self._load_sharded(path)
+        if isinstance(plugin, WholeModelClipping):
+            plugin.clip_by_norm_of(self.global_grad_norm)
+        elif trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+            raise ValueError(
+                f"{type(self).__name__} clips by the whole model's norm, which precision plugin "
+                f"{type(plugin).__name__} cannot take; use precision 32-true, bf16-mixed, "
+                "bf16-true or an llmlab precision plugin"
+            )
 
     def _build_engine(self) -> PipelineEngine:
         assert self.parallel is not None and self.parallel.stage is not None
@@ -308,6 +338,7 @@ class NDParallelStrategy(DDPStrategy):
         a pipeline stage), named as in the unsplit model; its units are the repeated blocks this
         rank holds. fp32 masters start from the values the precision plugin kept, if any."""
         assert self.parallel is not None
+        plugin = self.precision_plugin
         held = {id(p) for p in self.parallel.params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in held]
         get_blocks = getattr(model, "repeated_blocks", None)
@@ -322,41 +353,12 @@ class NDParallelStrategy(DDPStrategy):
             self.groups.data,
             blocks=blocks,
             named_params=named,
-            initial=getattr(self.precision_plugin, "_initial", None),
+            initial=plugin.fp32_values() if isinstance(plugin, MasterWeightPrecision) else None,
             # a pipeline runs a backward per micro-batch and the strategy sums tied weights
             # across stages first: it reduces once per step itself (reduce_gradients)
             reduce_in_backward=self._engine is None,
         )
         return engine
-
-    def _zero_master_weights(self) -> None:
-        """A plugin with fp32 master weights keeps only its loss scale: the engine's fp32
-        shards are the masters (``ZeroMasterWeights`` has ``MasterWeights``' interface, and the
-        plugin's ``connect`` takes it as already built)."""
-        plugin = self.precision_plugin
-        if not hasattr(plugin, "masters") or not hasattr(plugin, "_params"):
-            return
-        assert self.zero_engine is not None
-        masters = ZeroMasterWeights(
-            self.zero_engine,
-            getattr(plugin, "scaler", None),
-            skip_nonfinite=getattr(plugin, "skip_nonfinite", True),
-        )
-        masters.model_params = list(plugin._params)
-        plugin.masters = masters
-        plugin._initial = {}
-
-    def _wire_precision_plugin(self) -> None:
-        """Clipping (and fp32 master weights in checkpoints) must see the whole model."""
-        plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        if self.zero_engine is not None:
-            return  # the masters are the engine's shards: checkpointed with the model state
-        if getattr(plugin, "masters", None) is not None and not getattr(plugin, "_nd_wired", 0):
-            local_state, local_load = plugin.state_dict, plugin.load_state_dict
-            plugin.state_dict = lambda: self._master_state(local_state())  # type: ignore[method-assign]
-            plugin.load_state_dict = lambda s: self._load_master_state(s, local_load)  # type: ignore[method-assign]
-            plugin._nd_wired = 1  # type: ignore[attr-defined]
 
     def configure_ddp(self) -> None:  # no DDP wrapper: gradients are reduced in ``backward``
         pass
@@ -536,11 +538,6 @@ class NDParallelStrategy(DDPStrategy):
         """The whole model's gradient norm, identical on every rank (a collective)."""
         return self._whole_model_norm()(self.precision_plugin.main_params(optimizer))
 
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        params = list(self.precision_plugin.main_params(optimizer))
-        total = self._whole_model_norm()(params)
-        clip_by_total_norm_([p.grad for p in params], total, float(clip_val))
-
     # -------------------------------------------------------------- validation
     def _pipelined_forward(self, inputs: Tensor) -> Tensor:
         assert self._engine is not None
@@ -623,17 +620,13 @@ class NDParallelStrategy(DDPStrategy):
         return consolidate.gather_full(named, self.groups.tensor, self.groups.pipeline)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Full weights: loaded as they are before ``setup``, sliced to this rank after. A
-        sharded checkpoint is read where every tensor lives: at the end of ``setup`` (or now,
-        once set up)."""
+        """Full weights sliced to this rank; a sharded checkpoint read where every tensor lives
+        (checkpoints are restored after ``setup``)."""
         module = self.lightning_module
         full = checkpoint["state_dict"]
         if SHARDED_KEY in checkpoint:
             module.load_state_dict(full, strict=False)  # what lies outside the model, if any
-            if self._split():
-                self._load_sharded(checkpoint[SHARDED_KEY])
-            else:
-                self._pending_sharded_load = checkpoint[SHARDED_KEY]
+            self._load_sharded(checkpoint[SHARDED_KEY])
             return
         if not self._split():
             module.load_state_dict(full, strict=strict)
@@ -746,18 +739,14 @@ class NDParallelStrategy(DDPStrategy):
     def _master_state(self, local: dict[str, Any]) -> dict[str, Any]:
         """The plugin's state with its fp32 masters consolidated by name (a collective); with
         sharded checkpoints without them (they are the checkpoint's model values)."""
+        if "masters" not in local or self.zero_engine is not None:
+            return local
         if self.sharded_checkpoints:
             return {k: v for k, v in local.items() if k != "masters"}
         full = consolidate.gather_full(
             self._master_named(), self.groups.tensor, self.groups.pipeline
         )
         return {**{k: v for k, v in local.items() if k != "masters"}, "masters_by_name": full}
-
-    def _load_master_state(self, state: dict[str, Any], local_load: Callable) -> None:
-        masters = getattr(self.precision_plugin, "masters", None)
-        if "masters" not in state and "masters_by_name" not in state and masters is not None:
-            masters.skipped_steps = int(state.get("skipped_steps", 0))  # a sharded checkpoint
-        local_load(self._local_master_state(state))
 
     def _local_master_state(self, state: dict[str, Any]) -> dict[str, Any]:
         if "masters_by_name" not in state:
@@ -796,7 +785,11 @@ class NDParallelStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Consolidated: rank 0 writes the file. Sharded: every rank writes its shards into the
-        folder ``filepath`` (atomically), rank 0 also Lightning's small state."""
+        folder ``filepath`` (atomically), rank 0 also Lightning's small state. Either way a
+        precision plugin's fp32 masters go by name."""
+        key = type(self.precision_plugin).__qualname__
+        if key in checkpoint and self._split():
+            checkpoint[key] = self._master_state(checkpoint[key])
         if not self._sharded():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
@@ -808,8 +801,12 @@ class NDParallelStrategy(DDPStrategy):
         """A sharded checkpoint (a DCP folder) from any layout, or a consolidated file. Of a
         sharded one only Lightning's small state is read here; the tensors follow in
         ``load_model_state_dict``."""
+        key = type(self.precision_plugin).__qualname__
         if not is_sharded(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            if key in checkpoint and self._split():
+                checkpoint[key] = self._local_master_state(checkpoint[key])
+            return checkpoint
         checkpoint = read_extra(checkpoint_path)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
             raise ValueError(

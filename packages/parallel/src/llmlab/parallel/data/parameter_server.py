@@ -242,9 +242,11 @@ class ParameterServerStrategy(DDPStrategy):
             self._serve(optimizer)
         else:
             self._push_pull()
-            # The servers stepped for us; tell torch's LR scheduler, which otherwise warns that
-            # it is stepped before its optimizer (the worker's schedule only mirrors theirs).
-            getattr(optimizer, "_optimizer", optimizer)._opt_called = True
+            # The servers stepped for us. An empty step (no gradients, so no parameter and no
+            # state changes) tells torch's LR scheduler that the optimizer has stepped, which
+            # it otherwise warns about (the worker's schedule only mirrors the servers').
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
             if self.mode == "sync":
                 self._log_grad_norm()
         return loss

@@ -216,14 +216,16 @@ class Float8Linear(Float8Matmul, nn.Linear):
 
 
 class _Float8Parallel(Float8Matmul):
-    """fp8 for a tensor-parallel Linear, made *in place* from the sharded layer (its class is
-    swapped), so its Parameters, process group and hooks stay the very same objects."""
+    """fp8 for a tensor-parallel Linear, made from the sharded layer: a module of the fp8 class
+    sharing that layer's module state (the very same Parameters, process group and hooks),
+    which replaces it in its parent."""
 
     @classmethod
     def from_parallel(cls, layer: nn.Module, **kwargs: Any) -> nn.Module:
-        layer.__class__ = cls
-        layer._init_fp8(device=layer.weight.device, **kwargs)  # type: ignore[attr-defined]
-        return layer
+        fp8 = cls.__new__(cls)
+        fp8.__dict__.update(vars(layer))  # nn.Module keeps its whole state in __dict__
+        fp8._init_fp8(device=layer.weight.device, **kwargs)
+        return fp8
 
     def local_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return self.fp8_linear(x, weight, bias)

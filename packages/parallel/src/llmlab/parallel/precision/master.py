@@ -133,6 +133,11 @@ class MasterWeights:
             self.scaler.update(found_inf)
         return not found_inf
 
+    def model_param_of(self) -> dict[int, nn.Parameter]:
+        """``id(master) -> the model parameter it stands for`` (what a norm or a checkpoint
+        names it by)."""
+        return {id(m): p for p, m in zip(self.model_params, self.masters, strict=True)}
+
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """``w_low = round(w32)``: the model's weights follow the masters."""

@@ -14,6 +14,14 @@ optimizers exist and ``connect`` right after ``configure_optimizers``):
 * ``state_dict``: the scaler *and* the masters, so resume is exact (the model's own checkpoint
   holds only the rounded low-precision weights).
 
+What a strategy that splits the model needs from a plugin, it asks through the plugin's own
+methods, never by replacing them: ``masters`` (the fp32 copies and their ``model_params``),
+``fp32_values`` (the values before the cast, to start sharded masters from) and ``use_masters``
+(step through masters the strategy keeps, such as ZeRO's fp32 shards), ``scaler`` and
+``state_dict`` / ``load_state_dict``, and ``clip_by_norm_of`` (:class:`WholeModelClipping`):
+clipping by the whole model's norm, which only the strategy can compute. Lightning's own fp32
+and autocast plugins get that hook as :func:`with_whole_model_clipping`'s subclasses.
+
 Lightning's ``precision="16-mixed"`` silently becomes bf16 on CPU; these plugins never change the
 dtype behind your back.
 """
@@ -26,12 +34,13 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from llmlab.parallel.norm import clip_by_total_norm_
 from llmlab.parallel.precision.fp8 import Float8Linear, Float8Matmul, convert_to_float8
 from llmlab.parallel.precision.master import MasterWeights
 from llmlab.parallel.precision.scaler import DEFAULTS as SCALER_DEFAULTS
@@ -53,7 +62,62 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-class MasterWeightPrecision(Precision):
+class WholeModelClipping:
+    """Clipping by norm that can measure the whole model.
+
+    Lightning clips through the precision plugin (``clip_grad_by_norm(optimizer, clip_val)``),
+    which sees only this rank's gradients. A strategy that splits the model hands the plugin the
+    norm of the whole model with :meth:`clip_by_norm_of` (a function of the optimizer, a
+    collective every rank calls); the gradients the optimizer steps are then scaled by
+    ``min(1, clip / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does. Without one,
+    Lightning's own clipping.
+    """
+
+    _grad_norm: Callable[[Optimizer], Tensor] | None = None
+
+    def clip_by_norm_of(self, grad_norm: Callable[[Optimizer], Tensor] | None) -> None:
+        """Clip by ``grad_norm(optimizer)`` from now on (``None``: this rank's own norm)."""
+        self._grad_norm = grad_norm
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        if self._grad_norm is None:
+            super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
+            return
+        grads = [p.grad for p in self.main_params(optimizer)]  # type: ignore[attr-defined]
+        clip_by_total_norm_(grads, self._grad_norm(optimizer), float(clip_val))
+
+
+class WholeModelPrecision(WholeModelClipping, Precision):
+    """Lightning's ``32-true``, clipping by a norm a strategy gives."""
+
+
+class WholeModelMixedPrecision(WholeModelClipping, MixedPrecision):
+    """Lightning's ``bf16-mixed`` / ``16-mixed`` (autocast), clipping by a norm a strategy
+    gives."""
+
+
+class WholeModelHalfPrecision(WholeModelClipping, HalfPrecision):
+    """Lightning's ``bf16-true`` / ``16-true``, clipping by a norm a strategy gives."""
+
+
+def with_whole_model_clipping(plugin: Precision) -> Precision:
+    """``plugin`` if it takes a strategy's norm (:class:`WholeModelClipping`), else Lightning's
+    stock plugin of the same precision as the llmlab subclass that does; any other plugin as it
+    is (a strategy that must clip by its norm refuses it then)."""
+    if isinstance(plugin, WholeModelClipping):
+        return plugin
+    kind = type(plugin)
+    if kind is Precision:
+        return WholeModelPrecision()
+    if kind is MixedPrecision:
+        mixed: Any = plugin
+        return WholeModelMixedPrecision(mixed.precision, mixed.device, mixed.scaler)
+    if kind is HalfPrecision:
+        return WholeModelHalfPrecision(plugin.precision)  # type: ignore[arg-type]
+    return plugin
+
+
+class MasterWeightPrecision(WholeModelClipping, Precision):
     """Model weights in ``dtype``, fp32 master weights in the optimizer, optional loss scaling.
 
     Args:
@@ -100,10 +164,9 @@ class MasterWeightPrecision(Precision):
     # ----------------------------------------------------------- model & input
     def convert_module(self, module: nn.Module) -> nn.Module:
         params = [p for p in module.parameters() if p.is_floating_point()]
-        if self.masters is not None and {id(p) for p in params} == {
-            id(p) for p in self.masters.model_params
-        }:
+        if self._params and {id(p) for p in params} == {id(p) for p in self._params}:
             return module  # a second setup (validate/test after fit): keep the masters
+        self.masters = None  # a new model: new masters at connect
         self._initial = {id(p): p.detach().to(torch.float32).clone() for p in params}
         module = module.to(dtype=self.dtype)
         # ``Module.to`` swaps ``param.data`` in place, so the Parameter objects (and their ids)
@@ -126,22 +189,36 @@ class MasterWeightPrecision(Precision):
         finally:
             torch.set_default_dtype(default)
 
+    def fp32_values(self) -> dict[int, Tensor]:
+        """``id(parameter) -> fp32 value`` before ``convert_module`` cast it down (empty once
+        masters hold them): where masters a strategy keeps (:meth:`use_masters`) start from."""
+        return dict(self._initial)
+
+    def use_masters(self, masters: Any) -> None:
+        """Step through ``masters`` instead of building a full fp32 copy at ``connect``: e.g.
+        ZeRO's fp32 shards (:class:`~llmlab.parallel.data.zero_precision.ZeroMasterWeights`,
+        same interface as :class:`MasterWeights`). Between ``convert_module`` and ``connect``;
+        they must stand for parameters this plugin converted."""
+        converted = {id(p) for p in self._params}
+        if not converted or any(id(p) not in converted for p in masters.model_params):
+            raise ValueError(
+                "use_masters needs masters for parameters this plugin converted: call it after "
+                "convert_module, with masters of that model"
+            )
+        self.masters = masters
+        self._initial = {}  # the masters own the fp32 values now
+
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         if not self._params:  # convert_module was not called (a strategy that skips it)
             self.convert_module(model)
-        if self.masters is not None and [id(p) for p in self.masters.model_params] == [
-            id(p) for p in self._params
-        ]:
-            for opt in optimizers:
-                self.masters.rewire(opt)
-            return model, optimizers, lr_schedulers
-        self.masters = MasterWeights(
-            self._params, self.scaler, self._initial, skip_nonfinite=self.skip_nonfinite
-        )
-        self._initial = {}  # the masters own the fp32 values now
-        for opt in optimizers:
+        if self.masters is None:
+            self.masters = MasterWeights(
+                self._params, self.scaler, self._initial, skip_nonfinite=self.skip_nonfinite
+            )
+            self._initial = {}  # the masters own the fp32 values now
+        for opt in optimizers:  # again for validate/test after fit: a no-op then
             self.masters.rewire(opt)
         if self._pending_state is not None:
             self.masters.load_state_dict(self._pending_state)
@@ -197,9 +274,14 @@ class MasterWeightPrecision(Precision):
         return self.masters.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The scaler, and the masters when the state holds them (a checkpoint whose model
+        values are the masters -- sharded, or ZeRO's -- does not: its skipped-step count still
+        comes back)."""
         if "masters" not in state_dict:
             if self.scaler is not None and state_dict.get("scaler") is not None:
                 self.scaler.load_state_dict(state_dict["scaler"])
+            if self.masters is not None and "skipped_steps" in state_dict:
+                self.masters.skipped_steps = int(state_dict["skipped_steps"])
             return
         if self.masters is None:
             self._pending_state = state_dict
@@ -250,7 +332,7 @@ class BF16MasterPrecision(MasterWeightPrecision):
         super().__init__("bfloat16", None, skip_nonfinite=skip_nonfinite)
 
 
-class FP8Precision(Precision):
+class FP8Precision(WholeModelClipping, Precision):
     """fp8 compute for the chosen Linear layers (:func:`convert_to_float8`); fp32 elsewhere.
 
     The weights stay fp32 Parameters, so the optimizer runs in fp32 with no master copy; only
