@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.data import AttributeDict
 
 from llmlab.models import GPT, GPTConfig
+from llmlab.parallel.checkpoint.zero_state import zero_full_params
 from llmlab.train.task import adamw_warmup_cosine
 
 STEPS = 20
@@ -128,7 +129,7 @@ def train_zero(
     return {
         "losses": losses,
         "norms": norms,
-        "params": engine.full_params(),
+        "params": zero_full_params(engine),
         "memory": engine.memory_stats(),
         "state": (model, engine, opt, sched),
     }

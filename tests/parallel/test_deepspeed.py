@@ -18,10 +18,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from llmlab.parallel.checkpoint.deepspeed_state import consolidated_state_dict
 from llmlab.parallel.deepspeed import (
     DeepSpeedConfigError,
     PortableDeepSpeedStrategy,
-    consolidated_state_dict,
     validate_deepspeed_settings,
 )
 from tests.helpers.runs import REPO, train_env, wandb_history

@@ -16,6 +16,7 @@ import torch
 
 from llmlab.parallel.checkpoint import LayoutState, consolidate, metadata, read_extra
 from llmlab.parallel.checkpoint.files import read_object
+from llmlab.parallel.mesh import Coords
 from tests.helpers.tiny import lm_loss, tiny_gpt, token_batch
 
 
@@ -31,7 +32,7 @@ def _trained(steps: int = 2, seed: int = 0, **config):
 
 
 def _state(model) -> LayoutState:
-    return LayoutState(model, coords=(0, 0, 0), tensor_size=1)
+    return LayoutState(model, coords=Coords(0, 0, 0, 0), tensor_size=1)
 
 
 def test_model_and_adamw_state_round_trip_and_training_continues(tmp_path: Path) -> None:

@@ -471,7 +471,7 @@ def test_2x2x2_zero1_sharded_checkpoint_resumes_in_other_layouts_and_consolidate
         torch.testing.assert_close(logits, _plain_gpt(reference["state"])(x), atol=1e-4, rtol=0)
 
     # The sampler reads the folder as it is.
-    from llmlab.train.checkpoints import checkpoint_problem
+    from llmlab.parallel.checkpoint.torch_file import checkpoint_problem
     from llmlab.train.sample import load_checkpoint
 
     sampled, _ = load_checkpoint(str(tmp_path / "full.ckpt"))

@@ -11,7 +11,8 @@ import torch
 
 from llmlab.parallel.mesh import ParallelDims, check_layout, layout_problems
 from llmlab.parallel.preflight import RunConfig, check_strategy_config
-from llmlab.train.app import ConfigError, compose_config, experiments_dir, validate_config
+from llmlab.train.app import ConfigError, compose_config, validate_config
+from llmlab.train.compose import experiments_dir
 
 
 def _gpt(**fields):

@@ -95,7 +95,7 @@ def measure(rank: int, world: int) -> dict:
         model = tiny_gpt(seed=rank)
         engine = ZeroEngine(model, stage=stage)
         if never_free:
-            engine._free = lambda unit: None  # the control: gathered units are never released
+            engine.stage3.free = lambda unit: None  # the control: gathered units never released
         opt, _ = optimizer_for(model)
         engine.rewire(opt)
         _step(model, engine, opt, 0, rank, world)  # warm-up: optimizer state, prefetch order

@@ -30,6 +30,7 @@ from benchmarks.zero_workload import (
     optimizer_for,
     tiny_gpt,
 )
+from llmlab.parallel.checkpoint.zero_state import zero_full_params
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
 from llmlab.parallel.precision.master import MasterWeights
@@ -76,7 +77,7 @@ def train(rank: int, world: int, stage: int, dtype: torch.dtype) -> dict:
     if stage == 0:
         params = {names[id(m)]: m.detach().clone() for m in masters.masters}
     else:
-        params = engine.full_params()
+        params = zero_full_params(engine)
     return {"losses": losses, "params": params, "skipped": skipped, "scale": masters.loss_scale}
 
 

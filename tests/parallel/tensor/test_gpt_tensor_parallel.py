@@ -183,7 +183,7 @@ def _check_dropout_streams(group) -> None:
 
 
 def tp2_checks(rank: int, world_size: int, ckpt: str) -> list[int]:
-    from llmlab.parallel.tensor import consolidated_state_dict
+    from llmlab.parallel.checkpoint.consolidated import full_state_dict
 
     group = dist.group.WORLD
     _check_against_dtensor(rank, world_size)
@@ -192,7 +192,7 @@ def tp2_checks(rank: int, world_size: int, ckpt: str) -> list[int]:
         _, model = _check_exact_and_counted(rank, world_size, group, sp)
     # Done-when 5: the consolidated checkpoint of the (trained) tp=2 model, and its greedy decode.
     model.eval()
-    state = consolidated_state_dict(model, group)
+    state = full_state_dict(model, group)
     if rank == 0:
         torch.save(state, ckpt)
     return _greedy(model, PROMPT, 8, group)
@@ -201,11 +201,8 @@ def tp2_checks(rank: int, world_size: int, ckpt: str) -> list[int]:
 def tp4_and_dp_checks(rank: int, world_size: int) -> tuple[int, list[int], list[int]]:
     from llmlab.parallel import ParallelDims, build_process_groups
     from llmlab.parallel.buffers import all_reduce_mean_
-    from llmlab.parallel.tensor import (
-        consolidated_state_dict,
-        load_consolidated_state_dict,
-        parallelize,
-    )
+    from llmlab.parallel.checkpoint.consolidated import full_state_dict, load_full_state_dict
+    from llmlab.parallel.tensor import parallelize
 
     world = dist.group.WORLD
     for sp in (False, True):
@@ -214,9 +211,9 @@ def tp4_and_dp_checks(rank: int, world_size: int) -> tuple[int, list[int], list[
     # DP × TP = 2 × 2: each data replica gets half the batch; the curve equals one process.
     groups = build_process_groups(ParallelDims(data=2, tensor=2))
     dp_rank = groups.coords[0]
-    state = consolidated_state_dict(model, world)  # from tp=4 ...
+    state = full_state_dict(model, world)  # from tp=4 ...
     tp2 = parallelize(make_gpt(), GPT.tensor_parallel_plan(), groups.tensor, sequence_parallel=True)
-    load_consolidated_state_dict(tp2, state, groups.tensor)  # ... into tp=2
+    load_full_state_dict(tp2, state, groups.tensor)  # ... into tp=2
     plain = make_gpt()
     plain.load_state_dict(state)
     x, _ = batch(0)

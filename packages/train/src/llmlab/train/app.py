@@ -4,9 +4,10 @@ zero only) as it happens.
 
 ``python -m llmlab.train experiment=<name> [key=value ...]`` composes Hydra's config groups
 (``conf/``) with ``experiments/<name>.yaml`` and the overrides, refuses any key that nothing
-reads, checks everything that can be checked before any work starts (model shape, parallel
-layout, batch split, the checkpoint to resume), and trains. A mistake ends in one ``error:`` line
-and exit status 2, before any process, run dir or W&B run exists.
+reads (:mod:`llmlab.train.compose`), checks everything that can be checked before any work
+starts (model shape, parallel layout, batch split, the checkpoint to resume), and trains. A
+mistake ends in one ``error:`` line and exit status 2, before any process, run dir or W&B run
+exists.
 
 Runs live in ``outputs/<experiment>/<timestamp>-<run id>/`` (resolved config, checkpoints, the
 W&B run). Rank zero resolves the run dir and id once and exports them (``LLMLAB_RUN_DIR``,
@@ -28,95 +29,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from llmlab.train.config_keys import unaccepted_keys
+from llmlab.train.compose import (
+    ConfigError,
+    available_experiments,
+    compose_config,
+    takes_transforms,
+)
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
 RUN_DIR_ENV, RUN_ID_ENV = "LLMLAB_RUN_DIR", "LLMLAB_RUN_ID"
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A bad experiment or override, reported before any work starts."""
-
-
-# --------------------------------------------------------------------------- composing
-def experiments_dir() -> Path:
-    """``$LLMLAB_EXPERIMENTS_DIR``, else ``./experiments``, else the repo's ``experiments/``."""
-    env = os.environ.get("LLMLAB_EXPERIMENTS_DIR")
-    if env:
-        return Path(env).resolve()
-    here = Path.cwd() / "experiments"
-    if here.is_dir():
-        return here.resolve()
-    return Path(__file__).resolve().parents[5] / "experiments"
-
-
-def available_experiments() -> list[str]:
-    return sorted(p.stem for p in experiments_dir().glob("*.yaml"))
-
-
-def compose_config(args: list[str]) -> DictConfig:
-    """Compose ``conf/train.yaml`` + ``experiment=<name>`` + Hydra overrides into one config,
-    refusing every key that nothing reads (:mod:`llmlab.train.config_keys`)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
-    experiment = "gpt_shakespeare"
-    overrides = []
-    for arg in args:
-        if arg.startswith("experiment="):
-            experiment = arg.split("=", 1)[1]
-        else:
-            overrides.append(arg)
-    known = available_experiments()
-    if experiment not in known:
-        raise ConfigError(
-            f"unknown experiment {experiment!r} (no {experiments_dir()}/{experiment}.yaml); "
-            f"available: {', '.join(known)}"
-        )
-    search = f"hydra.searchpath=[file://{experiments_dir().parent}]"
-    _register_resolvers()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(
-                "train",
-                overrides=[
-                    search,
-                    f"+experiments={experiment}",
-                    f"experiment={experiment}",
-                    *overrides,
-                ],
-            )
-    except HydraException as err:
-        raise ConfigError(f"bad override in {overrides}: {err}") from err
-    problems = unaccepted_keys(cfg, app_arguments(cfg), CONF_DIR)
-    if problems:
-        raise ConfigError(f"experiment {experiment}: " + " | ".join(problems))
-    return cfg
-
-
-def app_arguments(cfg: DictConfig) -> dict[str, tuple[str, ...]]:
-    """The keywords ``train`` passes to a node's target on top of the node's own keys."""
-    tokenizer = ("tokenizer",) if cfg.get("tokenizer") is not None else ()
-    model = ("model",) if cfg.get("model") is not None else ()
-    strategy = ("transforms",) if takes_transforms(cfg) else ()
-    return {"data": tokenizer, "task": model + tokenizer, "strategy": strategy}
-
-
-def _register_resolvers() -> None:
-    """``${loss_scaler:<name>}`` in ``conf/precision/*.yaml``: a default of the fp16 loss scaler,
-    read from ``llmlab.parallel.precision.scaler.DEFAULTS`` so no YAML repeats the numbers."""
-    if not OmegaConf.has_resolver("loss_scaler"):
-        OmegaConf.register_new_resolver("loss_scaler", _loss_scaler_default)
-
-
-def _loss_scaler_default(name: str) -> Any:
-    from llmlab.parallel.precision.scaler import DEFAULTS
-
-    if name not in DEFAULTS:
-        raise KeyError(f"${{loss_scaler:{name}}}: no such default; valid: {sorted(DEFAULTS)}")
-    return DEFAULTS[name]
 
 
 # --------------------------------------------------------------------------- checks
@@ -215,7 +137,7 @@ def checkpoint_to_resume(cfg: DictConfig, run_dir: Path | None = None) -> Path |
     """The checkpoint ``ckpt_path`` names (``last``: ``last.ckpt`` of ``run_dir``, by default
     the latest run), checked whole -- a damaged file is reported here, not as a traceback after
     the run started."""
-    from llmlab.train.checkpoints import checkpoint_problem
+    from llmlab.parallel.checkpoint import checkpoint_problem
 
     if cfg.ckpt_path is None:
         return None
@@ -312,21 +234,6 @@ def build_strategy(cfg: DictConfig, transforms: Any = None) -> Any:
     return node.get("name", "auto")
 
 
-def takes_transforms(cfg: DictConfig) -> bool:
-    """Whether the strategy's target takes ``transforms`` (and applies them with its layout)."""
-    from hydra.utils import get_object
-
-    from llmlab.train.config_keys import accepted_keywords
-
-    node = cfg.get("strategy")
-    target = node.get("_target_") if isinstance(node, DictConfig) else None
-    try:
-        accepted = accepted_keywords(get_object(target)) if target else None
-    except Exception:  # an import error: reported by name when the config is composed
-        return False
-    return "transforms" in (accepted or {})
-
-
 def build_precision(cfg: DictConfig) -> tuple[str | None, list[Any]]:
     node = cfg.precision
     if node.get("plugin"):
@@ -394,7 +301,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning as L
     import torch
 
-    from llmlab.train.checkpoints import AtomicCheckpointIO
+    from llmlab.parallel.checkpoint import AtomicCheckpointIO
 
     OmegaConf.set_struct(cfg, False)
     if cfg.get("tokenizer") is not None:

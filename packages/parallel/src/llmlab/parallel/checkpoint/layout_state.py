@@ -13,8 +13,8 @@ process. Every key names the *unsplit* model's tensor at its global shape:
     extra                      the caller's small state (Lightning's loops, callbacks, schedulers)
 
 What a rank holds of a tensor is a rectangle of the global tensor (its tensor-parallel slice: the
-``chunk(tensor, dim)[rank]`` that :mod:`llmlab.parallel.consolidate` gathers) or, under ZeRO, a
-flat range of that slice (:func:`~llmlab.parallel.checkpoint.boxes.flat_boxes` turns it into
+``chunk(tensor, dim)[rank]`` that :mod:`.consolidated` gathers) or, under ZeRO, a flat range of
+that slice (:func:`~llmlab.parallel.checkpoint.boxes.flat_boxes` turns it into
 boxes). Exactly one rank writes each element. A tensor several ranks hold equal (data replicas
 without ZeRO, what tensor parallelism replicates) goes to one of them, spread by bytes so that
 every replica writes about as much (:class:`_Spread`); ZeRO pieces are written by their data
@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from llmlab.parallel.checkpoint import files
 from llmlab.parallel.checkpoint.boxes import ShardedView
 from llmlab.parallel.data.zero import ZeroEngine
+from llmlab.parallel.mesh import Coords
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
 
 FORMAT = 1
@@ -88,7 +89,7 @@ class LayoutState:
 
     Args:
         model: the (split) model: its state-dict keys are the unsplit model's.
-        coords: this rank's ``(data, pipeline, tensor)`` coordinates.
+        coords: this rank's :class:`~llmlab.parallel.mesh.Coords`.
         tensor_size, data_size: the tensor-parallel and data-parallel degrees.
         duplicates: tied copies another stage owns (held here, written there).
         zero: the ZeRO engine, whose fp32 pieces stand for the parameters it manages.
@@ -100,7 +101,7 @@ class LayoutState:
     def __init__(
         self,
         model: nn.Module,
-        coords: tuple[int, int, int],
+        coords: Coords,
         tensor_size: int,
         data_size: int = 1,
         duplicates: Iterable[Tensor] = (),
@@ -110,7 +111,7 @@ class LayoutState:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model = model
-        self.data_rank, _, self.tensor_rank = coords
+        self.data_rank, self.tensor_rank = coords.data, coords.tensor
         self.tensor_size = tensor_size
         self.data_size = data_size
         self.duplicates = {id(t) for t in duplicates}

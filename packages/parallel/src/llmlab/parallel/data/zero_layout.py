@@ -28,15 +28,21 @@ from llmlab.parallel.buffers import FlatBuffer
 
 REST = "rest"  # the name of the unit that holds the parameters outside every block
 
+# torch 2.13 renamed the tensor collectives; older versions only have the first names.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class Piece:
-    """Elements ``lo:hi`` of ``param`` (flattened) held by this rank as ``master``."""
+    """Elements ``lo:hi`` of ``param`` (flattened) held by this rank as ``master``, which sits at
+    ``at`` in the unit's shard (and its gradient at ``at`` in the gradient shard)."""
 
     name: str
     param: nn.Parameter
     lo: int
     hi: int
+    at: int
     master: nn.Parameter  # what the optimizer steps: a view of the unit's master shard
 
 
@@ -156,7 +162,7 @@ def build_unit(
         for i, lo, hi in full.segments(start, end):
             at = full.offsets[i] + lo - start
             piece = nn.Parameter(master[at : at + hi - lo], requires_grad=True)
-            unit.pieces.append(Piece(names[i], params[i], lo, hi, piece))
+            unit.pieces.append(Piece(names[i], params[i], lo, hi, at, piece))
         unit.grad_shard = torch.zeros(end - start, dtype=master_dtype, device=master.device)
     if stage <= 1:
         unit.grads = FlatBuffer([p.detach() for p in params], pad_to=world)

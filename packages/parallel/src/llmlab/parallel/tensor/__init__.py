@@ -4,8 +4,10 @@
 * :mod:`.layers`: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``.
 * :mod:`.cross_entropy`: ``vocab_parallel_cross_entropy`` (never gathers the logits).
 * :mod:`.sharding`: ``parallelize(model, plan, group, sequence_parallel)``.
-* :mod:`.checkpoint`: consolidated (full) state dicts on save, sliced on load.
 * :mod:`.accounting`: every collective's kind and bytes (``count_comm``).
+
+A sharded module's full state dict (to save, or to load into another degree) is
+:mod:`llmlab.parallel.checkpoint.consolidated`'s ``full_state_dict`` / ``load_full_state_dict``.
 * :mod:`.preset`: ``TensorParallelStrategy`` (Lightning, registered as ``"tensor"``); imported
   lazily so the layers can be used without Lightning.
 """
@@ -15,13 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from llmlab.parallel.tensor.accounting import CommLedger, CommRecord, comm_ledger, count_comm
-from llmlab.parallel.tensor.checkpoint import (
-    consolidated_optimizer_state,
-    consolidated_state_dict,
-    load_consolidated_state_dict,
-    shard_optimizer_state,
-    shard_state_dict,
-)
 from llmlab.parallel.tensor.cross_entropy import (
     VocabParallelCrossEntropy,
     vocab_parallel_cross_entropy,
@@ -57,21 +52,16 @@ __all__ = [
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "comm_ledger",
-    "consolidated_optimizer_state",
-    "consolidated_state_dict",
     "copy_to_tensor_region",
     "count_comm",
     "gather_from_sequence_region",
     "gather_from_tensor_region",
-    "load_consolidated_state_dict",
     "parallelize",
     "reduce_from_tensor_region",
     "reduce_scatter_to_sequence_region",
     "scatter_to_sequence_region",
     "scatter_to_tensor_region",
     "sequence_parallel_parameters",
-    "shard_optimizer_state",
-    "shard_state_dict",
     "validate_plan",
     "vocab_parallel_cross_entropy",
 ]

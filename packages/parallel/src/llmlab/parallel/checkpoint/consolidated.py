@@ -1,8 +1,8 @@
-"""Consolidated checkpoints for any data × pipeline × tensor layout.
+"""Consolidated checkpoints for any data × pipeline × tensor layout: one file of full tensors.
 
 A checkpoint written by any layout holds the *unsplit* model: every tensor under the plain
 model's state-dict key, at its full shape. So it loads into a plain ``GPT`` for decoding and into
-any other layout to resume (DESIGN §4). Two primitives do all of it:
+any other layout to resume. Two primitives do all of it:
 
 * :func:`gather_full` -- this rank's tensors (``name -> (tensor, tensor-parallel shard dim)``)
   all-gathered along their shard dimension over the tensor group, then merged over the pipeline
@@ -11,8 +11,10 @@ any other layout to resume (DESIGN §4). Two primitives do all of it:
 * :func:`local_slices` -- the inverse: from full tensors, this rank's shard of each tensor it
   holds.
 
-Model weights, optimizer state (keyed by parameter *name*, not by position, because positions
-differ between layouts) and fp32 master weights all go through these two functions.
+Model weights (:func:`full_state_dict` for a tensor-parallel module on its own), optimizer state
+(keyed by parameter *name*, not by position, because positions differ between layouts) and fp32
+master weights all go through these two functions; ZeRO's pieces are first assembled over the
+data group (:mod:`llmlab.parallel.checkpoint.zero_state`).
 """
 
 from __future__ import annotations
@@ -118,6 +120,26 @@ def load_local_(named: Named, slices: Mapping[str, Tensor]) -> None:
     with torch.no_grad():
         for name, value in slices.items():
             named[name][0].copy_(value)
+
+
+def full_state_dict(
+    module: nn.Module,
+    tensor_group: dist.ProcessGroup | None = None,
+    pipeline_group: dist.ProcessGroup | None = None,
+) -> dict[str, Tensor]:
+    """The unsplit ``state_dict`` of a split ``module`` (on the CPU): a collective."""
+    return gather_full(named_state(module), tensor_group, pipeline_group)
+
+
+def load_full_state_dict(
+    module: nn.Module,
+    full: Mapping[str, Tensor],
+    tensor_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+) -> None:
+    """Load an unsplit state dict into a split ``module``: each rank copies its slices."""
+    named = named_state(module)
+    load_local_(named, local_slices(full, named, tensor_group, strict=strict))
 
 
 # ---------------------------------------------------------------------------- optimizer

@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmlab.train.checkpoints import AtomicCheckpointIO, atomic_torch_save, checkpoint_problem
+from llmlab.parallel.checkpoint.torch_file import (
+    AtomicCheckpointIO,
+    atomic_torch_save,
+    checkpoint_problem,
+)
 from tests.helpers.runs import REPO
 
 
@@ -97,7 +101,7 @@ def test_the_checkpoint_path_itself_is_never_opened_for_writing(tmp_path, good, 
 
 KILLED_MID_SAVE = """
 import os, signal, sys, torch
-from llmlab.train.checkpoints import atomic_torch_save
+from llmlab.parallel.checkpoint.torch_file import atomic_torch_save
 
 class KillOnPickle:  # the writer dies half-way through serialising the new checkpoint
     def __reduce__(self):

@@ -1,4 +1,4 @@
-"""Checkpoints are written atomically and checked before a resume starts any work.
+"""The one-file checkpoint (``torch.save``): written atomically, checked whole before a resume.
 
 Writing. Lightning's ``TorchCheckpointIO`` serialises into memory, writes a temporary file in the
 *system* temp dir (fsspec's transaction) and ``shutil.move``-s it over the target. When that temp
@@ -7,11 +7,12 @@ shared filesystem: the usual cluster set-up) the move is a copy into the target 
 killed mid-copy leaves a truncated ``last.ckpt``; nothing is fsync-ed either, so a crash of the
 machine can leave one too. :class:`AtomicCheckpointIO` writes the temporary file next to the
 target, fsyncs it, and ``os.replace``-s it: a reader sees the previous checkpoint or the new one,
-never a prefix.
+never a prefix. (A sharded checkpoint is atomic by its own rename: :mod:`.files`.)
 
 Reading. ``torch.save`` writes a zip archive whose directory sits at the very end of the file, so
 :func:`checkpoint_problem` can tell a truncated or foreign file from a good one by reading that
-directory and the small pickle record, without loading a single tensor.
+directory and the small pickle record, without loading a single tensor; for a folder it asks the
+sharded format (:func:`.files.problem`) or checks DeepSpeed's files one by one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from llmlab.parallel.checkpoint.files import is_sharded
+from llmlab.parallel.checkpoint.files import problem as sharded_problem
+
 ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -34,9 +38,6 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     checkpoint (``torch.distributed.checkpoint``: its index and every shard file it names) or
     DeepSpeed's layout (``.pt`` files that each are one).
     """
-    from llmlab.parallel.checkpoint import is_sharded
-    from llmlab.parallel.checkpoint import problem as sharded_problem
-
     path = Path(path)
     if is_sharded(path):
         return sharded_problem(path)

@@ -1,0 +1,48 @@
+"""What one optimizer step of the N-D strategy moved between ranks, per dimension: ``comm/*``.
+
+* ``comm/tp_bytes`` (and ``tp_wire_bytes``, ``tp_<kind>_bytes``): every tensor-parallel
+  collective's payload, recorded into a :class:`~llmlab.parallel.tensor.accounting.CommLedger`
+  while the step runs (``recording``);
+* ``comm/pp_bytes``: activations and gradients sent to other stages, plus the tied-weight
+  all-reduce across stages;
+* ``comm/dp_bytes``: the gradient all-reduce over the data group, or ZeRO's reduce-scatters and
+  all-gathers.
+
+Counts are per rank and per optimizer step (payload bytes, not what the wire carries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+
+from llmlab.parallel.tensor.accounting import CommLedger, record_into
+
+
+class StepComm:
+    """Accumulates one step's byte counts; :meth:`metrics` reports and resets them."""
+
+    def __init__(self) -> None:
+        self.ledger = CommLedger()
+        self.pp_bytes = 0
+        self.dp_bytes = 0
+
+    @contextmanager
+    def recording(self) -> Generator[None, None, None]:
+        """Tensor-parallel collectives run inside are counted."""
+        with record_into(self.ledger):
+            yield
+
+    def metrics(self) -> dict[str, float]:
+        """The step's ``comm/*`` totals; the counts start again from zero."""
+        ledger = self.ledger
+        out = {
+            "comm/tp_bytes": float(ledger.total_bytes),
+            "comm/tp_wire_bytes": float(ledger.total_wire_bytes),
+            **{f"comm/tp_{kind}_bytes": float(v) for kind, v in ledger.totals().items()},
+            "comm/pp_bytes": float(self.pp_bytes),
+            "comm/dp_bytes": float(self.dp_bytes),
+        }
+        ledger.clear()
+        self.pp_bytes = self.dp_bytes = 0
+        return out
