@@ -55,9 +55,11 @@ class _InFlight:
         self.works, self.received = works, received
 
     def wait(self) -> list[Tensor]:
+        """Idempotent: gloo's ``wait`` on a finished receive would wait for a second message."""
         for work in self.works:
             if work is not None:
                 work.wait()
+        self.works = []
         return self.received
 
 
