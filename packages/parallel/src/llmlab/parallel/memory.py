@@ -77,9 +77,10 @@ def _sum_groups(t: Tensor, kv_heads: int) -> Tensor:
     return t if kv_heads == H else t.view(B, kv_heads, H // kv_heads, T, D).sum(dim=2)
 
 
-def _accumulation_dtype(t: Tensor) -> torch.dtype:
-    """fp32 for fp32 and narrower inputs (as FlashAttention's accumulators); fp64 stays fp64."""
-    return torch.promote_types(t.dtype, torch.float32)
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32 and narrower inputs (as FlashAttention's accumulators); fp64 stays fp64:
+    where partial outputs, log-sum-exps and gradients are summed."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def attention_with_lse(
@@ -93,7 +94,7 @@ def attention_with_lse(
     probabilities be rebuilt in backward (:func:`attention_backward_with_lse`).
     """
     T, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
-    acc = _accumulation_dtype(q)
+    acc = accumulation_dtype(q.dtype)
     B, H, _, D = q.shape
     # (B, T, H, D) memory seen as (B, H, T, D), like SDPA's output: the caller's
     # ``transpose(1, 2).reshape(B, T, H·D)`` is then a view, not a second copy to save.
@@ -132,7 +133,7 @@ def attention_backward_with_lse(
     block's share of the gradients, and the shares over all blocks sum to the full gradients.
     """
     scale, T = 1.0 / math.sqrt(q.shape[-1]), q.shape[-2]
-    acc = _accumulation_dtype(q)
+    acc = accumulation_dtype(q.dtype)
     H, kv_heads = q.shape[1], k.shape[1]
     qf, do = q.to(acc), grad_out.to(acc)
     kf, vf = _repeat_kv(k.to(acc), H), _repeat_kv(v.to(acc), H)

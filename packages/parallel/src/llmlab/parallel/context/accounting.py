@@ -23,10 +23,6 @@ import torch
 from llmlab.parallel.context.blocks import accumulation_dtype
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def cp_bytes(
     batch: int,
     kv_heads: int,
@@ -48,6 +44,6 @@ def cp_bytes(
     if seq_len % degree:
         raise ValueError(f"cp_bytes: seq_len {seq_len} is not divisible by degree {degree}")
     chunk = batch * kv_heads * (seq_len // degree) * head_dim
-    s, s_acc = _itemsize(dtype), _itemsize(accumulation_dtype(dtype))
+    s, s_acc = dtype.itemsize, accumulation_dtype(dtype).itemsize
     per_layer = (degree - 1) * 2 * chunk * (forwards * s + ((s + s_acc) if backward else 0))
     return layers * per_layer

@@ -31,15 +31,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from llmlab.parallel.memory import attention_backward_with_lse, attention_with_lse
+from llmlab.parallel.memory import (
+    accumulation_dtype,
+    attention_backward_with_lse,
+    attention_with_lse,
+)
 
 BACKENDS = ("auto", "flash", "blocked")
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for fp32 and narrower inputs (bf16, fp16), fp64 for fp64: where partial outputs,
-    log-sum-exps and gradients are summed."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

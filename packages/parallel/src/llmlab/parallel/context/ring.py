@@ -26,6 +26,7 @@ shared heads. Bytes on the wire per rank, per layer and micro-batch, are
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -51,21 +52,30 @@ DKV_BACKWARD = "context.dkv_backward"
 class _InFlight:
     """Transfers posted by :meth:`RingTransport.shift`; ``wait()`` returns the received tensors."""
 
-    def __init__(self, works: list[dist.Work | None], received: list[Tensor]) -> None:
-        self.works, self.received = works, received
+    def __init__(
+        self, works: list[dist.Work | None], received: list[Tensor], transport: RingTransport
+    ) -> None:
+        self.works, self.received, self.transport = works, received, transport
 
     def wait(self) -> list[Tensor]:
         """Idempotent: gloo's ``wait`` on a finished receive would wait for a second message."""
+        start = time.perf_counter()
         for work in self.works:
             if work is not None:
                 work.wait()
+        if self.works:
+            self.transport.waited_seconds += time.perf_counter() - start
         self.works = []
         return self.received
 
 
 class RingTransport:
     """The point-to-point traffic of one context-parallel group, counted into ``stats`` by
-    purpose (``KV_FORWARD``, ``KV_BACKWARD``, ``DKV_BACKWARD``)."""
+    purpose (``KV_FORWARD``, ``KV_BACKWARD``, ``DKV_BACKWARD``).
+
+    ``waited_seconds`` adds up the time spent blocked waiting for transfers: the communication
+    that compute did *not* hide (with ``overlap=False``, all of it).
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> None:
         self.stats = stats if stats is not None else CommStats()
@@ -74,6 +84,7 @@ class RingTransport:
         }
         any_peer = self.peers[KV_FORWARD]
         self.rank, self.size = any_peer.rank, any_peer.size
+        self.waited_seconds = 0.0
 
     def shift(self, op: str, tensors: list[Tensor]) -> _InFlight:
         """Send ``tensors`` to the right neighbour and receive as many from the left, posted
@@ -83,7 +94,7 @@ class RingTransport:
         received = [torch.empty_like(t) for t in tensors]
         works = [peer.isend(t.contiguous(), right) for t in tensors]
         works += [peer.irecv(buf, left) for buf in received]
-        return _InFlight(works, received)
+        return _InFlight(works, received, self)
 
 
 def _rows(t: Tensor, span: range) -> Tensor:
