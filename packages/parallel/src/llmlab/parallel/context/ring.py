@@ -98,6 +98,7 @@ class RingTransport:
 
 
 def _rows(t: Tensor, span: range) -> Tensor:
+    """Rows ``span`` of the sequence dimension (dim 2 of (B, H, T, D) and of (B, H, T))."""
     return t[:, :, span.start : span.stop]
 
 
@@ -126,16 +127,15 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             incoming = transport.shift(KV_FORWARD, held) if step < n - 1 else None
             if incoming is not None and not overlap:
-                held_next = incoming.wait()
+                incoming.wait()
             for block in block_plan(layout, rank, (rank - step) % n, seq_len, causal):
                 block_out, block_lse = block_forward(
                     _rows(q, block.q), _rows(held[0], block.k), _rows(held[1], block.k),
                     block.diagonal, backend,
                 )  # fmt: skip
-                merge_into(_rows(out, block.q), lse[:, :, block.q.start : block.q.stop],
-                           block_out, block_lse)  # fmt: skip
+                merge_into(_rows(out, block.q), _rows(lse, block.q), block_out, block_lse)
             if incoming is not None:
-                held = held_next if not overlap else incoming.wait()
+                held = incoming.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.setup = (causal, transport, layout, backend, overlap)
@@ -155,7 +155,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             incoming = transport.shift(KV_BACKWARD, held) if step < n - 1 else None
             if incoming is not None and not overlap:
-                held_next = incoming.wait()
+                incoming.wait()
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
             plan = block_plan(layout, rank, (rank - step) % n, seq_len, causal)
@@ -171,7 +171,7 @@ class RingAttention(torch.autograd.Function):
                 if not overlap:
                     travelling.wait()
             if incoming is not None:
-                held = held_next if not overlap else incoming.wait()
+                held = incoming.wait()
         if travelling is not None:  # this rank's own chunk, home with every other rank's share
             dk_in, dv_in = travelling.wait()
             dk_home.add_(dk_in)
@@ -194,11 +194,10 @@ def _backward_blocks(
 ) -> None:
     """Add each block's share of the gradients into ``dq`` and the held chunk's ``dk, dv``."""
     for block in plan:
-        rows = slice(block.q.start, block.q.stop)
         dq_b, dk_b, dv_b = block_backward(
             _rows(grad_out, block.q), _rows(q, block.q),
             _rows(held[0], block.k), _rows(held[1], block.k),
-            _rows(out, block.q), lse[:, :, rows], block.diagonal, backend,
+            _rows(out, block.q), _rows(lse, block.q), block.diagonal, backend,
         )  # fmt: skip
         _rows(dq, block.q).add_(dq_b)
         _rows(dk, block.k).add_(dk_b)
