@@ -26,24 +26,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from benchmarks.common import Row, best_of, report
 from llmlab.models import Llama, LlamaConfig
 from llmlab.parallel.context import ContextLayout, ContextParallel, attention_work
 from llmlab.parallel.launch import run_distributed
 from llmlab.parallel.memory import saved_activation_bytes
-
-
-class _AtPositions(nn.Module):
-    """``model(ids, positions=...)`` as a one-argument module, for ``saved_activation_bytes``."""
-
-    def __init__(self, model: nn.Module, positions: Tensor) -> None:
-        super().__init__()
-        self.model, self.positions = model, positions
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.model(ids, positions=self.positions)
 
 
 def _llama(T: int) -> Llama:
@@ -66,9 +55,8 @@ def saved_bytes_on_rank(rank: int, world: int, T: int) -> int:
     """Saved activation bytes of one training forward on this rank of a context group."""
     model, (ids, targets) = _llama(T), _batch(T)
     cp = ContextParallel()
-    cp.apply(model)
-    wrapped = _AtPositions(model, cp.positions(T))
-    return saved_activation_bytes(wrapped, (cp.shard(ids), cp.shard(targets)), _lm_loss).total_bytes
+    cp.apply(model)  # its pre-hook passes this rank's global positions
+    return saved_activation_bytes(model, (cp.shard(ids), cp.shard(targets)), _lm_loss).total_bytes
 
 
 def unsplit_saved_bytes(T: int) -> int:

@@ -1,13 +1,14 @@
 """GPT and Llama with the sequence split across 2 gloo ranks, against the same model unsplit.
 
 Ring attention enters through the models' ``swap_attention`` door (``ContextParallel.apply``),
-positions through their ``positions`` argument, the loss through ``sequence_loss_share`` and
-the gradients through ``reduce_context_gradients``. Oracle: the unsplit module or model in one
-process (fp32, same seed), its loss ``F.cross_entropy`` over the whole sequence. Tolerance 1e-5
-on outputs, input gradients, parameter gradients, logits and loss. Controls: skipping the
-context-group gradient reduction must leave gradients off by more than 1e-3; the bytes sent
-must equal ``cp_bytes`` for the model's layers (twice the forward's under activation
-checkpointing).
+positions through their ``positions`` argument (given, or filled in by ``apply``'s hook), the
+loss through ``sequence_loss_share`` and the gradients through ``reduce_context_gradients``.
+Oracle: the unsplit module or model in one process (fp32, same seed), its loss
+``F.cross_entropy`` over the whole sequence. Tolerance 1e-5 on outputs, input gradients,
+parameter gradients, logits and loss. Controls: skipping the context-group gradient reduction
+must leave gradients off by more than 1e-3; the bytes sent must equal ``cp_bytes`` for the
+model's layers (twice the forward's under activation checkpointing); a KV cache or an attention
+mask is refused.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def _check_model(kind: str, scheme: str, failures: list[str]) -> None:
         model = _build(kind)
         cp = ContextParallel(scheme=scheme)
         cp.apply(model)
-        logits = model(cp.shard(ids), positions=cp.positions(T))
+        if form == "sum":  # positions filled in by apply's hook, as a task calling model(x)
+            logits = model(cp.shard(ids))
+        else:
+            logits = model(cp.shard(ids), positions=cp.positions(T))
         share = cp.loss_share(logits, cp.shard(targets), scale=scale or cp.degree)
         share.backward()
         if form == "sum":
@@ -113,6 +117,14 @@ def _check_model(kind: str, scheme: str, failures: list[str]) -> None:
                             cp.degree, torch.float32, layers=c.n_layer)  # fmt: skip
             if cp.stats.bytes_sent != want:
                 failures.append(f"{tag}: sent {cp.stats.bytes_sent} bytes, cp_bytes {want}")
+            refused = {"cache": model.new_cache(B, T), "attention_mask": torch.ones(B, T)}
+            for name, value in refused.items():
+                try:
+                    model(cp.shard(ids), **{name: value})
+                    failures.append(f"{tag}: {name} not refused")
+                except ValueError as err:
+                    if "runs whole training sequences only" not in str(err):
+                        failures.append(f"{tag}: {name} refused with {err!r}")
             unreduced = max(_max_diff(gr, ref_grads[n]) for n, gr in _grads(model).items())
             if unreduced < 1e-3:  # the control: without the reduction the step would be wrong
                 failures.append(f"{tag}: gradients already match without the reduction")
@@ -131,7 +143,7 @@ def _check_checkpointed_bytes(failures: list[str]) -> None:
     cp.apply(model)
     apply_activation_checkpointing(model)
     ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(3))
-    model(cp.shard(ids), positions=cp.positions(T)).sum().backward()
+    model(cp.shard(ids)).sum().backward()
     c = model.config
     want = cp_bytes(B, c.n_head, T, c.n_embd // c.n_head, cp.degree, torch.float32,
                     layers=c.n_layer, forwards=2)  # fmt: skip

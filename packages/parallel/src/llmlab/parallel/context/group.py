@@ -3,13 +3,14 @@
 It bundles what every piece needs: the process group, the split (:class:`ContextLayout`), the
 ring's transport and its byte counter. The seam into a model is the ``AttentionSwappable``
 contract (``swap_attention``, the door recompute attention uses): :meth:`apply` routes every
-attention of the model through :meth:`attention`, ring attention over this group. A training
-step then feeds each rank its part of the batch and of the position ids::
+attention of the model through :meth:`attention`, ring attention over this group, and fills
+in this rank's global position ids when a call gives none. A training step then feeds each
+rank its part of the batch::
 
     cp = ContextParallel(group)                 # zigzag split by default
     cp.apply(model)                             # every attention becomes ring attention
     ids, targets = cp.shard(ids), cp.shard(targets)
-    logits = model(ids, positions=cp.positions(T))   # tokens keep their global positions
+    logits = model(ids)                         # positions default to cp.positions(T): global
     cp.loss_share(logits, targets).backward()   # shares sum to the whole sequence's mean
     cp.reduce_gradients(model)                  # replicated parameters: SUM over the group
     cp.stats.bytes_sent                         # == cp_bytes(...) per step (accounting.py)
@@ -70,9 +71,37 @@ class ContextParallel:
         )
 
     def apply(self, model: nn.Module) -> int:
-        """Route every attention of ``model`` through :meth:`attention`, in place; returns how
-        many attention modules changed (through the model's ``swap_attention``)."""
-        return swap_model_attention(model, self.attention, "context parallelism")
+        """Make ``model`` context-parallel, in place; returns how many attention modules changed.
+
+        Every attention goes through :meth:`attention` (the model's ``swap_attention``), and a
+        forward pre-hook gives a call without position ids this rank's global ones, so a task
+        that calls ``model(ids)`` on its chunk needs no change. The hook refuses a KV cache or
+        an attention mask: the models answer those (decoding, padding) with their own SDPA call
+        over the local keys, which would silently see only this rank's chunk. The model must
+        take ``forward(input_ids, cache=None, positions=None, attention_mask=None)`` (the
+        decoding contract GPT and Llama meet).
+        """
+        changed = swap_model_attention(model, self.attention, "context parallelism")
+        model.register_forward_pre_hook(self._global_positions, with_kwargs=True)
+        return changed
+
+    def _global_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        given = dict(zip(("input_ids", "cache", "positions", "attention_mask"), args)) | kwargs
+        for name in ("cache", "attention_mask"):
+            if given.get(name) is not None:
+                raise ValueError(
+                    f"a context-parallel {type(module).__name__} runs whole training sequences "
+                    f"only; got {name}= (decoding and padded batches see one rank's chunk of "
+                    "keys): decode or evaluate with the unsplit model"
+                )
+        if given.get("positions") is None:
+            ids = given["input_ids"]
+            positions = self.positions(ids.shape[1] * self.degree, ids.device)
+            if len(args) > 2:
+                args = (*args[:2], positions, *args[3:])
+            else:
+                kwargs = {**kwargs, "positions": positions}
+        return args, kwargs
 
     def shard(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's tokens of ``x`` (ids, targets, position ids) along ``dim``."""
