@@ -78,11 +78,27 @@ class Instruction:
 
 
 def validate_schedule_args(
-    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    allow_split_backward: bool = False,
 ) -> None:
-    """Fail early, naming the bad value and what would be valid."""
+    """Fail early, naming the bad value and what would be valid.
+
+    ``allow_split_backward``: whether the caller runs the split-backward schedules (the engine
+    does; the N-D strategy does not cut V-placed stages or switch checkpointed blocks to shared
+    recompute yet, so it refuses them rather than run them wrong).
+    """
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {list(SCHEDULES)}")
+    if name in SPLIT_BACKWARD and not allow_split_backward:
+        raise ValueError(
+            f"the {name!r} schedule (split backward) runs on PipelineEngine directly; the "
+            "pipeline strategy does not run split-backward schedules yet (its stage cut has no "
+            "V placement and its checkpointed blocks would recompute once per weight group); "
+            "use 'naive', 'gpipe', '1f1b' or 'interleaved' here"
+        )
     for label, value in (
         ("num_stages", num_stages),
         ("num_microbatches", num_microbatches),
@@ -171,7 +187,9 @@ def schedule(
     ``forward_only`` (validation): the forwards in schedule order, with their transfers, and no
     backward, gradient reduction or optimizer step.
     """
-    validate_schedule_args(name, num_stages, num_microbatches, virtual_stages)
+    validate_schedule_args(
+        name, num_stages, num_microbatches, virtual_stages, allow_split_backward=True
+    )
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage!r}")
     p, v = num_stages, virtual_stages
