@@ -323,8 +323,9 @@ def main() -> None:
         f"{NAIVE_STEP_S * scale * 1000:.0f} ms), after a zero-sleep warm-up step; "
         "ratio = theory / measured "
         f"for bubbles (1.0 is exact), gpipe / 1f1b for memory; {elapsed:.0f} s.\n"
-        f"split backward: T_F = T_B = T_W = {ZB_STAGE_S * scale * 1000:.0f} ms per stage (a V chunk: "
-        "half), 1F1B's whole backward B+W; ratio = 1f1b / schedule for idle time and memory.\n"
+        f"split backward: T_F = T_B = T_W = {ZB_STAGE_S * scale * 1000:.0f} ms per stage "
+        "(a V chunk: half), 1F1B's whole backward B+W; ratio = 1f1b / schedule for idle time "
+        "and memory.\n"
         f"timelines: {timelines}/pipeline_timeline_<schedule>_p<p>_m{TIMELINE_M}.png and "
         "pipeline_timeline_<schedule>_calibrated_p<p>_m<m>.png\n"
         + (

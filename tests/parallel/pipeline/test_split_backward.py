@@ -200,6 +200,16 @@ def test_checkpointed_blocks_recompute_once_for_b_and_w():
         torch.testing.assert_close(q.grad, p.grad, **TOL, msg=n)
 
 
+def test_split_schedules_refuse_compiled_blocks():
+    """A compiled block's backward is one node computing both gradients: W would redo it, so
+    the engine refuses, as torch's split schedules do (nothing is compiled: the check reads the
+    module, before any step)."""
+    model = tiny_gpt()
+    model.blocks[1].compile()
+    with pytest.raises(ValueError, match="cannot run compiled modules"):
+        _one_rank_v(model).train_step(*token_batch(), 4, "zbv")
+
+
 def test_shared_recompute_replays_dropout():
     """Recompute must see the forward's random numbers (RNG state restored)."""
     torch.manual_seed(0)
@@ -212,7 +222,7 @@ def test_shared_recompute_replays_dropout():
     layer(x).sum().backward()
     torch.manual_seed(5)
     x2 = x.clone().requires_grad_(True)
-    grad_x, deferred = backward_input(wrapped(x2).sum(), None, x2, list(twin.parameters()))
+    _, deferred = backward_input(wrapped(x2).sum(), None, x2, list(twin.parameters()))
     backward_weight(deferred)
     for p, q in zip(layer.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, **TOL)

@@ -143,7 +143,7 @@ def _move(prog: list[Instruction], op: Op, mb: int, before: Op) -> list[Instruct
     ins = next(i for i in prog if i.op is op and i.microbatch == mb)
     rest = [i for i in prog if i is not ins]
     at = next(k for k, i in enumerate(rest) if i.op is before and i.microbatch == mb)
-    return rest[:at] + [ins] + rest[at:]
+    return [*rest[:at], ins, *rest[at:]]
 
 
 def test_validator_rejects_a_w_before_its_b():
@@ -176,7 +176,7 @@ def test_validator_rejects_a_missing_gradient_receive_and_a_late_w():
     reduce = next(i for i in programs[1] if i.op is Op.REDUCE_GRADS)
     rest = [i for i in programs[1] if i is not reduce]
     last_w = max(k for k, i in enumerate(rest) if i.op is Op.BACKWARD_WEIGHT)
-    late = rest[:last_w] + [reduce] + rest[last_w:]  # the gradients reduced before the last W
+    late = [*rest[:last_w], reduce, *rest[last_w:]]  # the gradients reduced before the last W
     with pytest.raises(ScheduleError, match=r"\(reduce_grads\): reduces gradients before the W"):
         validate_programs([programs[0], late], 4)
 

@@ -30,7 +30,6 @@ from llmlab.parallel.pipeline.simulator import (
     simulate,
 )
 from llmlab.parallel.pipeline.split_backward import backward_input, backward_weight
-from llmlab.parallel.pipeline.validate import check_programs, validate_programs
 from llmlab.parallel.pipeline.stage import (
     StageModules,
     build_tie_groups,
@@ -38,6 +37,7 @@ from llmlab.parallel.pipeline.stage import (
     prune_to_stage,
 )
 from llmlab.parallel.pipeline.timeline import measured_bubble, plot_timeline
+from llmlab.parallel.pipeline.validate import check_programs, validate_programs
 
 
 def __getattr__(name: str):

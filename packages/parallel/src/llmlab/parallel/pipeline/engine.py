@@ -346,9 +346,21 @@ class PipelineEngine:
         self._in_flight -= 1
 
     def _check_split_backward(self) -> None:
-        """A split backward calls autograd several times per micro-batch; PyTorch's
-        checkpointing would recompute a checkpointed block in every one of those calls."""
+        """Refuse what a split backward would run wrong or twice, before anything runs."""
         for chunk in self.chunks:
+            compiled = [
+                name
+                for name, m in chunk.named_modules()
+                if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+                or getattr(m, "_compiled_call_impl", None) is not None
+            ]
+            if compiled:
+                raise ValueError(
+                    f"a split-backward schedule (B and W) cannot run compiled modules "
+                    f"({compiled[:3]}): a compiled region's backward is one autograd node that "
+                    "computes input and weight gradients together, so W would run it again; "
+                    "use an unsplit schedule (1f1b, interleaved) with torch.compile"
+                )
             if not uses_shared_recompute(chunk):
                 raise ValueError(
                     "a split-backward schedule (B and W) needs checkpointed blocks that "

@@ -58,7 +58,7 @@ class Instruction:
     """One step of a stage's program.
 
     ``chunk`` is the local model chunk (0 unless the rank holds several), ``virtual_stage`` its
-    position in the whole pipeline, ``peer`` the pipeline rank on the other end of a send or receive.
+    position in the whole pipeline, ``peer`` the pipeline rank at the other end of a transfer.
     """
 
     op: Op

@@ -85,7 +85,9 @@ def _upstream(start: Node, parents: dict[Node, list[Node]]) -> set[Node]:
     return seen
 
 
-def _branch_points(param: Node, input_path: set[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+def _branch_points(
+    param: Node, input_path: set[Node], parents: dict[Node, list[Node]]
+) -> set[Node]:
     """The input-path nodes from which ``param``'s gradient leaves the input path."""
     found: set[Node] = set()
     seen, stack = {param}, [param]

@@ -2,9 +2,10 @@
 
 Each function gives one rank's order of ``(kind, micro-batch, local chunk)`` with torch's letters:
 ``F`` (forward), ``I`` (the input gradient, the paper's B), ``W`` (weight gradients) and ``B``
-(the whole backward in one go); :func:`~llmlab.parallel.pipeline.schedules.schedule` adds the transfers. The orders are
-those of ``torch.distributed.pipelining`` (``ScheduleInterleavedZeroBubble`` with one stage per
-rank, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``), written as plain lists.
+(the whole backward in one go); :func:`~llmlab.parallel.pipeline.schedules.schedule` adds
+the transfers. The orders are those of ``torch.distributed.pipelining``
+(``ScheduleInterleavedZeroBubble`` with one stage per rank, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``), written as plain lists.
 
 * **ZB-H1** (Qi et al., ICLR 2024, "handcrafted 1"): 1F1B's shape and warm-up, with B in place
   of the backward; stage ``s`` holds back its first ``s`` W's and runs them at the end, where
