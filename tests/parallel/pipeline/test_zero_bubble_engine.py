@@ -79,6 +79,16 @@ def _run_torch(model: nn.Module, name: str, m: int, rank: int, world: int, x, y)
     return losses
 
 
+def _compare(model: nn.Module, local: set[int], oracle: dict, label: str) -> int:
+    """Every gradient this rank holds against the oracle's parameter of the same name."""
+    checked = 0
+    for n, p in model.named_parameters():
+        if id(p) in local:
+            torch.testing.assert_close(p.grad, oracle[n].grad, **TOL, msg=f"{label}: {n}")
+            checked += 1
+    return checked
+
+
 def _cases(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list[dict]:
     x, y = token_batch()
     out = []
@@ -97,13 +107,7 @@ def _cases(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list[dic
         )
         result = engine.train_step(x, y, m, name)
         local = {id(p) for p in params}
-        checked = 0
-        for n, p in model.named_parameters():
-            if id(p) in local:
-                torch.testing.assert_close(
-                    p.grad, ref_grads[n].grad, **TOL, msg=f"{kind} {name} m={m} {n} vs 1 process"
-                )
-                checked += 1
+        checked = _compare(model, local, ref_grads, f"{kind} {name} m={m} vs 1 process")
         if result.loss is not None:
             torch.testing.assert_close(result.loss, ref_loss.detach(), **TOL)
 
@@ -112,12 +116,7 @@ def _cases(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list[dic
             theirs = copy.deepcopy(_model(kind, world))
             losses = _run_torch(theirs, name, m, rank, world, x, y)
             their_grads = dict(theirs.named_parameters())
-            for n, p in model.named_parameters():
-                if id(p) in local:
-                    torch.testing.assert_close(
-                        p.grad, their_grads[n].grad, **TOL, msg=f"{kind} {name} m={m} {n} vs torch"
-                    )
-                    compared += 1
+            compared = _compare(model, local, their_grads, f"{kind} {name} m={m} vs torch")
             if result.loss is not None:
                 torch.testing.assert_close(result.loss, torch.stack(losses).mean(), **TOL)
         out.append({"case": (kind, name, m), "checked": checked, "vs_torch": compared})

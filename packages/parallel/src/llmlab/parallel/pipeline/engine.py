@@ -41,7 +41,7 @@ from llmlab.parallel.pipeline.split_backward import (
     backward_weight,
 )
 from llmlab.parallel.pipeline.transport import Tag, Transport
-from llmlab.parallel.pipeline.validate import validated_program
+from llmlab.parallel.pipeline.validate import validated_schedules
 
 
 @dataclass
@@ -178,10 +178,10 @@ class PipelineEngine:
 
         Every stage's program is validated (each micro-batch forwarded and backwarded once per
         virtual stage, W after its B, transfers matched, no deadlock) before anything runs."""
-        program = validated_program(
-            schedule_name, self.num_stages, num_microbatches, self.stage, self.virtual_stages
+        programs = validated_schedules(
+            schedule_name, self.num_stages, num_microbatches, self.virtual_stages
         )
-        return self.execute(program, inputs, targets, num_microbatches, train=True)
+        return self.execute(programs[self.stage], inputs, targets, num_microbatches, train=True)
 
     @torch.no_grad()
     def eval_step(
@@ -193,15 +193,10 @@ class PipelineEngine:
     ) -> StepResult:
         """Forward only (validation), no graph kept: the mean loss on the last stage, or with
         ``targets=None`` the last stage's outputs concatenated over micro-batches."""
-        program = validated_program(
-            schedule_name,
-            self.num_stages,
-            num_microbatches,
-            self.stage,
-            self.virtual_stages,
-            forward_only=True,
+        programs = validated_schedules(
+            schedule_name, self.num_stages, num_microbatches, self.virtual_stages, True
         )
-        return self.execute(program, inputs, targets, num_microbatches, train=False)
+        return self.execute(programs[self.stage], inputs, targets, num_microbatches, train=False)
 
     def execute(
         self,

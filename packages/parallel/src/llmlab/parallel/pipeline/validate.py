@@ -153,25 +153,12 @@ def validate_programs(programs: Sequence[Sequence[Instruction]], num_microbatche
 
 
 @functools.lru_cache(maxsize=128)
-def _validated(
-    name: str, p: int, m: int, v: int, forward_only: bool
-) -> tuple[tuple[Instruction, ...], ...]:
-    programs = all_schedules(name, p, m, v, forward_only)
-    validate_programs(programs, m)
-    return tuple(tuple(prog) for prog in programs)
-
-
-def validated_program(
-    name: str,
-    num_stages: int,
-    num_microbatches: int,
-    stage: int,
-    virtual_stages: int = 1,
+def validated_schedules(
+    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
     forward_only: bool = False,
-) -> list[Instruction]:
-    """``schedule(...)`` for ``stage``, after every stage's program passed ``validate_programs``
-    (once per arguments: the result is cached)."""
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage must be in [0, {num_stages}), got {stage!r}")
-    programs = _validated(name, num_stages, num_microbatches, virtual_stages, forward_only)
-    return list(programs[stage])
+) -> tuple[tuple[Instruction, ...], ...]:  # fmt: skip
+    """``all_schedules(...)`` after ``validate_programs`` passed, cached per arguments (the
+    engine asks once per step; the check runs once)."""
+    programs = all_schedules(name, num_stages, num_microbatches, virtual_stages, forward_only)
+    validate_programs(programs, num_microbatches)
+    return tuple(tuple(prog) for prog in programs)

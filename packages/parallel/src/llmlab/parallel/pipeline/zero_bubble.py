@@ -60,23 +60,24 @@ def zbv_order(p: int, m: int, stage: int) -> list[Step]:
         order.append((kind, counter[chunk], chunk))
         counter[chunk] += 1
 
+    def forward_backward(chunk: int) -> None:  # F, then B and W of the oldest micro-batch
+        emit("F", chunk, f)
+        emit("I", chunk, b)
+        emit("W", chunk, w)
+
     for _ in range(2 * (p - stage) - 1):
         emit("F", 0, f)
     for _ in range(stage):
         emit("F", 1, f)
         emit("F", 0, f)
     for _ in range(p - stage):
-        emit("F", 1, f)
-        emit("I", 1, b)
-        emit("W", 1, w)
+        forward_backward(1)
     while f[1] < f[0] or f[0] < n:
         if f[0] < n:
             emit("F", 0, f)
         emit("I", 0, b)
         emit("W", 0, w)
-        emit("F", 1, f)
-        emit("I", 1, b)
-        emit("W", 1, w)
+        forward_backward(1)
     for _ in range(stage):
         emit("I", 0, b)
         emit("I", 1, b)
