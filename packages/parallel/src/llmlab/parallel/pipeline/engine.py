@@ -23,6 +23,7 @@ receive would hold back this rank's sends to that peer until it completes.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -342,12 +343,15 @@ class PipelineEngine:
 
     def _check_split_backward(self) -> None:
         """Refuse what a split backward would run wrong or twice, before anything runs."""
+        # torch.compile(module) wraps it in an OptimizedModule, module.compile() sets
+        # _compiled_call_impl; without torch._dynamo imported (seconds) neither can exist.
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        wrapper = getattr(eval_frame, "OptimizedModule", ())
         for chunk in self.chunks:
             compiled = [
                 name
                 for name, m in chunk.named_modules()
-                if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
-                or getattr(m, "_compiled_call_impl", None) is not None
+                if isinstance(m, wrapper) or getattr(m, "_compiled_call_impl", None) is not None
             ]
             if compiled:
                 raise ValueError(
