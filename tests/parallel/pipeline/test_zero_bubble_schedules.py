@@ -70,6 +70,15 @@ def test_zb1_idles_a_third_of_1f1b_at_equal_costs():
             assert idle_zb1 == pytest.approx(idle_1f1b / 3, abs=1e-9), (p, m)
 
 
+@pytest.mark.parametrize("f,b,w", [(1, 1, 0.5), (2, 1, 1), (1, 2, 1), (1, 3, 0.25)])
+def test_zb1_idle_time_formula_for_unequal_costs(f, b, w):
+    """(p-1)(T_F + T_B - T_W) per stage whenever T_W <= T_B (the paper's ZB-H1 figure)."""
+    for p in range(2, 7):
+        r = simulate(all_schedules("zb1", p, 2 * p), f, b, weight_cost=w)
+        idle = p * r.makespan - sum(r.busy)
+        assert idle / p == pytest.approx((p - 1) * (f + b - w), abs=1e-9), p
+
+
 def test_activation_memory_against_1f1b():
     """Micro-batch activations alive at once (from F until W): ZB-H1 keeps p on every stage,
     1F1B's stage-0 peak; ZB-V keeps 2p half-stage chunks (1F1B's p stages); DualPipeV one chunk
