@@ -8,6 +8,7 @@ STAMP := $(VENV)/.llmlab-installed
 WHEELHOUSE := $(VENV)/wheelhouse/.filled
 EXP ?= gpt_shakespeare
 ARGS ?=
+TASKS ?= shakespeare_bpb,shakespeare_cloze
 PYTEST_ARGS ?=
 
 # Everything that changes what gets installed: a change to any of these re-runs the install.
