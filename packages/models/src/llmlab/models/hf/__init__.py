@@ -4,6 +4,7 @@ which reads only the parameters and slices asked for."""
 
 from llmlab.models.hf.folder import CheckpointError, CheckpointFolder
 from llmlab.models.hf.pretrained import (
+    check_pretrained,
     from_pretrained,
     pretrained_spec,
     read_weights,
@@ -15,6 +16,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFolder",
     "Shard",
+    "check_pretrained",
     "from_pretrained",
     "pretrained_spec",
     "read_weights",

@@ -41,12 +41,8 @@ def load_model(
     :class:`CheckpointFolder`, or anything with its ``tensors``/``shape``/``read``/``dtype``),
     checked first: each tensor the config implies is there, and no tensor is left unread."""
     config = make_config(config_cls, spec)
-    sources = checkpoint_sources(checkpoint, config)
+    sources, model = check_checkpoint(checkpoint, config, model_cls)
     hf_tied = "lm_head.weight" if config.tie_embeddings else None  # HF ties it away on load
-    check_coverage(checkpoint, sources, lambda n: is_inert_tensor(n) or n == hf_tied)
-    with torch.device("meta"):
-        model = model_cls(config)
-    _check_shapes(checkpoint, sources, model)
     dtype = dtype or checkpoint.dtype() or torch.float32
     state = _read_all(checkpoint, sources, config)
     if hf_tied in checkpoint.tensors:
@@ -62,6 +58,20 @@ def load_model(
     if leftover:
         raise CheckpointError(f"{checkpoint.path}: nothing loaded into {leftover[:3]}")
     return model
+
+
+def check_checkpoint(
+    checkpoint: Any, config: Any, model_cls: type[nn.Module]
+) -> tuple[dict[str, Source], nn.Module]:
+    """Headers against config, reading no weight: each tensor the config implies is there with
+    its shape, and no tensor is left unread. Returns the name map and the model on ``meta``."""
+    sources = checkpoint_sources(checkpoint, config)
+    hf_tied = "lm_head.weight" if config.tie_embeddings else None  # HF ties it away on load
+    check_coverage(checkpoint, sources, lambda n: is_inert_tensor(n) or n == hf_tied)
+    with torch.device("meta"):
+        model = model_cls(config)
+    _check_shapes(checkpoint, sources, model)
+    return sources, model
 
 
 def _check_shapes(checkpoint: Any, sources: Mapping[str, Source], model: nn.Module) -> None:

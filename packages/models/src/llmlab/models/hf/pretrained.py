@@ -33,7 +33,13 @@ from llmlab.models.hf.folder import (
     CheckpointFolder,
     read_json,
 )
-from llmlab.models.hf.loading import USE_SETTINGS, checkpoint_sources, load_model, make_config
+from llmlab.models.hf.loading import (
+    USE_SETTINGS,
+    check_checkpoint,
+    checkpoint_sources,
+    load_model,
+    make_config,
+)
 from llmlab.models.hf.names import sources_for
 from llmlab.models.hf.weights import Shard, read_state_dict, to_hf_layout
 from llmlab.models.llama import Llama
@@ -69,6 +75,16 @@ def pretrained_spec(path: str | Path, **use: Any) -> dict[str, Any]:
         make_config(MODELS[arch][1], spec)
     except ValueError as err:  # e.g. an unimplemented RoPE scaling: name the file
         raise CheckpointError(f"{path / CONFIG}: {err}") from err
+    return spec
+
+
+def check_pretrained(path: str | Path, **use: Any) -> dict[str, Any]:
+    """The spec of the folder at ``path`` once every file is checked against its
+    ``config.json`` -- shards present, files whole, every tensor there with its shape, none
+    left over -- without reading a weight: what to call before starting processes."""
+    spec = pretrained_spec(path, **use)
+    model_cls, config_cls = MODELS[spec["arch"]]
+    check_checkpoint(CheckpointFolder(path), make_config(config_cls, spec), model_cls)
     return spec
 
 
