@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-KERNEL_BACKENDS = ("torch", "triton")
+from llmlab.models.config_checks import (
+    KERNEL_BACKENDS,
+    check_dropout_and_kernels,
+    check_heads_divide,
+    check_positive_ints,
+)
+
+__all__ = ["KERNEL_BACKENDS", "GPTConfig"]
 
 
 @dataclass
@@ -26,23 +33,9 @@ class GPTConfig:
 
     def validate(self) -> None:
         """Fail early, naming the bad value and what would be valid."""
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
-            near = sorted(divisors, key=lambda h: abs(h - self.n_head))[:4]
-            raise ValueError(
-                f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"valid n_head values near it: {sorted(near)}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.kernels not in KERNEL_BACKENDS:
-            raise ValueError(
-                f"GPTConfig.kernels={self.kernels!r} is not one of {list(KERNEL_BACKENDS)}"
-            )
+        check_positive_ints(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"))
+        check_heads_divide(self)
+        check_dropout_and_kernels(self)
 
     @property
     def head_dim(self) -> int:

@@ -20,7 +20,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-KERNEL_BACKENDS = ("torch", "triton")
+from llmlab.models.config_checks import (
+    check_dropout_and_kernels,
+    check_heads_divide,
+    check_positive_ints,
+)
+
 ROPE_TYPES = {
     "default": (),
     "linear": ("factor",),
@@ -67,20 +72,12 @@ class LlamaConfig:
 
     def validate(self) -> None:
         """Fail early, naming the bad value and what would be valid."""
-        for name in (
+        check_positive_ints(self, (
             "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd",
             "intermediate_size",
-        ):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
-        if self.head_dim is None and self.n_embd % self.n_head != 0:
-            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
-            near = sorted(divisors, key=lambda h: abs(h - self.n_head))[:4]
-            raise ValueError(
-                f"LlamaConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"valid n_head values near it: {sorted(near)} (or give head_dim explicitly)"
-            )
+        ))  # fmt: skip
+        if self.head_dim is None:
+            check_heads_divide(self, " (or give head_dim explicitly)")
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 2):
             raise ValueError(f"LlamaConfig.head_dim must be an integer >= 2, got {self.head_dim!r}")
         if self.n_head % self.n_kv_head != 0:
@@ -115,12 +112,7 @@ class LlamaConfig:
                     f"LlamaConfig.window_layers={self.window_layers} needs a sliding_window and "
                     f"layer indices in [0, {self.n_layer})"
                 )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LlamaConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.kernels not in KERNEL_BACKENDS:
-            raise ValueError(
-                f"LlamaConfig.kernels={self.kernels!r} is not one of {list(KERNEL_BACKENDS)}"
-            )
+        check_dropout_and_kernels(self)
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling
