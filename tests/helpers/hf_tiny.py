@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 COMMON = dict(
     vocab_size=96,
@@ -66,6 +65,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 
 def build_hf(family: str, overrides: dict[str, Any], seed: int = 0) -> Any:
+    import transformers  # imported when used: the experiments test loads this module too
+
     torch.manual_seed(seed)
     if family == "GPT2":
         config = transformers.GPT2Config(

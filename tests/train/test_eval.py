@@ -180,3 +180,12 @@ def test_an_experiment_can_evaluate_at_the_end_of_training(tmp_path):
     trainer.fit(task, datamodule=tiny_tokens(1, vocab_size=256, seq=32))
     assert 0.0 <= callback.metrics["eval/shakespeare_cloze/acc"] <= 1.0
     assert (tmp_path / "eval" / "last.json").exists()
+
+
+def test_callbacks_eval_composes_with_any_experiment():
+    from llmlab.train.app import build, compose_config
+
+    cfg = compose_config(["experiment=llama_shakespeare", "callbacks=eval",
+                          "callbacks.eval.tasks=[shakespeare_cloze]"])  # fmt: skip
+    callback = build(cfg.callbacks.eval, "callback eval")
+    assert callback.tasks == ["shakespeare_cloze"]

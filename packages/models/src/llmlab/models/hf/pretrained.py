@@ -228,6 +228,9 @@ def _atomic(path: Path, write: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as any new file (safetensors creates it private)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
