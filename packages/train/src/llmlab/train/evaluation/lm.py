@@ -19,8 +19,9 @@ lm-eval asks three questions; each is answered in batches through ``llmlab.decod
 Tokenisation follows lm-eval's ``TemplateLM`` (trailing spaces of a context move to the
 continuation; the continuation's tokens are those of ``context + continuation`` after the
 context's), so the same requests give the same tokens as its ``hf`` model on the exported
-folder. The prefix token for an empty context is the tokenizer's EOS / BOS; the byte-level
-tokenizer has neither, so it is ``\\n`` (a document boundary in the training text).
+folder. The prefix token for an empty context is the tokenizer's EOS / BOS (as the exported
+``tokenizer_config.json`` names them); the byte-level tokenizer has neither, so it is ``\\n``
+(a document boundary in the training text).
 """
 
 from __future__ import annotations
@@ -63,10 +64,20 @@ class LlmlabLM(TemplateLM):
         self._prefix = prefix_token_id if prefix_token_id is not None else self._default_prefix()
 
     def _default_prefix(self) -> int:
+        """EOS, else BOS, as the exported tokenizer_config.json names them (so lm-eval's ``hf``
+        model on the export uses the same token); else a newline."""
         for name in ("eos_token_id", "bos_token_id"):
             value = getattr(self.tok, name, None)
             if isinstance(value, int):
                 return value
+        specials = getattr(self.tok, "special_tokens", None)
+        if specials:
+            from llmlab.tokenizer.hf_folder import HFTokenizerFiles
+
+            roles = HFTokenizerFiles(self.tok).special_token_roles()
+            for role in ("eos_token", "bos_token"):
+                if role in roles:
+                    return specials[roles[role]]
         newline = self.tok_encode("\n")
         if len(newline) != 1:
             raise ValueError(
