@@ -87,12 +87,14 @@ class LlamaConfig:
                 f"{self.n_kv_head} (each KV head serves a whole group of query heads); "
                 f"valid n_kv_head: {valid}"
             )
-        if self.head_size % 2:
-            raise ValueError(
-                f"LlamaConfig: the head dim is {self.head_size} (n_embd={self.n_embd}, "
-                f"n_head={self.n_head}, head_dim={self.head_dim}); it must be even (RoPE rotates "
-                "dimensions in pairs)"
+        if self.head_size % 2:  # RoPE rotates dimensions in pairs
+            where = (
+                f"head_dim={self.head_dim}"
+                if self.head_dim is not None
+                else f"n_embd={self.n_embd} / n_head={self.n_head} = {self.head_size}, the "
+                "head dim,"
             )
+            raise ValueError(f"LlamaConfig.{where} must be even (RoPE rotates dimensions in pairs)")
         if not self.rope_theta > 0:
             raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta!r}")
         self._validate_rope_scaling()
