@@ -28,7 +28,7 @@ from llmlab.parallel.contracts import (
     require,
     tensor_parallel_problems,
 )
-from llmlab.parallel.pipeline.schedules import validate_schedule_args
+from llmlab.parallel.pipeline.schedules import V_SHAPED, validate_schedule_args
 
 DIMS = ("data", "pipeline", "context", "tensor")  # outermost first; tensor innermost
 
@@ -53,8 +53,9 @@ class ParallelDims:
     ``data=None`` takes whatever the world leaves: :meth:`resolve` fills it in. ``context`` is a
     dimension of the mesh already; context parallelism itself (ring attention) is not built yet,
     so ``context > 1`` is refused. ``microbatches`` defaults to 4 with a pipeline, else 1;
-    ``virtual_stages`` to 2 for the interleaved schedule, else 1. ``boundaries``: the first layer
-    index of every virtual stage after the first (``None``: balanced by parameter count).
+    ``virtual_stages`` to 2 for the interleaved and V-shaped schedules, else 1. ``boundaries``:
+    the first layer index of every virtual stage after the first (``None``: balanced by
+    parameter count).
     """
 
     data: int | None = 1
@@ -72,7 +73,8 @@ class ParallelDims:
             pipelined = isinstance(self.pipeline, int) and self.pipeline > 1
             object.__setattr__(self, "microbatches", 4 if pipelined else 1)
         if self.virtual_stages is None:
-            object.__setattr__(self, "virtual_stages", 2 if self.schedule == "interleaved" else 1)
+            two = self.schedule == "interleaved" or self.schedule in V_SHAPED
+            object.__setattr__(self, "virtual_stages", 2 if two else 1)
         if self.boundaries is not None:
             object.__setattr__(self, "boundaries", tuple(self.boundaries))
         object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel))
