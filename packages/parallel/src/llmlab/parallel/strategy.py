@@ -278,7 +278,8 @@ class NDParallelStrategy(DDPStrategy):
         groups, zero, parallel = self.groups, self.zero_engine, self.parallel
         data = (groups.data, self.dims.data) if zero is None else (None, 1)
         self._reducer = GradientReducer(parallel.params, parallel.tied, *data)
-        masters = getattr(self.precision_plugin, "masters", None)
+        plugin = self.precision_plugin
+        masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
         self.checkpointer = LayoutCheckpointer(
             self.lightning_module, self.model_attribute, groups, parallel.duplicates, zero,
             masters, self.sharded_checkpoints,
@@ -286,10 +287,10 @@ class NDParallelStrategy(DDPStrategy):
                     "sequence_parallel": self.dims.sequence_parallel},
         )  # fmt: skip
         norm_groups = (groups.tensor, groups.pipeline, *((groups.data,) if zero else ()))
-        self._norm = WholeModelNorm(
-            self.dims.tensor, norm_groups, parallel.duplicates, self.checkpointer.model_param_of
-        )
-        plugin = self.precision_plugin
+        self._norm = WholeModelNorm(  # the optimizer's tensors (masters, ZeRO pieces) stand for
+            self.dims.tensor, norm_groups, parallel.duplicates,  # the model parameters the
+            self.checkpointer.model_param_of,  # checkpointer names them by
+        )  # fmt: skip
         if isinstance(plugin, WholeModelClipping):
             plugin.clip_by_norm_of(self.global_grad_norm)
         elif trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
