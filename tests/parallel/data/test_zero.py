@@ -46,7 +46,7 @@ def every_stage(rank: int, world: int) -> dict:
         result = train_zero(partial(ZeroEngine, stage=stage), rank, world)
         result.pop("state")
         out[stage] = result
-    zero_module._reduce_scatter = _local_only_reduce_scatter
+    zero_module.reduce_scatter_into = _local_only_reduce_scatter
     control = train_zero(partial(ZeroEngine, stage=1), rank, world)
     control.pop("state")
     out["control"] = control
