@@ -5,7 +5,13 @@ registered language model from its config dict."""
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama import Llama, LlamaConfig
-from llmlab.models.registry import ARCHITECTURES, build_model, model_config, register
+from llmlab.models.registry import (
+    ARCHITECTURES,
+    build_model,
+    from_state_dict,
+    model_config,
+    register,
+)
 from llmlab.models.resnet import ResNet50
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "LlamaConfig",
     "ResNet50",
     "build_model",
+    "from_state_dict",
     "model_config",
     "register",
 ]

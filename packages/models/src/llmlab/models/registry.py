@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.llama import Llama, LlamaConfig
@@ -71,3 +71,25 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
             )
         log.info("kernels=%s: %d modules use the %s ops", kernels, used, kernels)
     return model
+
+
+def from_state_dict(
+    spec: Mapping[str, Any], state_dict: Mapping[str, Tensor], prefix: str = ""
+) -> nn.Module:
+    """``build_model(spec)`` holding the weights of ``state_dict``, in eval mode.
+
+    Only the keys under ``prefix`` are read, with it removed: a Lightning checkpoint of the
+    training task keeps the model under ``"model."`` next to other modules' weights. Loading is
+    strict, so a missing or unexpected weight raises naming it. This is the one place that turns
+    a checkpoint's ``(model config, weights)`` back into a model, for every reader of
+    checkpoints (the sampler, the serving engine) without them knowing each other.
+    """
+    weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not weights:
+        raise ValueError(
+            f"the state dict holds no weights under prefix {prefix!r} "
+            f"(its first keys: {sorted(state_dict)[:3]})"
+        )
+    model = build_model(spec)
+    model.load_state_dict(weights)
+    return model.eval()
