@@ -68,7 +68,7 @@ def test_bad_inputs_name_the_values():
     with pytest.raises(ValueError, match=r"query_start \(3,\) \(B \+ 1,\)"):
         paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, torch.tensor([0, 1, 1]),
                         c.context_lens)  # fmt: skip
-    with pytest.raises(TypeError, match="v_cache is torch.float64 but q is torch.float32"):
+    with pytest.raises(TypeError, match=r"v_cache is torch\.float64 but q is torch\.float32"):
         paged_attention(c.q, c.k_cache, c.v_cache.double(), *c.args[3:])
     with pytest.raises(ValueError, match="backend='cuda'; valid: auto, torch, triton"):
         paged_attention(*c.args, backend="cuda")

@@ -60,6 +60,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_blocks is None or config.max_model_len is None:
             raise ValueError("Scheduler needs a resolved EngineConfig (EngineConfig.resolved)")
+        config.validate()
         self.config = config
         self.blocks = BlockManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
