@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llmlab.kernels import PagedLayout
+
 
 @dataclass
 class PagedCase:
@@ -22,9 +24,13 @@ class PagedCase:
     context_lens: Tensor
 
     @property
-    def args(self) -> tuple[Tensor, ...]:
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.query_start,
-                self.context_lens)  # fmt: skip
+    def layout(self) -> PagedLayout:
+        return PagedLayout(self.block_tables, self.query_start, self.context_lens,
+                           self.k_cache.shape[1])  # fmt: skip
+
+    @property
+    def args(self) -> tuple[Tensor, Tensor, Tensor, PagedLayout]:
+        return self.q, self.k_cache, self.v_cache, self.layout
 
 
 def scatter_to_pool(

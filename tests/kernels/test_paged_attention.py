@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from llmlab.kernels import paged_attention, triton_available
+from llmlab.kernels import PagedLayout, paged_attention, triton_available
 from llmlab.kernels.paged_attention import reference
 from tests.helpers.paged import contiguous_attention, scatter_to_pool
 
@@ -65,10 +65,14 @@ def test_bad_inputs_name_the_values():
         paged_attention(*c.args)
     c = scatter_to_pool(context_lens=[5], new_tokens=[1], heads=2, kv_heads=2, head_dim=8,
                         block_size=4, dtype=torch.float32, seed=0)  # fmt: skip
-    with pytest.raises(ValueError, match=r"query_start \(3,\) \(B \+ 1,\)"):
-        paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, torch.tensor([0, 1, 1]),
-                        c.context_lens)  # fmt: skip
+    with pytest.raises(ValueError, match=r"query_start \(3,\) must be \(B \+ 1,\) = \(2,\)"):
+        PagedLayout(c.block_tables, torch.tensor([0, 1, 1]), c.context_lens, 4)
+    with pytest.raises(ValueError, match=r"1 <= queries <= keys, got queries \[6\]"):
+        PagedLayout(c.block_tables, torch.tensor([0, 6]), c.context_lens, 4)
     with pytest.raises(TypeError, match=r"v_cache is torch\.float64 but q is torch\.float32"):
-        paged_attention(c.q, c.k_cache, c.v_cache.double(), *c.args[3:])
+        paged_attention(c.q, c.k_cache, c.v_cache.double(), c.layout)
+    with pytest.raises(ValueError, match="the layout has block_size 8"):
+        wrong = PagedLayout(c.block_tables, c.query_start, c.context_lens, 8)
+        paged_attention(c.q, c.k_cache, c.v_cache, wrong)
     with pytest.raises(ValueError, match="backend='cuda'; valid: auto, torch, triton"):
         paged_attention(*c.args, backend="cuda")

@@ -14,7 +14,7 @@ from llmlab.kernels.elementwise import add3
 from llmlab.kernels.gelu import bias_gelu, gelu
 from llmlab.kernels.layer_norm import add_layer_norm, layer_norm
 from llmlab.kernels.matmul import matmul
-from llmlab.kernels.paged_attention import paged_attention
+from llmlab.kernels.paged_attention import PagedLayout, paged_attention
 from llmlab.kernels.rms_norm import rms_norm
 from llmlab.kernels.rope import rope
 from llmlab.kernels.softmax import softmax
@@ -24,6 +24,7 @@ from llmlab.kernels.swiglu import swiglu
 __all__ = [
     "CSRMatrix",
     "ELLMatrix",
+    "PagedLayout",
     "add3",
     "add_layer_norm",
     "attention",

@@ -14,6 +14,10 @@ rows ``q[query_start[b] : query_start[b + 1]]`` (a prefill chunk, or one decode 
 ``context_lens[b] - n_b + j`` and sees the keys up to and including its own position (causal),
 the convention of FlashAttention's varlen API (``cu_seqlens_q``, ``seqused_k``).
 
+That bookkeeping -- which slots each sequence's keys occupy, where each query sits -- is the
+same for every layer of a forward, so it is computed once into a :class:`PagedLayout` and
+handed to every layer's call.
+
 Faces (DESIGN §3): :func:`reference` gathers each sequence's keys through its block table and
 runs ``F.scaled_dot_product_attention`` (single-query sequences batched together, since decode
 steps are the common case); the Triton kernel (``_jit/paged_attention.py``) runs one program per
@@ -25,6 +29,8 @@ steps are the common case); the Triton kernel (``_jit/paged_attention.py``) runs
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -41,78 +47,129 @@ from llmlab.kernels._runtime import (
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def slots(block_table: Tensor, length: int, block_size: int) -> Tensor:
-    """Pool slot of each of the first ``length`` tokens of a sequence with ``block_table``."""
-    pos = torch.arange(length, device=block_table.device)
-    return block_table[pos // block_size].long() * block_size + pos % block_size
+@dataclass(eq=False)
+class PagedLayout:
+    """Where one forward's queries and keys are: built once, read by every layer.
 
+    ``block_tables``: (B, max_blocks) block ids (entries past a sequence's last block are
+    never read); ``query_start``: (B + 1,) offsets of each sequence's queries in the packed
+    batch; ``context_lens``: (B,) keys per sequence, the new ones included. The derived
+    index tensors are computed on first use and then shared by all layers.
+    """
 
-def _gather(cache: Tensor, block_rows: Tensor, length: int) -> Tensor:
-    """(..., length, H_kv, D): the first ``length`` tokens of the blocks ``block_rows`` (..., n)."""
-    block_size = cache.shape[1]
-    n = (length + block_size - 1) // block_size
-    pages = cache[block_rows[..., :n].long()]  # (..., n, block_size, H_kv, D)
-    return pages.flatten(-4, -3)[..., :length, :, :]
+    block_tables: Tensor
+    query_start: Tensor
+    context_lens: Tensor
+    block_size: int
+
+    def __post_init__(self) -> None:
+        B = self.context_lens.shape[0]
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != B:
+            raise ValueError(
+                f"PagedLayout: block_tables {tuple(self.block_tables.shape)} must be "
+                f"(B, max_blocks) for context_lens of B={B}"
+            )
+        if self.query_start.shape != (B + 1,):
+            raise ValueError(
+                f"PagedLayout: query_start {tuple(self.query_start.shape)} must be (B + 1,) "
+                f"= ({B + 1},) for context_lens of B={B}"
+            )
+        self.starts: list[int] = self.query_start.tolist()
+        self.lens: list[int] = self.context_lens.tolist()
+        counts = [b - a for a, b in zip(self.starts, self.starts[1:])]
+        if any(n < 1 or n > L for n, L in zip(counts, self.lens)):
+            raise ValueError(
+                f"PagedLayout: each sequence needs 1 <= queries <= keys, got queries {counts} "
+                f"for context_lens {self.lens}"
+            )
+        self.num_queries = self.starts[-1]
+        self.decodes = [b for b, n in enumerate(counts) if n == 1]
+        self.prefills = [b for b, n in enumerate(counts) if n > 1]
+
+    def slots(self, seqs: list[int], length: int) -> Tensor:
+        """(len(seqs), length) pool slots of the first ``length`` tokens of sequences ``seqs``
+        (past a shorter sequence's end: some valid slot, to be masked)."""
+        device = self.block_tables.device
+        pos = torch.arange(length, device=device)
+        tables = self.block_tables[torch.tensor(seqs, device=device)].long()
+        return tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    @cached_property
+    def decode_rows(self) -> Tensor:
+        return torch.tensor([self.starts[b] for b in self.decodes], device=self.device)
+
+    @cached_property
+    def decode_slots(self) -> Tensor:
+        return self.slots(self.decodes, max(self.lens[b] for b in self.decodes))
+
+    @cached_property
+    def decode_mask(self) -> Tensor | None:
+        """(S, 1, 1, L) keys each decode may see; None when every one sees all L."""
+        lens = [self.lens[b] for b in self.decodes]
+        if min(lens) == max(lens):
+            return None
+        seen = torch.tensor(lens, device=self.device)
+        return (torch.arange(max(lens), device=self.device) < seen[:, None])[:, None, None, :]
+
+    @cached_property
+    def prefill_parts(self) -> list[tuple[int, int, Tensor, Tensor]]:
+        """Per multi-query sequence: its query rows, its key slots and its causal mask (query
+        ``j`` is at position ``L - n + j`` and sees the keys up to it)."""
+        parts = []
+        for b in self.prefills:
+            start, end, L = self.starts[b], self.starts[b + 1], self.lens[b]
+            keep = torch.ones(end - start, L, dtype=torch.bool, device=self.device)
+            parts.append((start, end, self.slots([b], L)[0], keep.tril(L - (end - start))))
+        return parts
+
+    @cached_property
+    def row_seq_and_pos(self) -> tuple[Tensor, Tensor]:
+        """(N,) int32 sequence and position of every query row (the Triton kernel's input)."""
+        seq, pos = [], []
+        for b, (a, e) in enumerate(zip(self.starts, self.starts[1:])):
+            seq += [b] * (e - a)
+            pos += range(self.lens[b] - (e - a), self.lens[b])
+        return (torch.tensor(seq, dtype=torch.int32, device=self.device),
+                torch.tensor(pos, dtype=torch.int32, device=self.device))  # fmt: skip
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_tables.device
 
 
 def reference(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    query_start: Tensor,
-    context_lens: Tensor,
-    scale: float | None = None,
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: PagedLayout, scale: float | None = None
 ) -> Tensor:
-    """(N, H, D) attention outputs for packed queries ``q`` (N, H, D); see the module docstring.
-
-    ``k_cache``/``v_cache``: (num_blocks, block_size, H_kv, D); ``block_tables``: (B, max_blocks)
-    block ids (entries past a sequence's last block are never read); ``query_start``: (B + 1,)
-    offsets of each sequence's queries in ``q``; ``context_lens``: (B,) keys per sequence.
-    """
+    """(N, H, D) attention outputs for packed queries ``q`` (N, H, D) over the pool
+    ``k_cache``/``v_cache`` (num_blocks, block_size, H_kv, D); see the module docstring."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    starts = query_start.tolist()
-    lens = context_lens.tolist()
-    gqa = q.shape[1] != k_cache.shape[2]
-    out = torch.empty_like(q)
-    single = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if single:  # decode steps: one query per sequence, batched with a key-length mask
-        rows = torch.tensor([starts[b] for b in single], device=q.device)
-        tables = block_tables[torch.tensor(single, device=q.device)]
-        longest = max(lens[b] for b in single)
-        k = _gather(k_cache, tables, longest).transpose(1, 2)  # (S, H_kv, L, D)
-        v = _gather(v_cache, tables, longest).transpose(1, 2)
-        seen = torch.tensor([lens[b] for b in single], device=q.device)
-        mask = None
-        if len(single) > 1 and min(lens[b] for b in single) < longest:
-            mask = (torch.arange(longest, device=q.device) < seen[:, None])[:, None, None, :]
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    keys, values = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
+    gqa = q.shape[1] != heads
+    out = None
+    if layout.decodes:  # one query per sequence: one batched SDPA over padded, masked keys
+        slots = layout.decode_slots
+        k, v = keys[slots].transpose(1, 2), values[slots].transpose(1, 2)  # (S, H_kv, L, D)
         o = F.scaled_dot_product_attention(
-            q[rows][:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
-        out[rows] = o[:, :, 0]
-    for b in range(len(lens)):
-        n = starts[b + 1] - starts[b]
-        if n <= 1:
-            continue
-        L = lens[b]
-        k = _gather(k_cache, block_tables[b], L).transpose(0, 1)[None]  # (1, H_kv, L, D)
-        v = _gather(v_cache, block_tables[b], L).transpose(0, 1)[None]
-        qb = q[starts[b] : starts[b + 1]].transpose(0, 1)[None]  # (1, H, n, D)
-        # causal with the queries at the end: query j (position L - n + j) sees keys <= it
-        keep = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+            q[layout.decode_rows][:, :, None], k, v, attn_mask=layout.decode_mask, scale=scale,
+            enable_gqa=gqa,
+        )[:, :, 0]  # fmt: skip
+        if not layout.prefills:
+            return o  # every row a decode, in order
+        out = torch.empty_like(q)
+        out[layout.decode_rows] = o
+    out = torch.empty_like(q) if out is None else out
+    for start, end, slots, keep in layout.prefill_parts:
+        k = keys[slots].transpose(0, 1)[None]  # (1, H_kv, L, D)
+        v = values[slots].transpose(0, 1)[None]
+        qb = q[start:end].transpose(0, 1)[None]  # (1, H, n, D)
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
-        out[starts[b] : starts[b + 1]] = o[0].transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
 def triton_forward(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    query_start: Tensor,
-    context_lens: Tensor,
-    scale: float,
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: PagedLayout, scale: float
 ) -> Tensor:
     """The Triton kernel: one program per (query row, query head)."""
     N, H, D = q.shape
@@ -121,23 +178,19 @@ def triton_forward(
         raise ValueError(
             f"paged_attention: the Triton kernel needs a power-of-two block_size, got {block_size}"
         )
-    counts = query_start[1:] - query_start[:-1]
-    seq_of_row = torch.repeat_interleave(torch.arange(len(counts), device=q.device), counts)
-    # each row's position: its sequence's first new position plus its offset among the new rows
-    first_new = (context_lens - counts)[seq_of_row]
-    position = first_new + torch.arange(N, device=q.device) - query_start[:-1][seq_of_row]
+    row_seq, row_pos = layout.row_seq_and_pos
     q = q.contiguous()
     out = torch.empty_like(q)
     jit_module("paged_attention").paged_attention_kernel[(N, H)](
         q,
         k_cache,
         v_cache,
-        block_tables,
-        seq_of_row.to(torch.int32),
-        position.to(torch.int32),
+        layout.block_tables,
+        row_seq,
+        row_pos,
         out,
         scale,
-        block_tables.stride(0),
+        layout.block_tables.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -150,7 +203,7 @@ def triton_forward(
     return out
 
 
-def _validate(q, k_cache, v_cache, block_tables, query_start, context_lens, scale) -> None:
+def _validate(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: PagedLayout, scale) -> None:
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_float("paged_attention", name, t, DTYPES)
         if t.dtype != q.dtype:
@@ -170,11 +223,11 @@ def _validate(q, k_cache, v_cache, block_tables, query_start, context_lens, scal
             f"agree on D, and the cache's {k_cache.shape[2]} KV heads must divide q's "
             f"{q.shape[1]} heads"
         )
-    B = context_lens.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or query_start.shape != (B + 1,):
+    if k_cache.shape[1] != layout.block_size or q.shape[0] != layout.num_queries:
         raise ValueError(
-            f"paged_attention: block_tables {tuple(block_tables.shape)} must be (B, max_blocks) "
-            f"and query_start {tuple(query_start.shape)} (B + 1,) for context_lens of B={B}"
+            f"paged_attention: the layout has block_size {layout.block_size} and "
+            f"{layout.num_queries} queries; the cache has blocks of {k_cache.shape[1]} and q "
+            f"{q.shape[0]} rows"
         )
     if scale is not None and not scale > 0:
         raise ValueError(f"paged_attention: scale must be > 0 or None, got {scale!r}")
@@ -184,9 +237,7 @@ def paged_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    block_tables: Tensor,
-    query_start: Tensor,
-    context_lens: Tensor,
+    layout: PagedLayout,
     scale: float | None = None,
     *,
     backend: str = "auto",
@@ -197,18 +248,17 @@ def paged_attention(
     the reference, with one warning), ``"torch"`` (the reference, no warning: the intended path
     on a CPU) or ``"triton"`` (the kernel; an error where it cannot run). Inference only.
     """
-    _validate(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
+    _validate(q, k_cache, v_cache, layout, scale)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"paged_attention: backend={backend!r}; valid: auto, torch, triton")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    args = (q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
-    if backend == "torch" or q.shape[0] == 0:
-        return reference(*args)
+    if backend == "torch":
+        return reference(q, k_cache, v_cache, layout, scale)
     if use_triton("paged_attention", q, k_cache, v_cache):
-        return triton_forward(*args)
+        return triton_forward(q, k_cache, v_cache, layout, scale)
     if backend == "triton":
         raise RuntimeError(
             "paged_attention: backend='triton' needs CUDA tensors, or CPU tensors with "
             "TRITON_INTERPRET=1 set before triton is imported"
         )
-    return reference(*args)
+    return reference(q, k_cache, v_cache, layout, scale)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmlab.kernels.paged_attention import paged_attention
+from llmlab.kernels.paged_attention import PagedLayout, paged_attention
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.contracts import AttentionFn, check_paged_model
 from llmlab.serving.scheduler import Chunk
@@ -35,9 +35,7 @@ class PagedBatch:
     input_ids: Tensor  # (1, N)
     positions: Tensor  # (1, N)
     slot_mapping: Tensor  # (N,) pool slot of each new token
-    block_tables: Tensor  # (B, max_blocks), padded with block 0 (never read)
-    query_start: Tensor  # (B + 1,)
-    context_lens: Tensor  # (B,)
+    layout: PagedLayout  # block tables (padded with block 0, never read), query offsets, lengths
     logits_indices: Tensor  # rows of the packed batch whose logits are wanted
 
 
@@ -85,15 +83,8 @@ class _PagedLayer:
         # (1, H_kv, N, D) -> (N, H_kv, D) rows written at their slots
         keys.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, k[0].transpose(0, 1))
         values.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, v[0].transpose(0, 1))
-        out = paged_attention(
-            q[0].transpose(0, 1),
-            keys,
-            values,
-            batch.block_tables,
-            batch.query_start,
-            batch.context_lens,
-            backend=runner.backend,
-        )
+        out = paged_attention(q[0].transpose(0, 1), keys, values, batch.layout,
+                              backend=runner.backend)  # fmt: skip
         return out.transpose(0, 1)[None]  # (1, H, N, D), as the model's attention returns
 
 
@@ -170,9 +161,12 @@ class ModelRunner:
             input_ids=tensor([ids]),
             positions=tensor([positions]),
             slot_mapping=tensor(slots),
-            block_tables=tensor(tables, torch.int32),
-            query_start=tensor(starts, torch.int32),
-            context_lens=tensor(lens, torch.int32),
+            layout=PagedLayout(
+                tensor(tables, torch.int32),
+                tensor(starts, torch.int32),
+                tensor(lens, torch.int32),
+                bs,
+            ),
             logits_indices=tensor(keep),
         )
 
