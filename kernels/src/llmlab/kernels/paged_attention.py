@@ -87,19 +87,38 @@ class PagedLayout:
         self.prefills = [b for b, n in enumerate(counts) if n > 1]
 
     def slots(self, seqs: list[int], length: int) -> Tensor:
-        """(len(seqs), length) pool slots of the first ``length`` tokens of sequences ``seqs``
-        (past a shorter sequence's end: some valid slot, to be masked)."""
+        """(len(seqs) * length,) pool slots of the first ``length`` tokens of each sequence in
+        ``seqs``, row after row (past a shorter sequence's end: some valid slot, to be masked)."""
         device = self.block_tables.device
         pos = torch.arange(length, device=device)
         tables = self.block_tables[torch.tensor(seqs, device=device)].long()
-        return tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        return (
+            tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        ).flatten()
+
+    def first_slot_if_contiguous(self, b: int) -> int | None:
+        """The first slot of sequence ``b`` when its blocks are consecutive in the pool (then its
+        keys are one slice of it, read without a gather), else None."""
+        n = -(-self.lens[b] // self.block_size)
+        table = self.table_rows[b][:n]
+        if table == list(range(table[0], table[0] + n)):
+            return table[0] * self.block_size
+        return None
+
+    @cached_property
+    def table_rows(self) -> list[list[int]]:
+        return self.block_tables.tolist()
 
     @cached_property
     def decode_rows(self) -> Tensor:
         return torch.tensor([self.starts[b] for b in self.decodes], device=self.device)
 
     @cached_property
-    def decode_slots(self) -> Tensor:
+    def decode_keys(self) -> Tensor | slice:
+        """Where the decoding sequences' keys are: one slice of the pool for a single sequence
+        on consecutive blocks, else the (S * L,) slots of S sequences padded to the longest L."""
+        if len(self.decodes) == 1:
+            return self.key_index(self.decodes[0])
         return self.slots(self.decodes, max(self.lens[b] for b in self.decodes))
 
     @cached_property
@@ -112,15 +131,22 @@ class PagedLayout:
         return (torch.arange(max(lens), device=self.device) < seen[:, None])[:, None, None, :]
 
     @cached_property
-    def prefill_parts(self) -> list[tuple[int, int, Tensor, Tensor]]:
-        """Per multi-query sequence: its query rows, its key slots and its causal mask (query
-        ``j`` is at position ``L - n + j`` and sees the keys up to it)."""
+    def prefill_parts(self) -> list[tuple[int, int, Tensor | slice, Tensor]]:
+        """Per multi-query sequence: its query rows, where its keys are (slots, or one slice of
+        the pool) and its causal mask (query ``j`` is at position ``L - n + j`` and sees the keys
+        up to it)."""
         parts = []
         for b in self.prefills:
             start, end, L = self.starts[b], self.starts[b + 1], self.lens[b]
             keep = torch.ones(end - start, L, dtype=torch.bool, device=self.device)
-            parts.append((start, end, self.slots([b], L)[0], keep.tril(L - (end - start))))
+            parts.append((start, end, self.key_index(b), keep.tril(L - (end - start))))
         return parts
+
+    def key_index(self, b: int) -> Tensor | slice:
+        first = self.first_slot_if_contiguous(b)
+        if first is not None:
+            return slice(first, first + self.lens[b])
+        return self.slots([b], self.lens[b])
 
     @cached_property
     def row_seq_and_pos(self) -> tuple[Tensor, Tensor]:
@@ -137,6 +163,11 @@ class PagedLayout:
         return self.block_tables.device
 
 
+def _read(pool: Tensor, where: Tensor | slice) -> Tensor:
+    """Rows ``where`` of a flattened (slots, H_kv, D) pool: a view for a slice, else a gather."""
+    return pool[where] if isinstance(where, slice) else pool.index_select(0, where)
+
+
 def reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: PagedLayout, scale: float | None = None
 ) -> Tensor:
@@ -148,20 +179,21 @@ def reference(
     gqa = q.shape[1] != heads
     out = None
     if layout.decodes:  # one query per sequence: one batched SDPA over padded, masked keys
-        slots = layout.decode_slots
-        k, v = keys[slots].transpose(1, 2), values[slots].transpose(1, 2)  # (S, H_kv, L, D)
+        S = len(layout.decodes)
+        k = _read(keys, layout.decode_keys).view(S, -1, heads, dim).transpose(1, 2)
+        v = _read(values, layout.decode_keys).view(S, -1, heads, dim).transpose(1, 2)
+        qd = q[layout.decode_rows] if layout.prefills else q  # all decodes: rows in order
         o = F.scaled_dot_product_attention(
-            q[layout.decode_rows][:, :, None], k, v, attn_mask=layout.decode_mask, scale=scale,
-            enable_gqa=gqa,
-        )[:, :, 0]  # fmt: skip
+            qd[:, :, None], k, v, attn_mask=layout.decode_mask, scale=scale, enable_gqa=gqa
+        )[:, :, 0]
         if not layout.prefills:
             return o  # every row a decode, in order
         out = torch.empty_like(q)
         out[layout.decode_rows] = o
     out = torch.empty_like(q) if out is None else out
-    for start, end, slots, keep in layout.prefill_parts:
-        k = keys[slots].transpose(0, 1)[None]  # (1, H_kv, L, D)
-        v = values[slots].transpose(0, 1)[None]
+    for start, end, where, keep in layout.prefill_parts:
+        k = _read(keys, where).transpose(0, 1)[None]  # (1, H_kv, L, D)
+        v = _read(values, where).transpose(0, 1)[None]
         qb = q[start:end].transpose(0, 1)[None]  # (1, H, n, D)
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
         out[start:end] = o[0].transpose(0, 1)
