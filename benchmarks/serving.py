@@ -1,13 +1,14 @@
-"""Serving: continuous batching over a paged KV cache vs static batching and HF ``generate_batch``.
+"""Serving: continuous batching on a paged KV cache vs static batching and HF's continuous one.
 
 One model for everything: the decoding benchmark's random GPT-2 (4 layers x 256, vocab 8192),
 in ``transformers`` for HF and loaded into ``llmlab.models.GPT`` for llmlab. One workload:
-requests with random prompt and output lengths arriving as a Poisson process, fast enough that
-every system has a queue (so throughput measures capacity, not the arrival rate), greedy, no
-eos (every system does the same work). Three systems serve it, each with the same KV memory
-(``STATIC_BATCH`` sequences of the longest prompt + output):
+requests arriving as a Poisson process, fast enough that every system has a queue (throughput
+then measures capacity, not the arrival rate), with log-uniform prompt and output lengths (many
+short, a few long, as chat traffic is), greedy, no eos (every system does the same work). Three
+systems serve it, each with the same KV memory (``STATIC_BATCH`` sequences of the longest
+prompt + output):
 
-* **continuous**: ``llmlab.serving.LLMEngine``, stepped as requests arrive (wall clock);
+* **continuous**: ``llmlab.serving.LLMEngine``, stepped as requests arrive;
 * **static**: ``llmlab.decoding.generate`` over left-padded batches of ``STATIC_BATCH`` requests
   in arrival order; a batch starts when its last request has arrived and the previous batch is
   done, and runs until its longest request ends (token times from a forward hook);
@@ -18,8 +19,13 @@ eos (every system does the same work). Three systems serve it, each with the sam
 Reported: output tokens/s (useful tokens / time from first arrival to last token), time to first
 token and inter-token latency (p50 / p99), and the KV memory actually holding tokens over the
 memory allocated (time-averaged over steps: paged = blocks in use; contiguous = each batch's
-``rows x (longest prompt + longest output)``). Wall time, so the figures move with the load of
-this shared machine; the ratios compare runs made back to back.
+``rows x (longest prompt + longest output)``).
+
+Clock: this shared machine's load swings several-fold within a minute, so wall time would
+measure the neighbours. llmlab's two systems run on a *virtual clock*: this process's CPU
+seconds (one thread: equal to wall time on an idle machine), jumping forward over idle gaps to
+the next arrival. HF's manager stamps tokens with the wall clock in its own thread, so its times
+are scaled by the CPU seconds the process used over the wall seconds of its run.
 
 The hot path: one request, greedy, 256 new tokens, against HF ``generate`` and llmlab's
 ``generate`` (one thread, best CPU time of 2), with the engine's time per token broken down.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import math
 import statistics
 import sys
 import time
@@ -61,15 +68,16 @@ class Trace:
     times: dict[int, list[float]] = field(default_factory=dict)  # job index -> token times
     tokens: dict[int, list[int]] = field(default_factory=dict)
     kv_used: list[float] = field(default_factory=list)  # used / allocated, per step
-    start: float = 0.0
+    arrivals: dict[int, float] = field(default_factory=dict)  # when each job entered, same clock
 
     def summary(self, jobs: list[Job]) -> dict[str, float]:
-        ttft = [self.times[i][0] - self.start - j.arrival for i, j in enumerate(jobs)]
+        arrival = {i: self.arrivals.get(i, j.arrival) for i, j in enumerate(jobs)}
+        ttft = [self.times[i][0] - arrival[i] for i in range(len(jobs))]
         itl = [b - a for ts in self.times.values() for a, b in itertools.pairwise(ts)]
-        end = max(ts[-1] for ts in self.times.values()) - self.start
+        end = max(ts[-1] for ts in self.times.values())
         tokens = sum(len(ts) for ts in self.times.values())
         return {
-            "throughput": tokens / (end - min(j.arrival for j in jobs)),
+            "throughput": tokens / (end - min(arrival.values())),
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
             "kv_utilisation": statistics.fmean(self.kv_used) if self.kv_used else float("nan"),
@@ -83,19 +91,31 @@ def pct(values: list[float], q: float) -> float:
 
 def workload(n: int, prompt: tuple[int, int], new: tuple[int, int], rate: float) -> list[Job]:
     g = torch.Generator().manual_seed(0)
+
+    def log_uniform(lo: int, hi: int) -> int:
+        return round(math.exp(math.log(lo) + float(torch.rand(1, generator=g)) * math.log(hi / lo)))
+
     t, jobs = 0.0, []
     for _ in range(n):
         t += float(torch.empty(1).exponential_(rate, generator=g))
-        length = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
-        jobs.append(Job(t, torch.randint(0, 8192, (length,), generator=g).tolist(),
-                        int(torch.randint(new[0], new[1] + 1, (1,), generator=g))))  # fmt: skip
+        length = log_uniform(*prompt)
+        tokens = torch.randint(0, 8192, (length,), generator=g).tolist()
+        jobs.append(Job(t, tokens, log_uniform(*new)))
     return jobs
 
 
-def wait_until(start: float, t: float) -> None:
-    delay = start + t - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
+class VirtualClock:
+    """CPU seconds of this process since ``start()``, plus the idle gaps skipped to arrivals."""
+
+    def start(self) -> float:
+        self.origin, self.skipped = time.process_time(), 0.0
+        return 0.0
+
+    def now(self) -> float:
+        return time.process_time() - self.origin + self.skipped
+
+    def skip_to(self, t: float) -> None:
+        self.skipped += max(0.0, t - self.now())
 
 
 # ------------------------------------------------------------------------------ systems
@@ -108,17 +128,17 @@ def run_continuous(model, jobs: list[Job], num_blocks: int, max_len: int) -> Tra
         max_num_batched_tokens=512, max_model_len=max_len))  # fmt: skip
     trace = Trace("continuous")
     pending = list(enumerate(jobs))
-    trace.start = time.perf_counter()
+    clock = VirtualClock()
+    clock.start()
     while pending or engine.has_unfinished:
-        now = time.perf_counter() - trace.start
-        while pending and pending[0][1].arrival <= now:
+        while pending and pending[0][1].arrival <= clock.now():
             i, job = pending.pop(0)
             engine.add_request(str(i), job.prompt, GenerationConfig(max_new_tokens=job.new_tokens))
         if not engine.has_unfinished:
-            wait_until(trace.start, pending[0][1].arrival)
+            clock.skip_to(pending[0][1].arrival)
             continue
         outputs = engine.step()
-        stamp = time.perf_counter()
+        stamp = clock.now()
         for out in outputs:
             i = int(out.request_id)
             trace.times.setdefault(i, []).extend([stamp] * len(out.outputs[0].new_token_ids))
@@ -135,12 +155,13 @@ def run_static(model, jobs: list[Job]) -> Trace:
 
     trace = Trace("static")
     stamps: list[float] = []
-    hook = model.register_forward_hook(lambda *_: stamps.append(time.perf_counter()))
-    trace.start = time.perf_counter()
+    clock = VirtualClock()
+    hook = model.register_forward_hook(lambda *_: stamps.append(clock.now()))
+    clock.start()
     try:
         for b in range(0, len(jobs), STATIC_BATCH):
             batch = list(enumerate(jobs))[b : b + STATIC_BATCH]
-            wait_until(trace.start, max(j.arrival for _, j in batch))
+            clock.skip_to(max(j.arrival for _, j in batch))
             width = max(len(j.prompt) for _, j in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -179,9 +200,10 @@ def run_hf(hf, jobs: list[Job], num_blocks: int) -> Trace:
     manager.start()
     try:
         ids = {}
-        trace.start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         for i, job in enumerate(jobs):
-            wait_until(trace.start, job.arrival)
+            time.sleep(max(0.0, wall + job.arrival - time.perf_counter()))
+            trace.arrivals[i] = time.perf_counter()
             rid = manager.add_request(job.prompt, max_new_tokens=job.new_tokens,
                                       record_timestamps=True)  # fmt: skip
             ids[rid] = i
@@ -192,8 +214,12 @@ def run_hf(hf, jobs: list[Job], num_blocks: int) -> Trace:
             if result.is_finished():
                 trace.times[ids[result.request_id]] = list(result.timestamps)
                 trace.tokens[ids[result.request_id]] = list(result.generated_tokens)
+        scale = (time.process_time() - cpu) / (time.perf_counter() - wall)
     finally:
         manager.stop(block=True)
+    # wall seconds -> CPU seconds of this process, the other systems' clock
+    trace.times = {i: [(t - wall) * scale for t in ts] for i, ts in trace.times.items()}
+    trace.arrivals = {i: (t - wall) * scale for i, t in trace.arrivals.items()}
     return trace
 
 
@@ -295,7 +321,7 @@ def main() -> None:
         jobs = workload(6, (4, 12), (2, 6), rate=200.0)
         hot_tokens, repeats = 8, 1
     else:
-        jobs = workload(32, (16, 128), (16, 128), rate=16.0)
+        jobs = workload(32, (8, 256), (8, 256), rate=16.0)
         hot_tokens, repeats = 256, 2
     longest = max(len(j.prompt) for j in jobs) + max(j.new_tokens for j in jobs)
     num_blocks = -(-STATIC_BATCH * longest // BLOCK_SIZE)  # the static batch's KV memory
@@ -335,7 +361,7 @@ def main() -> None:
         f"{min(len(j.prompt) for j in jobs)}-{max(len(j.prompt) for j in jobs)} tokens, outputs "
         f"{min(j.new_tokens for j in jobs)}-{max(j.new_tokens for j in jobs)}; KV memory for all: "
         f"{STATIC_BATCH} x {longest} token slots ({num_blocks} blocks of {BLOCK_SIZE}). GPT-2 "
-        f"4x256 vocab 8192 (random), greedy, no eos, 1 thread, wall time. Requests whose tokens "
+        f"4x256 vocab 8192 (random), greedy, no eos, 1 thread, CPU-time clock. Requests whose tokens "
         f"equal the engine's: static {same['static']}/{len(jobs)}, HF {same['hf']}/{len(jobs)}. "
         f"{profile}"
     )

@@ -14,7 +14,7 @@ from llmlab.kernels.elementwise import add3
 from llmlab.kernels.gelu import bias_gelu, gelu
 from llmlab.kernels.layer_norm import add_layer_norm, layer_norm
 from llmlab.kernels.matmul import matmul
-from llmlab.kernels.paged_attention import PagedLayout, paged_attention
+from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.kernels.rms_norm import rms_norm
 from llmlab.kernels.rope import rope
 from llmlab.kernels.softmax import softmax
@@ -25,6 +25,7 @@ __all__ = [
     "CSRMatrix",
     "ELLMatrix",
     "PagedLayout",
+    "Scratch",
     "add3",
     "add_layer_norm",
     "attention",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmlab.kernels.paged_attention import PagedLayout, paged_attention
+from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.contracts import AttentionFn, check_paged_model
 from llmlab.serving.scheduler import Chunk
@@ -98,6 +98,7 @@ class ModelRunner:
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
         self.batch: PagedBatch | None = None
+        self.scratch = Scratch()  # gather buffers reused by every forward
         self.probe: list[tuple[int, int, torch.dtype]] | None = None
         self._num_layers = 0
         self.num_layers = model.swap_attention(self._wrap)
@@ -166,6 +167,7 @@ class ModelRunner:
                 tensor(starts, torch.int32),
                 tensor(lens, torch.int32),
                 bs,
+                self.scratch,
             ),
             logits_indices=tensor(keep),
         )
