@@ -210,7 +210,9 @@ def run_hf(hf, jobs: list[Job], num_blocks: int) -> Trace:
         while len(trace.times) < len(jobs):
             result = manager.get_result(timeout=5)
             if result is None:
-                raise RuntimeError("HF continuous batching stopped returning results")
+                if not manager.is_running():
+                    raise RuntimeError("HF's continuous batching thread stopped")
+                continue
             if result.is_finished():
                 trace.times[ids[result.request_id]] = list(result.timestamps)
                 trace.tokens[ids[result.request_id]] = list(result.generated_tokens)
@@ -361,8 +363,8 @@ def main() -> None:
         f"{min(len(j.prompt) for j in jobs)}-{max(len(j.prompt) for j in jobs)} tokens, outputs "
         f"{min(j.new_tokens for j in jobs)}-{max(j.new_tokens for j in jobs)}; KV memory for all: "
         f"{STATIC_BATCH} x {longest} token slots ({num_blocks} blocks of {BLOCK_SIZE}). GPT-2 "
-        f"4x256 vocab 8192 (random), greedy, no eos, 1 thread, CPU-time clock. Requests whose tokens "
-        f"equal the engine's: static {same['static']}/{len(jobs)}, HF {same['hf']}/{len(jobs)}. "
+        f"4x256 vocab 8192 (random), greedy, no eos, 1 thread, CPU-time clock. Requests with "
+        f"the engine's tokens: static {same['static']}/{len(jobs)}, HF {same['hf']}/{len(jobs)}. "
         f"{profile}"
     )
     report("serving", rows, notes)
