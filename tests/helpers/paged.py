@@ -43,14 +43,16 @@ def scatter_to_pool(
     dtype: torch.dtype,
     seed: int,
     spare_blocks: int = 3,
+    shuffle: bool = True,
 ) -> PagedCase:
     """Sequence ``b`` has ``context_lens[b]`` keys, the last ``new_tokens[b]`` of them with a
     query each; its blocks are a random, non-contiguous choice from a pool with spare blocks
-    full of noise (so reading a wrong block shows)."""
+    full of noise (so reading a wrong block shows). ``shuffle=False`` gives each sequence
+    consecutive blocks (the reference then reads its keys as one slice of the pool)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(need) + spare_blocks
-    order = torch.randperm(num_blocks, generator=g).tolist()
+    order = torch.randperm(num_blocks, generator=g).tolist() if shuffle else list(range(num_blocks))
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     tables, keys, values, queries, starts = [], [], [], [], [0]

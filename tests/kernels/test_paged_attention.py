@@ -19,8 +19,12 @@ from tests.helpers.paged import contiguous_attention, scatter_to_pool
 
 CASES = {
     "prefill chunks + decodes": dict(context_lens=[19, 33, 7, 1], new_tokens=[5, 1, 7, 1]),
+    # three groups of similar lengths: [40], [16, 17], [3]
     "decodes of unequal lengths": dict(context_lens=[3, 40, 16, 17], new_tokens=[1, 1, 1, 1]),
     "one whole prompt": dict(context_lens=[29], new_tokens=[29]),
+    "consecutive blocks (read as slices)": dict(
+        context_lens=[21, 9], new_tokens=[1, 4], shuffle=False
+    ),
 }
 
 

@@ -135,25 +135,34 @@ class PagedLayout:
         return self.block_tables.tolist()
 
     @cached_property
-    def decode_rows(self) -> Tensor:
-        return torch.tensor([self.starts[b] for b in self.decodes], device=self.device)
+    def decode_groups(self) -> list[tuple[Tensor, Tensor | slice, Tensor | None]]:
+        """The single-query sequences in groups of similar length, each read by one SDPA call:
+        (query rows, where the keys are, key mask or None).
 
-    @cached_property
-    def decode_keys(self) -> Tensor | slice:
-        """Where the decoding sequences' keys are: one slice of the pool for a single sequence
-        on consecutive blocks, else the (S * L,) slots of S sequences padded to the longest L."""
-        if len(self.decodes) == 1:
-            return self.key_index(self.decodes[0])
-        return self.slots(self.decodes, max(self.lens[b] for b in self.decodes))
-
-    @cached_property
-    def decode_mask(self) -> Tensor | None:
-        """(S, 1, 1, L) keys each decode may see; None when every one sees all L."""
-        lens = [self.lens[b] for b in self.decodes]
-        if min(lens) == max(lens):
-            return None
-        seen = torch.tensor(lens, device=self.device)
-        return (torch.arange(max(lens), device=self.device) < seen[:, None])[:, None, None, :]
+        One call over all of them would pad every sequence to the longest (measured: 4x the
+        work for 20 decodes of 9 to 308 tokens); a new group starts when a sequence is under
+        half the group's longest, so padding at most doubles a group's keys.
+        """
+        by_length = sorted(self.decodes, key=lambda b: -self.lens[b])
+        groups: list[list[int]] = []
+        for b in by_length:
+            if groups and 2 * self.lens[b] >= self.lens[groups[-1][0]]:
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+        out = []
+        for group in groups:
+            longest = self.lens[group[0]]
+            group.sort()  # rows in batch order: one group of every row is the batch itself
+            rows = torch.tensor([self.starts[b] for b in group], device=self.device)
+            keys = self.key_index(group[0]) if len(group) == 1 else self.slots(group, longest)
+            lens = [self.lens[b] for b in group]
+            mask = None
+            if min(lens) < longest:
+                seen = torch.tensor(lens, device=self.device)
+                mask = (torch.arange(longest, device=self.device) < seen[:, None])[:, None, None]
+            out.append((rows, keys, mask))
+        return out
 
     @cached_property
     def prefill_parts(self) -> list[tuple[int, int, Tensor | slice, Tensor]]:
@@ -198,6 +207,18 @@ def _read(pool: Tensor, where: Tensor | slice, scratch: Scratch | None, name: st
     return torch.index_select(pool, 0, where, out=scratch.rows(name, where.numel(), pool))
 
 
+def _attend_decodes(q: Tensor, keys: Tensor, values: Tensor, rows: Tensor,
+                    where: Tensor | slice, mask: Tensor | None, scratch: Scratch | None,
+                    scale: float, gqa: bool) -> Tensor:  # fmt: skip
+    """One SDPA call for single-query sequences ``q`` (S, H, D) over padded, masked keys."""
+    S, heads, dim = rows.numel(), keys.shape[1], keys.shape[2]
+    k = _read(keys, where, scratch, "k").view(S, -1, heads, dim).transpose(1, 2)
+    v = _read(values, where, scratch, "v").view(S, -1, heads, dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=gqa)  # fmt: skip
+    return o[:, :, 0]
+
+
 def reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: PagedLayout, scale: float | None = None
 ) -> Tensor:
@@ -207,21 +228,13 @@ def reference(
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     keys, values = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
     gqa = q.shape[1] != heads
-    out = None
-    if layout.decodes:  # one query per sequence: one batched SDPA over padded, masked keys
-        S = len(layout.decodes)
-        k = _read(keys, layout.decode_keys, layout.scratch, "k").view(S, -1, heads, dim)
-        v = _read(values, layout.decode_keys, layout.scratch, "v").view(S, -1, heads, dim)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, H_kv, L, D)
-        qd = q[layout.decode_rows] if layout.prefills else q  # all decodes: rows in order
-        o = F.scaled_dot_product_attention(
-            qd[:, :, None], k, v, attn_mask=layout.decode_mask, scale=scale, enable_gqa=gqa
-        )[:, :, 0]
-        if not layout.prefills:
-            return o  # every row a decode, in order
-        out = torch.empty_like(q)
-        out[layout.decode_rows] = o
-    out = torch.empty_like(q) if out is None else out
+    groups = layout.decode_groups
+    if len(groups) == 1 and not layout.prefills:  # one call: its rows are the batch, in order
+        return _attend_decodes(q, keys, values, *groups[0], layout.scratch, scale, gqa)
+    out = torch.empty_like(q)
+    for rows, where, mask in groups:
+        out[rows] = _attend_decodes(q[rows], keys, values, rows, where, mask, layout.scratch,
+                                    scale, gqa)  # fmt: skip
     for start, end, where, keep in layout.prefill_parts:
         k = _read(keys, where, layout.scratch, "k").transpose(0, 1)[None]  # (1, H_kv, L, D)
         v = _read(values, where, layout.scratch, "v").transpose(0, 1)[None]
