@@ -125,7 +125,7 @@ def run_continuous(model, jobs: list[Job], num_blocks: int, max_len: int) -> Tra
 
     engine = LLMEngine(model, config=EngineConfig(
         block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=len(jobs),
-        max_num_batched_tokens=512, max_model_len=max_len))  # fmt: skip
+        max_num_batched_tokens=256, max_model_len=max_len))  # fmt: skip
     trace = Trace("continuous")
     pending = list(enumerate(jobs))
     clock = VirtualClock()
@@ -192,7 +192,7 @@ def run_hf(hf, jobs: list[Job], num_blocks: int) -> Trace:
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                               max_new_tokens=max(j.new_tokens for j in jobs))  # fmt: skip
     cb = ContinuousBatchingConfig(
-        page_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch_tokens=512,
+        page_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch_tokens=256,
         max_requests_per_batch=len(jobs),
     )  # fmt: skip
     trace = Trace("hf")

@@ -39,3 +39,22 @@ def test_kernel_equals_reference_on_decode_batch():
     kernel = paged_attention(*case.args, backend="triton")
     reference = paged_attention(*case.args, backend="torch")
     torch.testing.assert_close(kernel, reference, atol=1e-6, rtol=1e-6)
+
+
+def test_the_serving_engine_decodes_the_same_tokens_on_the_kernel():
+    """The whole engine with ``attention_backend="triton"`` (prefill chunks, decodes, a
+    preemption-free small batch) against the same engine on the reference."""
+    from llmlab.decoding import GenerationConfig
+    from llmlab.models import GPT, GPTConfig
+    from llmlab.serving import LLM
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [5, 5, 5]]
+    config = GenerationConfig(max_new_tokens=4)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model, block_size=4, num_blocks=16, max_num_seqs=4,
+                  max_num_batched_tokens=8, attention_backend=backend)  # fmt: skip
+        outs[backend] = [c.token_ids for c in llm.generate(prompts, config, progress=False)]
+    assert outs["triton"] == outs["torch"]
