@@ -91,14 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     c = engine.config
+    name = args.served_model_name or loaded.name
     params = sum(p.numel() for p in loaded.model.parameters())
     log.info(
-        "model %s: %s, %.2fM parameters, context %d; KV pool %d blocks x %d tokens (%.1f MiB); "
+        "model %r: %s, %.2fM parameters, context %d; KV pool %d blocks x %d tokens (%.1f MiB); "
         "chat template: %s",
-        loaded.name, type(loaded.model).__name__, params / 1e6, c.max_model_len, c.num_blocks,
+        name, type(loaded.model).__name__, params / 1e6, c.max_model_len, c.num_blocks,
         c.block_size, engine.runner.pool.nbytes / 2**20, source,
     )  # fmt: skip
-    state = ServerState(engine, args.served_model_name or loaded.name, chat, loaded.eos_token_ids)
+    state = ServerState(engine, name, chat, loaded.eos_token_ids)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
