@@ -59,6 +59,7 @@ class EngineStats:
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     _recent: deque = field(default_factory=deque)  # (time, generated tokens) of recent steps
+    _recent_tokens: int = 0  # their sum
 
     def step(self, out: Any, generated: int, scheduler: Any) -> None:
         now = time.perf_counter()
@@ -70,8 +71,9 @@ class EngineStats:
         )
         self.observe_queues(scheduler)
         self._recent.append((now, generated))
+        self._recent_tokens += generated
         while self._recent and self._recent[0][0] < now - self.window:
-            self._recent.popleft()
+            self._recent_tokens -= self._recent.popleft()[1]
 
     def observe_queues(self, scheduler: Any) -> None:
         blocks = scheduler.blocks.stats()
@@ -94,7 +96,7 @@ class EngineStats:
         if not self._recent:
             return 0.0
         span = max(time.perf_counter() - self._recent[0][0], 1e-3)
-        return sum(n for _, n in self._recent) / span
+        return self._recent_tokens / span
 
     def prometheus(self, prefix: str = "llmlab") -> str:
         def metric(name: str, kind: str, help_: str, lines: list[str]) -> list[str]:
