@@ -25,7 +25,7 @@ from llmlab.decoding import generate
 from llmlab.serving.__main__ import main
 from llmlab.serving.loading import load
 from llmlab.tokenizer import BPETokenizer, ByteTokenizer, save
-from tests.helpers.tiny import quiet_trainer
+from tests.helpers.tiny import quiet_trainer, romeo_loader
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = dict(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=32)
@@ -37,10 +37,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("run")
     torch.manual_seed(0)
-    text = torch.tensor(list(b"ROMEO: hello there, fair Juliet.\n" * 8))
-    x = torch.stack([text[i : i + 16] for i in range(0, 160, 8)])
-    y = torch.stack([text[i + 1 : i + 17] for i in range(0, 160, 8)])
-    loader = torch.utils.data.DataLoader(list(zip(x, y)), batch_size=4)
+    loader = romeo_loader()
     task = CausalLMTask(model=SPEC, warmup_steps=1, max_steps=2,
                         tokenizer={"_target_": "llmlab.train.data.ByteTokenizer"})  # fmt: skip
     trainer = quiet_trainer(max_steps=2, default_root_dir=str(root), limit_val_batches=0)
