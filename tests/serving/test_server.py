@@ -110,7 +110,10 @@ BAD = [
     (dict(model=MODEL_NAME, prompt="hi", extra_body={"beam_width": 2}), "beam_width",
      "Extra inputs are not permitted"),
     (dict(model=MODEL_NAME, prompt="hi", n=2, temperature=0), None,
-     "greedy decoding returns one sequence per prompt"),
+     "greedy decoding returns one sequence per prompt; n=2 needs do_sample"),
+    (dict(model=MODEL_NAME, prompt="hi", best_of=3), None, "best_of=3 is not supported"),
+    (dict(model=MODEL_NAME, prompt="hi", max_tokens=4, extra_body={"min_tokens": 9}), None,
+     "min_tokens must be an integer in [0, max_tokens=4], got 9"),
 ]  # fmt: skip
 
 

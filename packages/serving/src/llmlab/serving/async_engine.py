@@ -118,4 +118,7 @@ class AsyncEngine:
         target = self._streams.get(request_id)
         if target is not None:
             loop, outputs = target
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # the loop is closed (shutting down): nobody is listening
+                self._streams.pop(request_id, None)

@@ -69,7 +69,10 @@ class SamplingFields(BaseModel):
     def _refuse_unsupported(self) -> SamplingFields:
         for name, off in UNSUPPORTED.items():
             value = getattr(self, name, off)
-            if value not in (off, None) and not (name == "logprobs" and value is False):
+            harmless = (name == "logprobs" and value is False) or (
+                name == "best_of" and value == self.n
+            )
+            if value not in (off, None) and not harmless:  # best_of = n: plain sampling
                 raise ValueError(f"{name}={value!r} is not supported by llmlab.serving")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
@@ -83,7 +86,7 @@ class SamplingFields(BaseModel):
         temperature = 1.0 if self.temperature is None else self.temperature
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
-            min_new_tokens=min(self.min_tokens, max_new_tokens),
+            min_new_tokens=self.min_tokens,
             do_sample=temperature > 0,
             temperature=temperature if temperature > 0 else 1.0,
             top_k=max(self.top_k or 0, 0),
@@ -115,8 +118,6 @@ class CompletionRequest(SamplingFields):
     def _prompts_not_empty(self) -> CompletionRequest:
         if self.prompt in ("", []) or (isinstance(self.prompt, list) and "" in self.prompt):
             raise ValueError("prompt must not be empty")
-        if self.best_of == self.n:
-            self.best_of = None  # best_of = n is plain sampling: nothing to refuse
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,10 @@ from llmlab.serving.chat_template import ChatTemplate
 from llmlab.serving.engine import LLMEngine, RequestOutput
 from llmlab.serving.loading import encode
 from llmlab.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+# GenerationConfig's field names as the OpenAI request spells them
+RENAMED = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens",
+           "num_return_sequences": "n", "stop_strings": "stop"}  # fmt: skip
 
 
 class BadRequest(Exception):
@@ -152,22 +156,20 @@ def _config(state: ServerState, body: Any, ids: list[int], max_tokens: int) -> G
         state.engine.check_request("", ids, config)
     except ValueError as err:
         message = str(err).removeprefix("GenerationConfig: ")
-        message = message.replace("max_new_tokens", "max_tokens")
+        for ours, openai_name in RENAMED.items():  # say it in the request's own words
+            message = message.replace(ours, openai_name)
         raise BadRequest(message) from err
     return config
 
 
 # ------------------------------------------------------------------------ serving a request
-Formatter = Callable[[str, list[RequestOutput], bool], Any]
-
-
 async def _serve(
     async_engine: AsyncEngine,
     request: Request,
     body: Any,
     prompts: list[list[int]],
     configs: list[GenerationConfig],
-    fmt: Any,
+    fmt: CompletionFormat,
 ) -> Any:
     rid = f"{fmt.prefix}-{uuid.uuid4().hex}"
     n = body.n
@@ -210,7 +212,7 @@ async def _until_done_or_disconnect(
     return work.result()
 
 
-async def _sse(fmt: Any, rid: str, streams: list, n: int, prompts: list[list[int]],
+async def _sse(fmt: CompletionFormat, rid: str, streams: list, n: int, prompts: list[list[int]],
                include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
     """Merge the prompts' streams into one event stream (choice index = prompt * n + seq)."""
     merged: asyncio.Queue = asyncio.Queue()
