@@ -11,7 +11,8 @@ through the LM head (``logits_to_keep``).
 
 The pool is one pair of tensors per layer, ``(num_blocks, block_size, H_kv, D)``, zeroed at
 start so a masked slot never holds NaN. Its shapes come from a probe: one single-token forward
-through the model's own attention records each layer's ``k`` shape, dtype and device.
+through the model's own attention records each layer's ``k`` heads, head dim and dtype (the
+device is the model's).
 """
 
 from __future__ import annotations
@@ -187,8 +188,3 @@ class ModelRunner:
         finally:
             self.batch = None
         return logits[0].float()
-
-
-def kv_bytes_per_token(runner: ModelRunner) -> int:
-    """Bytes of keys and values one token occupies across all layers."""
-    return runner.pool.nbytes // (runner.config.num_blocks * runner.config.block_size)
