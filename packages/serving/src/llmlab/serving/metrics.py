@@ -3,9 +3,10 @@
 Gauges say what the engine holds now (waiting and running sequences, KV blocks used), counters
 what it has done (prompt and generated tokens, preemptions, finished requests by reason), a
 histogram how long requests waited for their first token, and a gauge the generation rate over
-the last ``window`` seconds of steps. The text format is Prometheus' 0.0.4 exposition format,
-written by hand (a dozen lines; no client library needed) and checked in the tests with
-``prometheus_client``'s parser.
+the last ``window`` seconds of steps. The HTTP thread reads these while the engine thread
+updates them, so reads copy or tolerate a change in between. The text format is Prometheus'
+0.0.4 exposition format, written by hand (a dozen lines; no client library needed) and checked
+in the tests with ``prometheus_client``'s parser.
 """
 
 from __future__ import annotations
@@ -93,10 +94,11 @@ class EngineStats:
     @property
     def tokens_per_second(self) -> float:
         """Generated tokens per second over the last ``window`` seconds."""
-        if not self._recent:
+        try:  # read from the HTTP thread while the engine thread steps: no check-then-use
+            first = self._recent[0][0]
+        except IndexError:
             return 0.0
-        span = max(time.perf_counter() - self._recent[0][0], 1e-3)
-        return self._recent_tokens / span
+        return self._recent_tokens / max(time.perf_counter() - first, 1e-3)
 
     def prometheus(self, prefix: str = "llmlab") -> str:
         def metric(name: str, kind: str, help_: str, lines: list[str]) -> list[str]:
@@ -124,7 +126,7 @@ class EngineStats:
         out += metric(
             "request_success", "counter", "Finished sequences by finish reason.",
             [f'{p}_request_success_total{{finished_reason="{r}"}} {n}'
-             for r, n in sorted(self.finished_by_reason.items())],
+             for r, n in sorted(dict(self.finished_by_reason).items())],
         )  # fmt: skip
         out += metric(
             "time_to_first_token_seconds", "histogram", "Seconds from arrival to first token.",
