@@ -8,6 +8,7 @@ the serving engine) can rebuild it without importing ``llmlab.train``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class ByteTokenizer:
@@ -25,3 +26,10 @@ class ByteTokenizer:
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         return bytes(int(i) for i in ids)
+
+    def as_bpe(self) -> Any:
+        """The same tokenizer as a byte-level BPE with no merges (ids = byte values), the form
+        HF ``tokenizer.json`` can express: what an exported model ships as its tokenizer."""
+        from llmlab.tokenizer.bpe import BPETokenizer
+
+        return BPETokenizer({bytes([b]): b for b in range(256)})
