@@ -94,6 +94,20 @@ def test_load_rebuilds_the_model_and_the_byte_tokenizer(checkpoint):
         torch.testing.assert_close(loaded.model(x), reference(x), atol=0, rtol=0)
 
 
+def test_an_exported_checkpoint_serves_as_an_hf_folder(checkpoint, tmp_path):
+    """``make export`` (``llmlab.train.export``) writes the HF folder a sharded checkpoint must
+    become; serving it gives the training checkpoint's model and tokenizer back."""
+    from llmlab.train.export import export
+
+    folder = export(str(checkpoint), tmp_path / "hf")
+    loaded, direct = load(folder), load(checkpoint)
+    x = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x), direct.model(x), atol=0, rtol=0)
+    assert loaded.tokenizer.encode("ROMEO: é") == direct.tokenizer.encode("ROMEO: é")
+    assert loaded.name == "hf"
+
+
 def test_a_trained_bpe_needs_its_file(tmp_path):
     ckpt = tmp_path / "bpe.ckpt"
     from llmlab.models import build_model
@@ -114,7 +128,7 @@ def test_a_trained_bpe_needs_its_file(tmp_path):
 def test_other_forms_are_refused_with_what_would_work(tmp_path):
     (tmp_path / "sharded").mkdir()
     (tmp_path / "sharded" / ".metadata").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"sharded \(DCP\) checkpoint folder.*llmlab.train.sample"):
+    with pytest.raises(ValueError, match=r"sharded \(DCP\) checkpoint folder.*make export CKPT="):
         load(tmp_path / "sharded")
     with pytest.raises(ValueError, match="neither a training checkpoint file"):
         load(tmp_path)
@@ -124,23 +138,29 @@ def test_other_forms_are_refused_with_what_would_work(tmp_path):
 
 
 def test_an_hf_folder_goes_through_models_from_pretrained(tmp_path):
+    """Model by ``llmlab.models.from_pretrained`` (logits as HF's, 1e-5), tokenizer from
+    ``tokenizer.json``, chat template and eos from ``tokenizer_config.json``."""
+    import json
+
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1,
-                                    n_head=2)).eval()  # fmt: skip
+    config = GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                        bos_token_id=None, eos_token_id=None)  # fmt: skip
+    hf = GPT2LMHeadModel(config).eval()
     hf.save_pretrained(tmp_path)
-    save(BPETokenizer.train(["abc abd " * 30], vocab_size=270), tmp_path / "tokenizer.json",
-         format="hf")  # fmt: skip
-    import llmlab.models
-
-    if not hasattr(llmlab.models, "from_pretrained"):
-        with pytest.raises(ValueError, match=r"needs llmlab\.models\.from_pretrained"):
-            load(tmp_path)
-        return
-    loaded = load(tmp_path)  # once llmlab.models.from_pretrained exists: the same logits as HF
+    tok = BPETokenizer.train(["abc abd " * 30], vocab_size=270, special_tokens=["<|endoftext|>"])
+    save(tok, tmp_path / "tokenizer.json", format="hf")
+    template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "eos_token": "<|endoftext|>"})
+    )
+    loaded = load(tmp_path)
     x = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+    assert loaded.tokenizer.encode("abd abc") == tok.encode("abd abc")
+    assert loaded.chat_template == template and loaded.eos_token_ids == [tok.eos_token_id]
+    assert loaded.template_tokens["eos_token"] == "<|endoftext|>"
 
 
 @pytest.mark.parametrize(

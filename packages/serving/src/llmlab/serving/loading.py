@@ -9,8 +9,8 @@ Three forms of ``MODEL`` are told apart by what the path holds:
   ``llmlab.tokenizer.load`` reads: llmlab JSON, HF ``tokenizer.json``, ...), because the
   config only says how to *train* it again.
 * **a sharded checkpoint folder** (DCP, with a ``.metadata`` index): refused with the command
-  that turns it into a servable file -- reading shards is ``llmlab.parallel``'s job, and the
-  serving engine never imports it.
+  that turns it into a servable HF folder (``make export``) -- reading shards is the job of
+  ``llmlab.train`` and ``llmlab.parallel``, and the serving engine imports neither.
 * **an HF-format folder** (``config.json`` + weights): built by ``llmlab.models.from_pretrained``;
   the tokenizer from its ``tokenizer.json``, the chat template and eos from its
   ``tokenizer_config.json`` / ``chat_template.jinja`` / ``generation_config.json``.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from llmlab.models import from_state_dict
+from llmlab.models import from_pretrained, from_state_dict
 from llmlab.tokenizer import ByteTokenizer
 from llmlab.tokenizer import load as load_tokenizer
 
@@ -56,10 +56,10 @@ def load(path: str | PathLike, tokenizer: Any = None) -> Loaded:
         return _training_checkpoint(path, tokenizer)
     if (path / ".metadata").is_file():
         raise ValueError(
-            f"{path} is a sharded (DCP) checkpoint folder; llmlab.serving reads single-file "
-            f"checkpoints (the sharded format belongs to llmlab.parallel, which the serving "
-            f"engine does not import). Sample from it with `python -m llmlab.train.sample "
-            f"ckpt={path}`, or consolidate it into one training-checkpoint file to serve it"
+            f"{path} is a sharded (DCP) checkpoint folder, a format only llmlab.train and "
+            f"llmlab.parallel read (the serving engine imports neither): export it as an "
+            f"HF-format folder with `make export CKPT={path} OUT=<folder>` (python -m "
+            f"llmlab.train.export) and serve that folder"
         )
     if (path / "config.json").is_file():
         return _hf_folder(path, tokenizer)
@@ -91,18 +91,12 @@ def _tokenizer_from_spec(spec: dict[str, Any] | None, path: Path) -> Any:
     raise ValueError(
         f"{path} was trained with the tokenizer {target!r}, which its config cannot rebuild "
         f"without training it again; pass the saved tokenizer file (--tokenizer PATH, e.g. "
-        f"the tokenizers/bpe-*.json cached under the run's cache dir)"
+        f"the tokenizers/bpe-*.json cached under the run's cache dir), or serve the HF folder "
+        f"`make export CKPT={path} OUT=<folder>` writes (it carries the tokenizer)"
     )
 
 
 def _hf_folder(path: Path, tokenizer: Any) -> Loaded:
-    try:
-        from llmlab.models import from_pretrained
-    except ImportError as err:
-        raise ValueError(
-            f"{path} is an HF-format folder, and loading one needs "
-            f"llmlab.models.from_pretrained, which this installation of llmlab-models lacks"
-        ) from err
     model = from_pretrained(path).eval()
     if tokenizer is None:
         if not (path / "tokenizer.json").is_file():
