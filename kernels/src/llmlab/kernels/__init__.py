@@ -14,6 +14,7 @@ from llmlab.kernels.elementwise import add3
 from llmlab.kernels.gelu import bias_gelu, gelu
 from llmlab.kernels.layer_norm import add_layer_norm, layer_norm
 from llmlab.kernels.matmul import matmul
+from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.kernels.rms_norm import rms_norm
 from llmlab.kernels.rope import rope
 from llmlab.kernels.softmax import softmax
@@ -23,6 +24,8 @@ from llmlab.kernels.swiglu import swiglu
 __all__ = [
     "CSRMatrix",
     "ELLMatrix",
+    "PagedLayout",
+    "Scratch",
     "add3",
     "add_layer_norm",
     "attention",
@@ -33,6 +36,7 @@ __all__ = [
     "interpreter_requested",
     "layer_norm",
     "matmul",
+    "paged_attention",
     "rms_norm",
     "rope",
     "softmax",

@@ -8,7 +8,13 @@ from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.hf import from_pretrained, save_pretrained
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama import Llama, LlamaConfig
-from llmlab.models.registry import ARCHITECTURES, build_model, model_config, register
+from llmlab.models.registry import (
+    ARCHITECTURES,
+    build_model,
+    from_state_dict,
+    model_config,
+    register,
+)
 from llmlab.models.resnet import ResNet50
 
 __all__ = [
@@ -21,6 +27,7 @@ __all__ = [
     "ResNet50",
     "build_model",
     "from_pretrained",
+    "from_state_dict",
     "model_config",
     "register",
     "save_pretrained",

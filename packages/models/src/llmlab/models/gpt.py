@@ -204,14 +204,15 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         positions: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | Tensor = 0,
     ) -> Tensor:
         """Logits for ``input_ids`` (B, T).
 
         ``cache``: a ``KVCache`` from ``new_cache``; the new tokens are appended to it.
         ``attention_mask``: (B, past + T) with 1 for real tokens and 0 for (left) padding.
         ``positions``: (B, T) position ids; by default derived from the mask (or the cache).
-        ``logits_to_keep``: if > 0, only the last that many positions go through the LM head.
+        ``logits_to_keep``: if > 0, only the last that many positions go through the LM head; a
+        LongTensor of positions keeps exactly those (HF's convention).
         """
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
@@ -228,7 +229,9 @@ class GPT(nn.Module):
             x = block(x, cache, attn_mask, causal)
         if cache is not None:
             cache.advance(T)
-        if logits_to_keep > 0:
+        if isinstance(logits_to_keep, Tensor):  # HF's meaning: the positions to keep
+            x = x[:, logits_to_keep]
+        elif logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.head(x)
 
