@@ -1,6 +1,6 @@
-"""llmlab.models: plain ``nn.Module`` models that follow the pipeline, tensor-parallel and
-decoding contracts of DESIGN §3 (no Lightning here). ``build_model({"arch": ...})`` builds any
-registered language model from its config dict."""
+"""llmlab.models: plain ``nn.Module`` models that follow the pipeline, tensor-parallel and decoding
+contracts of docs/architecture.md#contracts (no Lightning here). ``build_model({"arch": ...})``
+builds any registered language model from its config dict."""
 
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.kv_cache import KVCache

@@ -1,6 +1,6 @@
 """A GPT (decoder-only transformer) that is plain PyTorch and ready to be split and sharded.
 
-Three contracts from DESIGN §3 shape this module:
+Three contracts from docs/architecture.md#contracts shape this module:
 
 * **Pipeline**: ``GPT.pipeline_layers()`` is ``[embed, *blocks, head]``; each maps one tensor to
   one tensor (ids -> hidden -> hidden -> logits), and their composition is ``GPT.forward``.

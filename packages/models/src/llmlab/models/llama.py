@@ -6,7 +6,7 @@ of a learned position table; RMSNorm instead of LayerNorm; a gated SwiGLU MLP
 key/value heads, each shared by ``n_head / n_kv_head`` query heads; no biases (except Qwen2's on
 q, k, v); an untied LM head by default.
 
-The contracts of DESIGN §3 are the GPT's, met the same way:
+The contracts of docs/architecture.md#contracts are the GPT's, met the same way:
 
 * **Pipeline**: ``pipeline_layers()`` is ``[embed, *blocks, head]``; a block called with the
   hidden state alone takes positions ``0..T-1`` (training), so RoPE needs nothing passed between
