@@ -17,16 +17,19 @@ first-call costs, so the timed step is a steady-state step, which is what the fo
 The timed step is the second step of the same engine, measured in full.
 
     .venv/bin/python -m benchmarks.pipeline        # writes benchmarks/results/pipeline.json
+
+``--smoke``: p = 2, m = 2 and 4, 10 ms stages (its bubbles are not expected to match theory).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 from torch import Tensor, nn
 
-from benchmarks.common import RESULTS_DIR, Row, report
+from benchmarks.common import Row, parse_args, report, results_dir
 from llmlab.parallel.pipeline.engine import PipelineEngine
 from llmlab.parallel.pipeline.schedules import theoretical_bubble
 from llmlab.parallel.pipeline.timeline import gather_events, measured_bubble, plot_timeline
@@ -68,16 +71,21 @@ class SleepStage(nn.Module):
         return _Sleep.apply(x * self.weight, self.forward_s, self.backward_s)
 
 
-def cases(p: int) -> list[tuple[str, int, int]]:
-    out = [(s, m, 1) for s in ("naive", "gpipe", "1f1b") for m in MICROBATCHES]
-    out += [("interleaved", m, 2) for m in MICROBATCHES if m % p == 0]
+SMOKE_MICROBATCHES, SMOKE_STEP_S = (2, 4), 0.01
+
+
+def cases(p: int, microbatches: tuple[int, ...] = MICROBATCHES) -> list[tuple[str, int, int]]:
+    out = [(s, m, 1) for s in ("naive", "gpipe", "1f1b") for m in microbatches]
+    out += [("interleaved", m, 2) for m in microbatches if m % p == 0]
     return out
 
 
-def _rank(rank: int, world: int) -> list[dict]:
+def _rank(rank: int, world: int, smoke: bool = False) -> list[dict]:
     results = []
-    for name, m, v in cases(world):
-        step_s = NAIVE_STEP_S if name == "naive" else STEP_S
+    microbatches = SMOKE_MICROBATCHES if smoke else MICROBATCHES
+    timeline_m = microbatches[-1] if smoke else TIMELINE_M
+    for name, m, v in cases(world, microbatches):
+        step_s = SMOKE_STEP_S if smoke else NAIVE_STEP_S if name == "naive" else STEP_S
         chunks = [SleepStage(step_s / v, step_s / v) for _ in range(v)]
         engine = PipelineEngine(
             chunks,
@@ -99,11 +107,11 @@ def _rank(rank: int, world: int) -> list[dict]:
         torch.distributed.all_gather_object(peaks, result.peak_activation_bytes)
         if rank == 0:
             bubble = measured_bubble(events, world)
-            if m == TIMELINE_M:
+            if m == timeline_m:
                 plot_timeline(
                     events,
                     world,
-                    RESULTS_DIR / f"pipeline_timeline_{name}_p{world}_m{m}.png",
+                    results_dir() / f"pipeline_timeline_{name}_p{world}_m{m}.png",
                     title=f"{name} p={world} m={m}" + (f" v={v}" if v > 1 else ""),
                 )
             results.append(
@@ -120,14 +128,16 @@ def _rank(rank: int, world: int) -> list[dict]:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from llmlab.parallel.launch import run_distributed
 
+    args = parse_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), argv)
+    microbatches = SMOKE_MICROBATCHES if args.smoke else MICROBATCHES
     rows: list[Row] = []
     misses: list[str] = []
     started = time.perf_counter()
-    for p in (2, 4):
-        measured = run_distributed(_rank, p, timeout=600)[0]
+    for p in (2,) if args.smoke else (2, 4):
+        measured = run_distributed(_rank, p, args.smoke, timeout=600)[0]
         by_key = {(r["schedule"], r["m"]): r for r in measured}
         for r in measured:
             theory = theoretical_bubble(r["schedule"], p, r["m"], r["v"])
@@ -148,7 +158,7 @@ def main() -> None:
                     extra={"relative_error": rel, "within_10pct": ok, "stage_s": r["stage_s"]},
                 )
             )
-        for m in MICROBATCHES:
+        for m in microbatches:
             gpipe, one_f = by_key[("gpipe", m)]["peak_bytes"], by_key[("1f1b", m)]["peak_bytes"]
             worst = max(o / g for o, g in zip(one_f, gpipe))
             ok = worst <= p / m + 1e-9
@@ -172,7 +182,7 @@ def main() -> None:
         f"{NAIVE_STEP_S * 1000:.0f} ms), after a zero-sleep warm-up step; "
         "ratio = theory / measured "
         f"for bubbles (1.0 is exact), gpipe / 1f1b for memory; {elapsed:.0f} s.\n"
-        f"timelines: {RESULTS_DIR}/pipeline_timeline_<schedule>_p<p>_m{TIMELINE_M}.png\n"
+        f"timelines: {results_dir()}/pipeline_timeline_<schedule>_p<p>_m{TIMELINE_M}.png\n"
         + (
             "all bubbles within 10% of theory, 1f1b memory <= p/m of gpipe"
             if not misses
