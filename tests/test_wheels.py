@@ -1,9 +1,9 @@
 """Each distribution builds a wheel, and ``llmlab-tokenizer``'s works alone, with no torch.
 
-DESIGN §1: ``pip install packages/tokenizer`` must not pull torch. The test builds every
-distribution's wheel with the installed setuptools (no build isolation, so no download),
-installs the tokenizer's into a fresh virtual environment without pip (``pip --python`` drives
-it from outside) together with its one runtime dependency, ``regex``, from the wheelhouse that
+docs/architecture.md#layout: ``pip install packages/tokenizer`` must not pull torch. The test builds
+every distribution's wheel with the installed setuptools (no build isolation, so no download),
+installs the tokenizer's into a fresh virtual environment without pip (``pip --python`` drives it
+from outside) together with its one runtime dependency, ``regex``, from the wheelhouse that
 ``make install`` fills in ``.venv/wheelhouse`` (the only step that may use the network), and runs
 a BPE there: train, encode, decode, save and load. ``--no-index`` keeps the test offline.
 """

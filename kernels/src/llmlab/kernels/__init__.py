@@ -1,4 +1,5 @@
-"""llmlab.kernels: Triton kernels, each with a plain-PyTorch reference (DESIGN §3).
+"""llmlab.kernels: Triton kernels, each with a plain-PyTorch reference
+(docs/architecture.md#kernels-three-faces).
 
 Every op module has three faces: ``reference`` (plain torch, the oracle), the Triton kernel
 (``llmlab.kernels._jit.<op>``, imported only when a kernel actually runs, so this package

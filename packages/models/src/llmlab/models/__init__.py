@@ -1,6 +1,6 @@
-"""llmlab.models: plain ``nn.Module`` models that follow the pipeline, tensor-parallel and
-decoding contracts of DESIGN §3 (no Lightning here). ``build_model({"arch": ...})`` builds any
-registered language model from its config dict; ``from_pretrained(folder)`` and
+"""llmlab.models: plain ``nn.Module`` models that follow the pipeline, tensor-parallel and decoding
+contracts of docs/architecture.md#contracts (no Lightning here). ``build_model({"arch": ...})``
+builds any registered language model from its config dict; ``from_pretrained(folder)`` and
 ``save_pretrained(model, folder)`` read and write Hugging Face-format folders (config.json +
 safetensors) without ``transformers``."""
 

@@ -9,7 +9,7 @@ q, k, v); an untied LM head by default. The family's switches (explicit head dim
 sliding windows, q/k norms) are in :mod:`llmlab.models.llama_config`, the layers in
 :mod:`llmlab.models.llama_layers`.
 
-The contracts of DESIGN §3 are the GPT's, met the same way:
+The contracts of docs/architecture.md#contracts are the GPT's, met the same way:
 
 * **Pipeline**: ``pipeline_layers()`` is ``[embed, *blocks, head]``; a block called with the
   hidden state alone takes positions ``0..T-1`` (training), so RoPE needs nothing passed between
