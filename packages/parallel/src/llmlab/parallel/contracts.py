@@ -22,11 +22,18 @@ still pipelines, and a clear error names the missing method when a layout needs 
   attention go through it.
 * :class:`HasFlops` -- ``flops_per_token()``: training FLOPs per token of the *whole* model (read
   before any sharding, for MFU).
+* :class:`WeightSource` -- ``read(name, part)``: a tensor of the unsplit model by state-dict key,
+  whole or ``part = (dim, index, count)`` (``chunk(count, dim)[index]``), reading only that;
+  ``bytes_read`` and ``total_bytes(names)``. A model built on ``meta`` is filled from one after
+  its layout is applied (``model.init_from``: ``llmlab.models.hf.PretrainedWeights``).
+* :class:`HoldsPretrainedWeights` -- ``take_pretrained_weights()``: a LightningModule whose
+  model is still on ``meta`` hands over its :class:`WeightSource` (once; ``None`` after), so a
+  strategy that knows the layout reads each rank's part instead of the module reading it whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
@@ -59,6 +66,20 @@ class AttentionSwappable(Protocol):
 @runtime_checkable
 class HasFlops(Protocol):
     def flops_per_token(self) -> float: ...
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    bytes_read: int
+
+    def read(self, name: str, part: tuple[int, int, int] | None = None) -> Tensor: ...
+
+    def total_bytes(self, names: Iterable[str] | None = None) -> int: ...
+
+
+@runtime_checkable
+class HoldsPretrainedWeights(Protocol):
+    def take_pretrained_weights(self) -> WeightSource | None: ...
 
 
 def require(model: Any, contract: type, why: str) -> Any:

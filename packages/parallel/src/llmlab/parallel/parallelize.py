@@ -8,6 +8,7 @@ tasks and the app never transform a model.
     2. sequence parallelism    norms / dropout / residual adds on sequence shards (part of 1)
     3. memory                  recompute attention, activation checkpointing of repeated blocks
     4. pipeline stage split    keep this stage's ``pipeline_layers()``, free the rest
+       pretrained weights      a ``meta`` model is filled: this stage's layers, this TP slice
     5. precision               the precision plugin converts what is left
     6. compile                 each repeated block compiled in place (``compile=true``)
     7. data parallel / ZeRO    the strategy's gradient reducer, built from ``ParallelModel.params``
@@ -16,6 +17,8 @@ Why this order: sharding swaps ``nn.Linear`` modules, so it comes before anythin
 blocks (a checkpoint wrapper would hide them); the pipeline cut comes after both so that every
 stage holds already-sharded, already-wrapped layers and a tied weight stays one object; precision
 converts only what this rank keeps, so fp32 master weights are the shards the optimizer holds.
+Pretrained weights (``weights``) are read after the cut and before precision: only what this rank
+keeps is read (:mod:`llmlab.parallel.checkpoint.pretrained`), and the masters are made from them.
 
 The model meets the contracts in :mod:`llmlab.parallel.contracts` structurally; nothing here
 knows a model class.
@@ -32,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llmlab.parallel.checkpoint.pretrained import load_pretrained, log_weights_read
 from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_blocks, compile_loss
 from llmlab.parallel.contracts import (
     TensorParallelShardable,
+    WeightSource,
     require,
 )
 from llmlab.parallel.memory import apply_activation_checkpointing, use_recompute_attention
@@ -150,6 +155,7 @@ def parallelize_model(
     convert_precision: Callable[[nn.Module], Any] | None = None,
     seed: int | None = None,
     global_batch: int | None = None,
+    weights: WeightSource | None = None,
 ) -> ParallelModel:
     """Apply the layout and transforms to ``model`` in place, in the order above.
 
@@ -225,6 +231,14 @@ def parallelize_model(
         result.duplicates = list(result.stage.duplicate_copies)
         prune_to_stage(model, result.stage.chunks)
         result.applied["pipeline_stage"] = (pp, result.stage.local_layers)
+
+    # 4b. pretrained weights: what this rank keeps, and only that, read into the meta model
+    if weights is not None:
+        held = result.stage.chunks if result.stage is not None else [model]
+        coords = groups.coords if groups is not None else None
+        report = load_pretrained(model, weights, held, coords.tensor if coords else 0, dims.tensor)
+        log_weights_read(report, f"at {coords}" if coords else "")
+        result.applied["init_from"] = report
 
     # 5. precision: convert only what this rank keeps
     if convert_precision is not None:

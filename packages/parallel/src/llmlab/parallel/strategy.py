@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from llmlab.parallel.checkpoint.checkpointer import LayoutCheckpointer
+from llmlab.parallel.checkpoint.pretrained import take_pretrained_weights
 from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_refusal
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.data.zero import ZeroEngine
@@ -147,6 +148,7 @@ class NDParallelStrategy(DDPStrategy):
         self._reducer: GradientReducer | None = None
         self._norm: WholeModelNorm | None = None
         self._sync_grads = True
+        self._weights: Any = None  # a meta model's pretrained weights, read in setup
 
     @classmethod
     def check_config(cls, options: Mapping[str, Any], run: RunConfig) -> None:
@@ -208,6 +210,12 @@ class NDParallelStrategy(DDPStrategy):
         return True  # a checkpoint is read where every tensor lives: after setup
 
     # -------------------------------------------------------------------- setup
+    def connect(self, model: pl.LightningModule) -> None:
+        """Pretrained weights a module holds for its meta model are read in ``setup``, each rank
+        its part (taken here, before Lightning's ``configure_model`` could read them whole)."""
+        super().connect(model)
+        self._weights = take_pretrained_weights(model) or self._weights
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -228,7 +236,9 @@ class NDParallelStrategy(DDPStrategy):
             convert_precision=self.precision_plugin.convert_module,
             seed=torch.initial_seed(),
             global_batch=getattr(getattr(trainer, "datamodule", None), "batch_size", None),
+            weights=self._weights,
         )
+        self._weights = None
         if parallel.loss_fn is not None or self.transforms.compile:
             module.loss_fn = parallel.task_loss(module.loss_fn)
         self.model_to_device()

@@ -5,6 +5,11 @@ The task owns what is the same for every strategy: the loss, the metric names, A
 decoupled weight decay (no decay on biases, norms and embeddings) and a warmup + cosine schedule
 stepped per optimizer step. Strategies may swap ``task.model`` (sharded, split into stages) and
 ``task.loss_fn`` (vocab-parallel cross-entropy) without touching this file.
+
+A model with ``init_from`` (a Hugging Face-format folder) is built on the ``meta`` device and its
+weights are read once the layout is known: a strategy that applies a layout takes them
+(``take_pretrained_weights``) and reads each rank's part; otherwise ``configure_model``, which
+Lightning calls before any strategy's setup, reads them whole.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from llmlab.models import build_model
+from llmlab.models.hf import build_model_unloaded
 
 
 def causal_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -125,9 +130,24 @@ class CausalLMTask(L.LightningModule):
             )
         super().__init__()
         self.save_hyperparameters()
-        self.model: nn.Module = build_model(model)
+        self.model: nn.Module
+        self.model, self._pretrained = build_model_unloaded(model)  # meta with init_from
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] = causal_lm_loss
         self.val_loss = MeanMetric()  # averaged over batches and, in parallel runs, over ranks
+
+    def take_pretrained_weights(self) -> Any:
+        """The init_from weights the meta model still waits for (``None`` once taken): the
+        caller reads them (``llmlab.parallel.contracts.HoldsPretrainedWeights``)."""
+        weights, self._pretrained = self._pretrained, None
+        return weights
+
+    def configure_model(self) -> None:
+        """The init_from weights, whole, when no strategy took them to read its ranks' parts."""
+        from llmlab.parallel.checkpoint.pretrained import load_pretrained, log_weights_read
+
+        weights = self.take_pretrained_weights()
+        if weights is not None:
+            log_weights_read(load_pretrained(self.model, weights), "whole model")
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)
