@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmlab.parallel.checkpoint.pretrained import load_pretrained, log_weights_read
 from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_blocks, compile_loss
 from llmlab.parallel.contracts import (
     TensorParallelShardable,
@@ -234,6 +233,9 @@ def parallelize_model(
 
     # 4b. pretrained weights: what this rank keeps, and only that, read into the meta model
     if weights is not None:
+        # (imported here: the checkpoint package imports the data strategies, which import this)
+        from llmlab.parallel.checkpoint.pretrained import load_pretrained, log_weights_read
+
         held = result.stage.chunks if result.stage is not None else [model]
         coords = groups.coords if groups is not None else None
         report = load_pretrained(model, weights, held, coords.tensor if coords else 0, dims.tensor)

@@ -212,7 +212,14 @@ def build(node: DictConfig, what: str, **app_args: Any) -> Any:
 
 
 def build_tokenizer(cfg: DictConfig) -> Any:
-    return build(cfg.tokenizer, "tokenizer") if cfg.get("tokenizer") is not None else None
+    from llmlab.train.pretrained import explain_tokenizer_error
+
+    if cfg.get("tokenizer") is None:
+        return None
+    try:
+        return build(cfg.tokenizer, "tokenizer")
+    except ConfigError as err:  # a pretrained folder's tokenizer.json: say what it is
+        raise ConfigError(explain_tokenizer_error(cfg, str(err))) from err
 
 
 def build_task(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> Any:

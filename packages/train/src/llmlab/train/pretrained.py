@@ -15,7 +15,9 @@ exists.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -66,6 +68,31 @@ def resolve_init_from(cfg: DictConfig) -> dict[str, Any] | None:
             )
     cfg.model = OmegaConf.create({"init_from": folder, **spec})
     return spec
+
+
+def explain_tokenizer_error(cfg: DictConfig, message: str) -> str:
+    """``message`` (a tokenizer that failed to load), plus what the file is when it is the
+    ``model.init_from`` folder's SentencePiece-style ``tokenizer.json`` (Llama 2, Mistral: BPE
+    over ``▁``-marked pieces with byte fallback), which ``llmlab.tokenizer`` may not read."""
+    folder = OmegaConf.select(cfg, "model.init_from")
+    path = OmegaConf.select(cfg, "tokenizer.path")
+    if not folder or not path or Path(path).parent != Path(folder):
+        return message
+    try:
+        spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return message
+    text = json.dumps(
+        [spec.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")], ensure_ascii=False
+    )
+    model = spec.get("model") or {}
+    if model.get("type") == "BPE" and (model.get("byte_fallback") or "\u2581" in text):
+        return (
+            f"{message} -- {path} is a SentencePiece-style BPE tokenizer (Llama 2 / Mistral: "
+            "'\u2581' word marks, byte fallback), which this llmlab.tokenizer cannot load; "
+            "train with tokenizer=byte or tokenizer=bpe if its vocabulary fits the model's"
+        )
+    return message
 
 
 def check_tokenizer_fits(cfg: DictConfig, tokenizer: Any) -> None:
