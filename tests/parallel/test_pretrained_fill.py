@@ -48,5 +48,5 @@ def test_fill_keeps_the_object_its_attributes_and_its_gradient_hooks():
 def test_a_piece_of_the_wrong_shape_is_refused_by_name(folder):
     model, weights = build_model_unloaded({"init_from": str(folder)})
     model.embed.tokens.weight.tp_shard_dim = 0  # marked as a shard, but holds the full table
-    with pytest.raises(ValueError, match="embed.tokens.weight: the checkpoint gives shape"):
+    with pytest.raises(ValueError, match=r"embed\.tokens\.weight: the checkpoint gives shape"):
         load_pretrained(model, weights, tensor_rank=0, tensor_size=2)
