@@ -26,8 +26,16 @@ def _is_cjk(cp: int) -> bool:
     return any(lo <= cp <= hi for lo, hi in _CJK_RANGES)
 
 
+# Rust's char::is_whitespace (the White_Space property), which HF uses; Python's str.isspace
+# also counts U+001C..U+001F.
+WHITESPACE = frozenset(
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+)
+
+
 def _is_whitespace(c: str) -> bool:
-    return c in " \t\n\r" or unicodedata.category(c) == "Zs"
+    return c in WHITESPACE
 
 
 def _is_control(c: str) -> bool:
@@ -75,7 +83,7 @@ def pre_tokenize(text: str) -> list[str]:
     words: list[str] = []
     current: list[str] = []
     for c in text:
-        if c.isspace():
+        if c in WHITESPACE:
             if current:
                 words.append("".join(current))
                 current = []

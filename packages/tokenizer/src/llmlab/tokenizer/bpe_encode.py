@@ -105,3 +105,36 @@ class ChunkCache:
             data.update((c, ids) for c, ids in new.items() if len(c) < 256)
         # new.get(chunk, data.get(chunk)): long chunks are looked up in ``new`` only
         return list(chain.from_iterable(map(new.get, chunks, map(data.get, chunks))))
+
+
+def derive_merges(ranks: dict[bytes, int]) -> list[tuple[int, int]]:
+    """Recover the merge list from ranks alone (for ``.tiktoken`` / GPT-2 vocabularies).
+
+    Token ``t`` of rank ``r`` was made by the last merge of BPE-encoding ``t`` with only the
+    tokens ranked below ``r``: that encoding leaves exactly two parts, ``t``'s merge.
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = _merge_small_below(token, ranks, rank)
+        if len(parts) != 2:
+            raise ValueError(
+                f"token {token!r} (rank {rank}) is not the merge of two lower-ranked tokens"
+            )
+        merges.append((ranks[parts[0]], ranks[parts[1]]))
+    return merges
+
+
+def _merge_small_below(piece: bytes, ranks: dict[bytes, int], limit: int) -> list[bytes]:
+    parts = [piece[i : i + 1] for i in range(len(piece))]
+    while len(parts) > 1:
+        best_rank, best_i = None, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < limit and (best_rank is None or rank < best_rank):
+                best_rank, best_i = rank, i
+        if best_rank is None:
+            break
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts

@@ -11,7 +11,7 @@ import itertools
 import multiprocessing
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from llmlab.tokenizer.patterns import compiled
@@ -19,14 +19,29 @@ from llmlab.tokenizer.patterns import compiled
 BATCH = 4096
 
 
-def _count_batch(args: tuple[str, list[str]]) -> Counter[str]:
-    pattern, texts = args
-    findall = compiled(pattern).findall
-    chunks: Counter[str] = Counter()
-    # Identical texts (repeated lines, speaker names) are split once and weighted.
+Splitter = str | Callable[[str], list[str]]
+
+
+def _count_batch(
+    args: tuple[Splitter, list[str]], into: Counter[str] | None = None
+) -> Counter[str]:
+    """Count the chunks of ``texts`` into ``into`` (a new Counter by default) and return it.
+
+    Identical texts (repeated lines, speaker names) are split once and weighted; the texts seen
+    once, nearly all of them, are split and counted without a Python-level loop per chunk
+    (``Counter.update`` of an iterable counts in C).
+    """
+    splitter, texts = args
+    findall = compiled(splitter).findall if isinstance(splitter, str) else splitter
+    chunks: Counter[str] = Counter() if into is None else into
+    singles = []
     for text, n in Counter(texts).items():
-        for chunk in findall(text):
-            chunks[chunk] += n
+        if n == 1:
+            singles.append(text)
+        else:
+            for chunk in findall(text):
+                chunks[chunk] += n
+    chunks.update(itertools.chain.from_iterable(map(findall, singles)))
     return chunks
 
 
@@ -36,15 +51,16 @@ def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def count_chunks(texts: Iterable[str], pattern: str, workers: int = 1) -> Counter[str]:
-    """Split every text with ``pattern`` and count the chunks."""
+def count_chunks(texts: Iterable[str], pattern: Splitter, workers: int = 1) -> Counter[str]:
+    """Split every text with ``pattern`` (a regex, or a picklable ``text -> chunks`` function)
+    and count the chunks."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     total: Counter[str] = Counter()
     jobs = ((pattern, batch) for batch in _batches(texts, BATCH))
     if workers == 1:
         for job in jobs:
-            total.update(_count_batch(job))
+            _count_batch(job, into=total)
         return total
     ctx = multiprocessing.get_context("spawn" if _has_threads() else "fork")
     with ctx.Pool(workers) as pool:

@@ -1,0 +1,315 @@
+"""HF ``tokenizers`` normalizers and pre-tokenizers, read from (and written back to)
+``tokenizer.json`` and applied with HF's semantics.
+
+The character-level BPE families (end-of-word BPE, SentencePiece BPE loaded from
+``tokenizer.json``) keep the file's pipeline as data — the JSON dicts themselves — so that saving
+writes back exactly what was loaded, and interpret it here. Supported:
+
+- normalizers: ``Sequence``, ``NFC``/``NFD``/``NFKC``/``NFKD``, ``Lowercase`` (character by
+  character, as Rust's ``char::to_lowercase``: no final-sigma rule), ``Strip`` (Rust's
+  ``White_Space``), ``Replace`` (string or regex), ``Prepend`` (not on an empty string),
+  ``StripAccents``, ``BertNormalizer``, ``Precompiled`` (a SentencePiece charsmap);
+- pre-tokenizers: ``Sequence``, ``Whitespace`` (``\\w+|[^\\w\\s]+``), ``WhitespaceSplit``,
+  ``BertPreTokenizer``, ``Metaspace`` (replacement, ``prepend_scheme`` always/first/never,
+  ``split``), ``Split`` (every ``behavior``, ``invert``), ``ByteLevel``.
+
+Anything else raises ``ValueError`` naming the component, before any text is encoded.
+A pre-tokenizer maps ``(pieces, at_start)`` to pieces, where ``at_start`` says whether the first
+piece begins at the start of the input (what Metaspace's ``prepend_scheme="first"`` asks).
+"""
+
+from __future__ import annotations
+
+import base64
+import unicodedata
+from collections.abc import Callable
+from typing import Any
+
+import regex
+
+from llmlab.tokenizer import bert_text
+from llmlab.tokenizer.byte_level import bytes_to_token_string
+from llmlab.tokenizer.charsmap import Charsmap
+from llmlab.tokenizer.patterns import HF_BYTELEVEL_PATTERN, compiled
+
+Spec = dict[str, Any]
+Normalize = Callable[[str], str]
+PreTokenize = Callable[[list[str], bool], list[str]]
+
+WHITESPACE = "".join(sorted(bert_text.WHITESPACE))  # Rust's char::is_whitespace
+_WS_RUN = regex.compile(f"[{regex.escape(WHITESPACE)}]+")
+_WORDS = compiled(r"\w+|[^\w\s]+")
+
+NORMALIZER_NAMES: dict[str, Spec] = {
+    "lowercase": {"type": "Lowercase"},
+    "nfc": {"type": "NFC"},
+    "nfkc": {"type": "NFKC"},
+    "bert": {
+        "type": "BertNormalizer",
+        "clean_text": True,
+        "handle_chinese_chars": True,
+        "strip_accents": None,
+        "lowercase": True,
+    },
+}
+PRE_TOKENIZER_NAMES: dict[str, Spec] = {
+    "whitespace": {"type": "Whitespace"},
+    "whitespace_split": {"type": "WhitespaceSplit"},
+    "bert": {"type": "BertPreTokenizer"},
+}
+
+
+def resolve(spec: str | Spec | None, names: dict[str, Spec], what: str) -> Spec | None:
+    """A component given by name (``names``) or as an HF JSON dict -> the dict."""
+    if spec is None or isinstance(spec, dict):
+        return spec
+    if spec not in names:
+        raise ValueError(f"unknown {what} {spec!r}; valid names: {', '.join(names)} (or a dict)")
+    return dict(names[spec])
+
+
+def onig_regex(pattern: str) -> regex.Pattern:
+    """An Oniguruma pattern from ``tokenizer.json`` for the ``regex`` module (``\\z`` -> ``\\Z``)."""
+    return compiled(regex.sub(r"(?<!\\)((?:\\\\)*)\\z", r"\1\\Z", pattern))
+
+
+def _pattern(spec: Spec) -> regex.Pattern:
+    if "String" in spec:
+        return regex.compile(regex.escape(spec["String"]))
+    if "Regex" in spec:
+        return onig_regex(spec["Regex"])
+    raise ValueError(f"pattern {spec!r} is neither {{'String': ...}} nor {{'Regex': ...}}")
+
+
+# ----------------------------------------------------------------------------- normalizers
+def normalizer(spec: Spec | None) -> Normalize:
+    """The function ``text -> normalized text`` of an HF normalizer spec (None: identity)."""
+    if spec is None:
+        return _identity
+    kind = spec.get("type")
+    if kind == "Sequence":
+        steps = [normalizer(s) for s in spec["normalizers"]]
+        return lambda text: _chain(text, steps)
+    if kind in ("NFC", "NFD", "NFKC", "NFKD"):
+        return lambda text: unicodedata.normalize(kind, text)
+    if kind == "Lowercase":
+        return lambda text: "".join(c.lower() for c in text)
+    if kind == "StripAccents":
+        return lambda text: "".join(c for c in text if unicodedata.category(c) != "Mn")
+    if kind == "Strip":
+        left, right = spec.get("strip_left", True), spec.get("strip_right", True)
+        return lambda text: _strip(text, left, right)
+    if kind == "Replace":
+        pattern, content = _pattern(spec["pattern"]), spec["content"]
+        return lambda text: pattern.sub(lambda _: content, text)
+    if kind == "Prepend":
+        prefix = spec["prepend"]
+        return lambda text: prefix + text if text else text
+    if kind == "BertNormalizer":
+        options = (
+            spec.get("clean_text", True),
+            spec.get("handle_chinese_chars", True),
+            spec.get("strip_accents"),
+            spec.get("lowercase", True),
+        )
+        return lambda text: bert_text.normalize(text, *options)
+    if kind == "Precompiled":
+        charsmap = Charsmap(base64.b64decode(spec["precompiled_charsmap"]))
+        return charsmap.normalize_hf
+    raise ValueError(f"normalizer {kind!r} is not supported")
+
+
+def _identity(text: str) -> str:
+    return text
+
+
+def _chain(text: str, steps: list[Normalize]) -> str:
+    for step in steps:
+        text = step(text)
+    return text
+
+
+def _strip(text: str, left: bool, right: bool) -> str:
+    if left:
+        text = text.lstrip(WHITESPACE)
+    if right:
+        text = text.rstrip(WHITESPACE)
+    return text
+
+
+# ----------------------------------------------------------------------------- pre-tokenizers
+def pre_tokenizer(spec: Spec | None) -> PreTokenize:
+    """The function ``(pieces, at_start) -> pieces`` of an HF pre-tokenizer spec (None: keep)."""
+    if spec is None:
+        return lambda pieces, at_start: [p for p in pieces if p]
+    kind = spec.get("type")
+    if kind == "Sequence":
+        steps = [pre_tokenizer(s) for s in spec["pretokenizers"]]
+        return lambda pieces, at_start: _chain_pre(pieces, at_start, steps)
+    if kind == "Whitespace":
+        return _each(_WORDS.findall)
+    if kind == "WhitespaceSplit":
+        return _each(lambda piece: [w for w in _WS_RUN.split(piece) if w])
+    if kind == "BertPreTokenizer":
+        return _each(bert_text.pre_tokenize)
+    if kind == "Metaspace":
+        return _metaspace(spec)
+    if kind == "Split":
+        pattern, behavior = _pattern(spec["pattern"]), spec.get("behavior", "Isolated")
+        if behavior not in _BEHAVIORS:
+            raise ValueError(f"Split behavior {behavior!r} is not one of {', '.join(_BEHAVIORS)}")
+        invert = bool(spec.get("invert", False))
+        return _each(lambda piece: split(piece, pattern, behavior, invert))
+    if kind == "ByteLevel":
+        return _byte_level(spec)
+    raise ValueError(f"pre-tokenizer {kind!r} is not supported")
+
+
+def _chain_pre(pieces: list[str], at_start: bool, steps: list[PreTokenize]) -> list[str]:
+    for step in steps:
+        pieces = step(pieces, at_start)
+    return pieces
+
+
+def _each(fn: Callable[[str], list[str]]) -> PreTokenize:
+    return lambda pieces, at_start: [out for piece in pieces for out in fn(piece) if out]
+
+
+def _metaspace(spec: Spec) -> PreTokenize:
+    replacement = spec.get("replacement", "▁")
+    scheme = spec.get("prepend_scheme")
+    if scheme is None:  # files older than prepend_scheme
+        scheme = "always" if spec.get("add_prefix_space", True) else "never"
+    if scheme not in ("always", "first", "never"):
+        raise ValueError(f"Metaspace prepend_scheme {scheme!r} is not always, first or never")
+    do_split = bool(spec.get("split", True))
+    delimiter = regex.compile(regex.escape(replacement))
+
+    def apply(pieces: list[str], at_start: bool) -> list[str]:
+        out = []
+        for i, piece in enumerate(pieces):
+            piece = piece.replace(" ", replacement)
+            first = at_start and i == 0
+            if (scheme == "always" or (scheme == "first" and first)) and not piece.startswith(
+                replacement
+            ):
+                piece = replacement + piece
+            out.extend(split(piece, delimiter, "MergedWithNext") if do_split else [piece])
+        return [p for p in out if p]
+
+    return apply
+
+
+def _byte_level(spec: Spec) -> PreTokenize:
+    add_prefix_space = bool(spec.get("add_prefix_space", True))
+    pattern = compiled(HF_BYTELEVEL_PATTERN) if spec.get("use_regex", True) else None
+
+    def apply(pieces: list[str], at_start: bool) -> list[str]:
+        out = []
+        for piece in pieces:
+            if add_prefix_space and not piece.startswith(" "):
+                piece = " " + piece
+            parts = split(piece, pattern, "Isolated") if pattern is not None else [piece]
+            out.extend(bytes_to_token_string(p.encode("utf-8")) for p in parts if p)
+        return out
+
+    return apply
+
+
+_BEHAVIORS = ("Removed", "Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")
+
+
+def split(text: str, pattern: regex.Pattern, behavior: str, invert: bool = False) -> list[str]:
+    """HF's ``NormalizedString::split``: cut ``text`` at ``pattern``'s matches (or at what lies
+    between them, ``invert``) and keep, drop or attach the delimiters as ``behavior`` says."""
+    spans: list[list[Any]] = []  # [start, end, is_delimiter]
+    prev = 0
+    for m in pattern.finditer(text):
+        start, end = m.span()
+        if prev != start:
+            spans.append([prev, start, invert])
+        spans.append([start, end, not invert])
+        prev = end
+    if prev != len(text):
+        spans.append([prev, len(text), invert])
+    if behavior == "Removed":
+        return [text[s:e] for s, e, delimiter in spans if not delimiter and e > s]
+    if behavior == "Isolated":
+        return [text[s:e] for s, e, _ in spans if e > s]
+    merged: list[list[Any]] = []
+    if behavior == "Contiguous":
+        previous = False
+        for span in spans:
+            if merged and span[2] == previous:
+                merged[-1][1] = span[1]
+            else:
+                merged.append(span)
+            previous = span[2]
+    elif behavior == "MergedWithPrevious":
+        previous = False
+        for span in spans:
+            if span[2] and not previous and merged:
+                merged[-1][1] = span[1]
+            else:
+                merged.append(span)
+            previous = span[2]
+    else:  # MergedWithNext
+        previous = False
+        for span in reversed(spans):
+            if span[2] and not previous and merged:
+                merged[-1][0] = span[0]
+            else:
+                merged.append(span)
+            previous = span[2]
+        merged.reverse()
+    return [text[s:e] for s, e, _ in merged if e > s]
+
+
+class Pipeline:
+    """A normalizer and a pre-tokenizer, kept as their HF specs (what is saved) and compiled on
+    first use (what runs); picklable, so training can count words in worker processes."""
+
+    def __init__(self, normalizer_spec: Spec | None, pre_tokenizer_spec: Spec | None):
+        self.normalizer_spec = normalizer_spec
+        self.pre_tokenizer_spec = pre_tokenizer_spec
+        self._compiled()  # unsupported components fail here, before any text is seen
+
+    @classmethod
+    def named(cls, normalizer: str | Spec | None, pre_tokenizer: str | Spec | None) -> Pipeline:
+        """A pipeline from names (``NORMALIZER_NAMES``, ``PRE_TOKENIZER_NAMES``) or specs."""
+        return cls(
+            resolve(normalizer, NORMALIZER_NAMES, "normalizer"),
+            resolve(pre_tokenizer, PRE_TOKENIZER_NAMES, "pre-tokenizer"),
+        )
+
+    def _compiled(self) -> tuple[Normalize, PreTokenize]:
+        fns = self.__dict__.get("_fns")
+        if fns is None:
+            fns = (normalizer(self.normalizer_spec), pre_tokenizer(self.pre_tokenizer_spec))
+            self.__dict__["_fns"] = fns
+        return fns
+
+    def __call__(self, text: str, at_start: bool = True) -> list[str]:
+        """The pre-tokenized words of ``text`` (``at_start``: it begins the input)."""
+        normalize, pre = self._compiled()
+        return pre([normalize(text)], at_start)
+
+    def normalize(self, text: str) -> str:
+        return self._compiled()[0](text)
+
+    def has(self, kind: str) -> bool:
+        """Whether a component of this type appears anywhere in the pipeline."""
+        return any(c.get("type") == kind for c in flatten(self.normalizer_spec)) or any(
+            c.get("type") == kind for c in flatten(self.pre_tokenizer_spec)
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_fns"}
+
+
+def flatten(spec: Any) -> list[Spec]:
+    """Every component of a (possibly nested) normalizer or pre-tokenizer spec."""
+    if not isinstance(spec, dict):
+        return []
+    inner = spec.get("normalizers") or spec.get("pretokenizers") or spec.get("decoders") or []
+    return [spec] + [c for s in inner for c in flatten(s)]
