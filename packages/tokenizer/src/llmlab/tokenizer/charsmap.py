@@ -90,18 +90,23 @@ class Charsmap:
 
     def normalize_hf(self, text: str) -> str:
         """HF ``tokenizers``' ``Precompiled`` normalizer, grapheme by grapheme."""
-        out = []
-        for grapheme in _GRAPHEME.findall(text):
+        return "".join(out for out, _ in self.normalize_hf_parts(text))
+
+    def normalize_hf_parts(self, text: str) -> list[tuple[str, int]]:
+        """(output, index in ``text`` of the character it replaces) for each rewritten part."""
+        parts = []
+        for m in _GRAPHEME.finditer(text):
+            grapheme, start = m.group(), m.start()
             encoded = grapheme.encode("utf-8")
             if len(encoded) < 6:
                 found = self.prefixes(encoded)
                 if found:
-                    out.append(self.replacement(found[0][1]))
+                    parts.append((self.replacement(found[0][1]), start))
                     continue
-            for c in grapheme:
+            for k, c in enumerate(grapheme):
                 found = self.prefixes(c.encode("utf-8"))
-                out.append(self.replacement(found[0][1]) if found else c)
-        return "".join(out)
+                parts.append((self.replacement(found[0][1]) if found else c, start + k))
+        return parts
 
 
 def _offset(unit: int) -> int:

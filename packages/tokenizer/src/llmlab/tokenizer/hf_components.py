@@ -82,29 +82,78 @@ def _pattern(spec: Spec) -> regex.Pattern:
 
 
 # ----------------------------------------------------------------------------- normalizers
-def normalizer(spec: Spec | None) -> Normalize:
-    """The function ``text -> normalized text`` of an HF normalizer spec (None: identity)."""
+# A step rewrites the text and, when asked (``align`` not None), says for each output character
+# which input character it came from: HF's Metaspace ``prepend_scheme="first"`` adds its ``▁``
+# only when the first normalized character still comes from the input's first character (a
+# normalizer that deleted leading characters, e.g. stripped spaces, moved the start).
+Align = list[int] | None
+Step = Callable[[str, Align], tuple[str, Align]]
+
+
+def normalizer(spec: Spec | None, track: bool = False) -> Callable[[str], tuple[str, bool]]:
+    """``text -> (normalized, starts_at_origin)`` for an HF normalizer spec (None: identity);
+    ``starts_at_origin`` is computed only when ``track`` (else always True)."""
+    steps = _steps(spec)
+
+    def apply(text: str) -> tuple[str, bool]:
+        align: Align = list(range(len(text))) if track else None
+        for step in steps:
+            text, align = step(text, align)
+        return text, align is None or (bool(align) and align[0] == 0)
+
+    return apply
+
+
+def _per_char(fn: Callable[[str], str]) -> Step:
+    """A step that rewrites each character on its own (its outputs keep its position)."""
+
+    def step(text: str, align: Align) -> tuple[str, Align]:
+        if align is None:
+            return fn(text), None
+        outs = [fn(c) for c in text]
+        return "".join(outs), [a for out, a in zip(outs, align) for _ in out]
+
+    return step
+
+
+def _whole(fn: Callable[[str], str]) -> Step:
+    """A step applied to the whole text (Unicode normalization forms compose across
+    characters); positions follow the characters one for one, which keeps the first."""
+
+    def step(text: str, align: Align) -> tuple[str, Align]:
+        out = fn(text)
+        if align is None or not align:
+            return out, align
+        return out, [align[min(i, len(align) - 1)] for i in range(len(out))]
+
+    return step
+
+
+def _steps(spec: Spec | None) -> list[Step]:
     if spec is None:
-        return _identity
+        return []
     kind = spec.get("type")
     if kind == "Sequence":
-        steps = [normalizer(s) for s in spec["normalizers"]]
-        return lambda text: _chain(text, steps)
+        return [step for s in spec["normalizers"] for step in _steps(s)]
     if kind in ("NFC", "NFD", "NFKC", "NFKD"):
-        return lambda text: unicodedata.normalize(kind, text)
-    if kind == "Lowercase":
-        return lambda text: "".join(c.lower() for c in text)
+        return [_whole(lambda text: unicodedata.normalize(kind, text))]
+    if kind == "Lowercase":  # Rust's char::to_lowercase, character by character (no final sigma)
+        return [_per_char(str.lower)]
     if kind == "StripAccents":
-        return lambda text: "".join(c for c in text if unicodedata.category(c) != "Mn")
+        return [_per_char(lambda c: "" if unicodedata.category(c) == "Mn" else c)]
     if kind == "Strip":
-        left, right = spec.get("strip_left", True), spec.get("strip_right", True)
-        return lambda text: _strip(text, left, right)
+        return [_strip_step(spec.get("strip_left", True), spec.get("strip_right", True))]
     if kind == "Replace":
-        pattern, content = _pattern(spec["pattern"]), spec["content"]
-        return lambda text: pattern.sub(lambda _: content, text)
+        return [_replace_step(_pattern(spec["pattern"]), spec["content"])]
     if kind == "Prepend":
         prefix = spec["prepend"]
-        return lambda text: prefix + text if text else text
+
+        def prepend(text: str, align: Align) -> tuple[str, Align]:
+            if not text:
+                return text, align
+            return prefix + text, None if align is None else [align[0]] * len(prefix) + align
+
+        return [prepend]
     if kind == "BertNormalizer":
         options = (
             spec.get("clean_text", True),
@@ -112,29 +161,54 @@ def normalizer(spec: Spec | None) -> Normalize:
             spec.get("strip_accents"),
             spec.get("lowercase", True),
         )
-        return lambda text: bert_text.normalize(text, *options)
+        per_char = _per_char(lambda c: bert_text.normalize(c, *options))
+        return [lambda text, align: (bert_text.normalize(text, *options), None) if align is None
+                else per_char(text, align)]  # fmt: skip
     if kind == "Precompiled":
         charsmap = Charsmap(base64.b64decode(spec["precompiled_charsmap"]))
-        return charsmap.normalize_hf
+
+        def precompiled(text: str, align: Align) -> tuple[str, Align]:
+            if align is None:
+                return charsmap.normalize_hf(text), None
+            parts = charsmap.normalize_hf_parts(text)
+            new_align = [align[i] for out, i in parts for _ in out]
+            if new_align:  # HF loses a deletion at the very start: position 0 keeps its place
+                new_align[0] = min(new_align[0], align[0])
+            return "".join(out for out, _ in parts), new_align
+
+        return [precompiled]
     raise ValueError(f"normalizer {kind!r} is not supported")
 
 
-def _identity(text: str) -> str:
-    return text
+def _strip_step(left: bool, right: bool) -> Step:
+    def step(text: str, align: Align) -> tuple[str, Align]:
+        start, end = 0, len(text)
+        if left:
+            start = len(text) - len(text.lstrip(WHITESPACE))
+        if right:
+            end = len(text.rstrip(WHITESPACE))
+        end = max(start, end)
+        return text[start:end], None if align is None else align[start:end]
+
+    return step
 
 
-def _chain(text: str, steps: list[Normalize]) -> str:
-    for step in steps:
-        text = step(text)
-    return text
+def _replace_step(pattern: regex.Pattern, content: str) -> Step:
+    def step(text: str, align: Align) -> tuple[str, Align]:
+        if align is None:
+            return pattern.sub(lambda _: content, text), None
+        out, new_align, prev = [], [], 0
+        for m in pattern.finditer(text):
+            out.append(text[prev : m.start()])
+            new_align += align[prev : m.start()]
+            out.append(content)
+            new_align += [align[m.start()] if m.start() < len(align) else len(text)] * len(content)
+            prev = m.end()
+        out.append(text[prev:])
+        new_align += align[prev:]
+        return "".join(out), new_align
 
-
-def _strip(text: str, left: bool, right: bool) -> str:
-    if left:
-        text = text.lstrip(WHITESPACE)
-    if right:
-        text = text.rstrip(WHITESPACE)
-    return text
+    return step
 
 
 # ----------------------------------------------------------------------------- pre-tokenizers
@@ -188,6 +262,8 @@ def _metaspace(spec: Spec) -> PreTokenize:
     def apply(pieces: list[str], at_start: bool) -> list[str]:
         out = []
         for i, piece in enumerate(pieces):
+            if not piece:
+                continue
             piece = piece.replace(" ", replacement)
             first = at_start and i == 0
             if (scheme == "always" or (scheme == "first" and first)) and not piece.startswith(
@@ -282,20 +358,28 @@ class Pipeline:
             resolve(pre_tokenizer, PRE_TOKENIZER_NAMES, "pre-tokenizer"),
         )
 
-    def _compiled(self) -> tuple[Normalize, PreTokenize]:
+    def _compiled(self) -> tuple[Callable[[str], tuple[str, bool]], PreTokenize]:
         fns = self.__dict__.get("_fns")
         if fns is None:
-            fns = (normalizer(self.normalizer_spec), pre_tokenizer(self.pre_tokenizer_spec))
+            first = any(
+                c.get("type") == "Metaspace" and c.get("prepend_scheme") == "first"
+                for c in flatten(self.pre_tokenizer_spec)
+            )
+            fns = (
+                normalizer(self.normalizer_spec, track=first),
+                pre_tokenizer(self.pre_tokenizer_spec),
+            )
             self.__dict__["_fns"] = fns
         return fns
 
     def __call__(self, text: str, at_start: bool = True) -> list[str]:
         """The pre-tokenized words of ``text`` (``at_start``: it begins the input)."""
         normalize, pre = self._compiled()
-        return pre([normalize(text)], at_start)
+        text, kept_start = normalize(text)
+        return pre([text], at_start and kept_start) if text else []  # HF drops "" at once
 
     def normalize(self, text: str) -> str:
-        return self._compiled()[0](text)
+        return self._compiled()[0](text)[0]
 
     def has(self, kind: str) -> bool:
         """Whether a component of this type appears anywhere in the pipeline."""
