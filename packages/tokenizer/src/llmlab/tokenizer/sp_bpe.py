@@ -23,6 +23,7 @@ where that does not hold is encoded line by line.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,13 @@ import regex
 
 from llmlab.tokenizer import hf_components, sp_model
 from llmlab.tokenizer.base import TokenizerBase, unknown_id, write_atomic
-from llmlab.tokenizer.char_bpe import CharBPEModel, Table, byte_token, merges_table
+from llmlab.tokenizer.char_bpe import CharBPEModel, Table, merges_table
 from llmlab.tokenizer.errors import TokenizerFileError
+from llmlab.tokenizer.pretokenize import iter_file_lines
+from llmlab.tokenizer.sp_bpe_train import WORDS, Piece, train_pieces
 from llmlab.tokenizer.sp_hf import from_hf_fields, to_hf
 from llmlab.tokenizer.sp_normalizer import SPACE, SentencePieceNormalizer
 
-Piece = tuple[str, float, str]  # (text, score, kind): kind normal/unknown/control/user_defined/byte
-WORDS = regex.compile(r"▁*[^▁]+|▁+")
 _CROSSING = regex.compile(r"[^▁]▁")
 UNK_SURFACE = " \u2047 "  # what sentencepiece decodes <unk> to
 _SP_SYMBOLS = ("normal", "unknown", "byte")  # what sentencepiece's merging and lookups see
@@ -96,6 +97,50 @@ class SentencePieceBPETokenizer(TokenizerBase):
             else None
         )
         self._splittable = SPACE in lookup and not any(_CROSSING.search(p) for p in self.vocab)
+
+    # ----------------------------------------------------------------- training
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        byte_fallback: bool = True,
+        character_coverage: float = 0.9995,
+        add_dummy_prefix: bool = True,
+        remove_extra_whitespaces: bool = False,
+        control_tokens: Sequence[str] = ("<s>", "</s>"),
+        user_defined_symbols: Sequence[str] = (),
+        unk_token: str = "<unk>",
+        min_frequency: int = 0,
+        workers: int = 1,
+        show_progress: bool | None = None,
+    ) -> SentencePieceBPETokenizer:
+        """A SentencePiece BPE model (``model_type=bpe``, ``identity`` normalization) learned
+        from ``texts``, one sentence each (``sp_bpe_train``). The defaults are Llama 2's: byte
+        fallback, dummy prefix, spaces kept as they are."""
+        normalizer = SentencePieceNormalizer(
+            add_dummy_prefix, remove_extra_whitespaces, user_defined=tuple(user_defined_symbols)
+        )
+        if show_progress is None:
+            show_progress = sys.stderr.isatty()
+        pieces = train_pieces(
+            texts,
+            vocab_size,
+            normalizer,
+            byte_fallback,
+            character_coverage,
+            control_tokens,
+            unk_token,
+            min_frequency,
+            workers,
+            show_progress,
+        )
+        return cls(pieces, byte_fallback, normalizer)
+
+    @classmethod
+    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kwargs: Any):
+        """Train on UTF-8 files, one sentence per line (as sentencepiece's trainer reads them)."""
+        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
 
     # ----------------------------------------------------------------- encoding
     def encode_ordinary(self, text: str) -> list[int]:
@@ -306,8 +351,3 @@ def _score_table(pieces: list[Piece], lookup: dict[str, int]) -> Table:
             if left is not None and right is not None:
                 table[(left, right)] = (rank, i)
     return table
-
-
-def byte_pieces() -> list[Piece]:
-    """The 256 byte-fallback pieces, score 0."""
-    return [(byte_token(b), 0.0, "byte") for b in range(256)]
