@@ -17,6 +17,7 @@ merge still applies when the pair now at its position makes the same new id.
 from __future__ import annotations
 
 import heapq
+from itertools import chain
 from collections.abc import Iterable
 from typing import Any
 
@@ -134,6 +135,16 @@ class CharBPEModel:
             self._cache.clear()
         self._cache[word] = out
         return out
+
+    def encode_words(self, words: list[str]) -> list[int]:
+        """Ids of ``words`` in order: unseen distinct words are tokenized once, then every
+        lookup runs as ``map`` over the cache in C (no Python-level loop per word)."""
+        cache = self._cache
+        for word in set(words).difference(cache):
+            self.tokenize(word)
+        if len(cache) < CACHE_LIMIT or all(w in cache for w in words):
+            return list(chain.from_iterable(map(cache.__getitem__, words)))
+        return [i for w in words for i in self.tokenize(w)]  # the cache was cleared meanwhile
 
     def symbols(self, word: str) -> list[int]:
         """The word's characters as ids before any merge (HF's ``merge_word`` start)."""

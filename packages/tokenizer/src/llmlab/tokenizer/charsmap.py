@@ -70,9 +70,23 @@ class Charsmap:
         return self.strings[value:end].decode("utf-8")
 
     @cached_property
-    def first_bytes(self) -> frozenset[int]:
-        """The bytes some rule's key starts with: text starting elsewhere is copied as is."""
-        return frozenset(b for b in range(1, 256) if self._child(self._root(), b) is not None)
+    def rule_starts(self) -> regex.Pattern:
+        """A character class of the characters whose first UTF-8 byte starts some rule's key;
+        text made of other characters is copied as is."""
+        ranges = []
+        for b in range(1, 256):
+            if self._child(self._root(), b) is None:
+                continue
+            if b < 0x80:
+                ranges.append((b, b))
+            elif 0xC2 <= b <= 0xDF:
+                ranges.append(((b & 0x1F) << 6, ((b & 0x1F) << 6) + 0x3F))
+            elif 0xE0 <= b <= 0xEF:
+                ranges.append((max((b & 0x0F) << 12, 0x800), ((b & 0x0F) << 12) + 0xFFF))
+            elif 0xF0 <= b <= 0xF4:
+                ranges.append((max((b & 0x07) << 18, 0x10000), ((b & 0x07) << 18) + 0x3FFFF))
+        body = "".join(f"{_class_char(lo)}-{_class_char(hi)}" for lo, hi in ranges)
+        return regex.compile(f"[{body}]" if body else "(?!)")
 
     def normalize_sp_prefix(self, data: bytes, pos: int = 0) -> tuple[str, int]:
         """sentencepiece's ``NormalizePrefix`` at ``data[pos:]``: (replacement, bytes consumed).
@@ -112,3 +126,7 @@ class Charsmap:
 def _offset(unit: int) -> int:
     """darts-clone's unit offset: 22 bits, scaled by 256 when bit 9 is set."""
     return (unit >> 10) << ((unit & 0x200) >> 6)
+
+
+def _class_char(code_point: int) -> str:
+    return f"\\U{code_point:08x}"

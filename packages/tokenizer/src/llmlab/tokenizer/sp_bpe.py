@@ -178,10 +178,9 @@ class SentencePieceBPETokenizer(TokenizerBase):
         return parts
 
     def _words(self, text: str) -> list[int]:
-        tokenize = self.bpe.tokenize
         if not self._splittable:
-            return tokenize(text)
-        return [i for word in WORDS.findall(text) for i in tokenize(word)]
+            return self.bpe.tokenize(text)
+        return self.bpe.encode_words(WORDS.findall(text))
 
     # ----------------------------------------------------------------- decoding
     def decode_pieces(self, ids: Iterable[int]) -> list[bytes]:

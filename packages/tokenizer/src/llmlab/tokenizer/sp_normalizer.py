@@ -43,9 +43,7 @@ class SentencePieceNormalizer:
         self.user_defined = tuple(user_defined)
         protected = sorted(self.user_defined, key=len, reverse=True)
         self._protected = (
-            regex.compile(b"|".join(regex.escape(s.encode("utf-8")) for s in protected))
-            if protected
-            else None
+            regex.compile("|".join(regex.escape(s) for s in protected)) if protected else None
         )
         self._cache: dict[str, str] = {}
 
@@ -93,37 +91,37 @@ class SentencePieceNormalizer:
     def _pieces(self, text: str) -> list[tuple[str, bool]]:
         """The text rewritten piece by piece: (piece, is_raw_run). A raw run is text copied as
         is (sentencepiece handles it one character at a time, which matters only for collapsing
-        spaces); a rule's replacement or a user-defined symbol is one piece."""
-        data = text.encode("utf-8", "surrogatepass")
-        charsmap, protected = self.charsmap, self._protected
-        if charsmap is None and protected is None:
-            return [(data.decode("utf-8", "replace"), True)]
-        starts = charsmap.first_bytes if charsmap is not None else frozenset()
+        spaces); a rule's replacement or a user-defined symbol is one piece. Only characters
+        whose first byte starts some rule are looked up in the charsmap."""
+        # sentencepiece reads bytes: each byte of invalid UTF-8 (a lone surrogate) is U+FFFD
+        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
         out: list[tuple[str, bool]] = []
-        pos, run_start, end = 0, 0, len(data)
-
-        def flush(upto: int) -> None:
-            if run_start < upto:
-                out.append((data[run_start:upto].decode("utf-8", "replace"), True))
-
-        while pos < end:
-            hit = protected.match(data, pos) if protected is not None else None
-            if hit is not None:
-                flush(pos)
-                out.append((hit.group().decode("utf-8"), False))
-                pos = run_start = hit.end()
-                continue
-            if data[pos] in starts:
-                replacement, consumed = charsmap.normalize_sp_prefix(data, pos)  # type: ignore[union-attr]
-                if data[pos : pos + consumed] != replacement.encode("utf-8"):
-                    flush(pos)
-                    out.append((replacement, False))
-                    pos = run_start = pos + consumed
-                    continue
-                pos += consumed
+        for part, is_symbol in _split(text, self._protected):
+            if is_symbol or self.charsmap is None:
+                out.append((part, not is_symbol))
             else:
-                pos += _char_width(data[pos])
-        flush(end)
+                out.extend(self._rewrite(part))
+        return out
+
+    def _rewrite(self, text: str) -> list[tuple[str, bool]]:
+        charsmap = self.charsmap
+        assert charsmap is not None
+        out: list[tuple[str, bool]] = []
+        run_start = pos = 0
+        search = charsmap.rule_starts.search
+        while (m := search(text, pos)) is not None:
+            i = m.start()
+            key = text[i : i + 32].encode("utf-8")
+            replacement, consumed = charsmap.normalize_sp_prefix(key)
+            original = key[:consumed].decode("utf-8")
+            if replacement != original:
+                if run_start < i:
+                    out.append((text[run_start:i], True))
+                out.append((replacement, False))
+                run_start = i + len(original)
+            pos = i + len(original)
+        if run_start < len(text):
+            out.append((text[run_start:], True))
         return out
 
     def _normalize(self, text: str) -> str:
@@ -161,5 +159,16 @@ class SentencePieceNormalizer:
         return result
 
 
-def _char_width(lead: int) -> int:
-    return 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+def _split(text: str, pattern: regex.Pattern | None) -> list[tuple[str, bool]]:
+    """``text`` cut at ``pattern``'s matches: (part, is_match), empty parts left out."""
+    if pattern is None:
+        return [(text, False)] if text else []
+    parts, start = [], 0
+    for m in pattern.finditer(text):
+        if m.start() > start:
+            parts.append((text[start : m.start()], False))
+        parts.append((m.group(), True))
+        start = m.end()
+    if start < len(text):
+        parts.append((text[start:], False))
+    return parts

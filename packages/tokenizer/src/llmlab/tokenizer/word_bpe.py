@@ -19,7 +19,7 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from llmlab.tokenizer import hf_components
 from llmlab.tokenizer.base import TokenizerBase, unknown_id, write_atomic
@@ -55,7 +55,7 @@ class WordBPETokenizer(TokenizerBase):
         special_tokens: Sequence[str] | dict[str, int] = ("<unk>",),
         normalizer: str | Spec | None = None,
         pre_tokenizer: str | Spec | None = "whitespace",
-        decoder: Spec | None = None,
+        decoder: Spec | None | Literal["bpe"] = "bpe",
     ):
         self.vocab = dict(vocab)
         self.merges = [tuple(m) for m in merges]
@@ -78,7 +78,9 @@ class WordBPETokenizer(TokenizerBase):
         self.inverse = {i: t for t, i in self.vocab.items()}
         self.inverse.update({i: s for s, i in self.special_tokens.items()})
         self.pipeline = hf_components.Pipeline.named(normalizer, pre_tokenizer)
-        self.decoder_spec = decoder or {"type": "BPEDecoder", "suffix": end_of_word_suffix or ""}
+        if decoder == "bpe":  # HF's BPEDecoder for this suffix
+            decoder = {"type": "BPEDecoder", "suffix": end_of_word_suffix or ""}
+        self.decoder_spec: Spec | None = decoder  # type: ignore[assignment]
         self._byte_level = self.pipeline.has("ByteLevel")
 
     # ----------------------------------------------------------------- training
@@ -140,16 +142,19 @@ class WordBPETokenizer(TokenizerBase):
         return self._encode_segment(text, at_start=True)
 
     def _encode_segment(self, text: str, at_start: bool) -> list[int]:
-        tokenize = self.bpe.tokenize
-        return [i for word in self.pipeline(text, at_start) for i in tokenize(word)]
+        return self.bpe.encode_words(self.pipeline(text, at_start))
 
     # ----------------------------------------------------------------- decoding
     def decode_pieces(self, ids: Iterable[int]) -> list[bytes]:
-        """Each token with ``</w>`` as a space (nothing after the last token), HF's
-        ``BPEDecoder``; through GPT-2's byte table when the pipeline is byte-level."""
+        """Each token's text as the file's decoder writes it: ``BPEDecoder`` (the default) turns
+        ``</w>`` into a space (nothing after the last token); ``ByteLevel`` maps characters
+        back to bytes; a file without a decoder joins the tokens with spaces, as HF does."""
         ids = list(ids)
-        suffix = self.bpe.suffix
-        table = unicode_to_bytes() if self._byte_level else None
+        steps = {c.get("type"): c for c in hf_components.flatten(self.decoder_spec)}
+        suffix = steps["BPEDecoder"].get("suffix", "</w>") if "BPEDecoder" in steps else ""
+        table = unicode_to_bytes() if "ByteLevel" in steps or self._byte_level else None
+        joiner = " " if self.decoder_spec is None else ""
+        specials = set(self.special_tokens.values())
         out = []
         for n, i in enumerate(ids):
             token = self.inverse.get(i)
@@ -157,7 +162,9 @@ class WordBPETokenizer(TokenizerBase):
                 raise unknown_id(i, self.vocab_size)
             if suffix:
                 token = token.replace(suffix, "" if n == len(ids) - 1 else " ")
-            if table is not None and i not in self.special_tokens.values():
+            if n and joiner:
+                token = joiner + token
+            if table is not None and i not in specials:
                 out.append(b"".join(bytes([table[c]]) if c in table else c.encode() for c in token))
             else:
                 out.append(token.encode("utf-8"))

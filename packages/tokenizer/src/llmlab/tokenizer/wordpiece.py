@@ -11,7 +11,6 @@ characters where every non-initial character carries the ``##`` prefix (so a mer
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from llmlab.tokenizer import bert_text
 from llmlab.tokenizer.base import TokenizerBase, unknown_id
 from llmlab.tokenizer.char_bpe_train import train_char_bpe
 from llmlab.tokenizer.hf_schema import added_tokens, read_added, skeleton
-from llmlab.tokenizer.pretokenize import iter_file_lines
+from llmlab.tokenizer.pretokenize import count_chunks, iter_file_lines
 from llmlab.tokenizer.special import SpecialSpec
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -81,6 +80,7 @@ class WordPieceTokenizer(TokenizerBase):
         limit_alphabet: int | None = None,
         initial_alphabet: Iterable[str] = (),
         initial_tokens: Sequence[str] | None = None,
+        workers: int = 1,
         show_progress: bool = False,
         **options: Any,
     ) -> WordPieceTokenizer:
@@ -92,9 +92,7 @@ class WordPieceTokenizer(TokenizerBase):
         if unk not in specials:
             specials.insert(0, unk)
         probe = cls(specials, special_tokens=specials, **options)
-        words: Counter[str] = Counter()
-        for text in texts:
-            words.update(probe.pre_tokenize(probe.normalize(text)))
+        words = count_chunks(texts, probe.words, workers=workers)
         tokens, _ = train_char_bpe(
             words,
             vocab_size,
@@ -122,6 +120,10 @@ class WordPieceTokenizer(TokenizerBase):
     @staticmethod
     def pre_tokenize(text: str) -> list[str]:
         return bert_text.pre_tokenize(text)
+
+    def words(self, text: str) -> list[str]:
+        """The pre-tokenized words of normalized ``text``."""
+        return bert_text.pre_tokenize(self.normalize(text))
 
     def _word(self, word: str) -> list[int]:
         cached = self._cache.get(word)
