@@ -18,15 +18,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from llmlab.tokenizer.errors import UnknownTokenError
 from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
 
 FORMAT_TAG = "llmlab-tokenizer"
 FORMAT_VERSION = 1
 
 
-def unknown_id(token_id: Any, vocab_size: int) -> ValueError:
-    """The error for an id outside the vocabulary (tiktoken raises a bare KeyError)."""
-    return ValueError(
+def unknown_id(token_id: Any, vocab_size: int) -> UnknownTokenError:
+    """The error for an id outside the vocabulary, naming it and the valid range."""
+    return UnknownTokenError(
         f"token id {token_id!r} is not in this vocabulary (valid ids: 0..{vocab_size - 1})"
     )
 

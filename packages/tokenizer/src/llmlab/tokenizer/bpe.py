@@ -19,6 +19,7 @@ from typing import Any, Literal
 from llmlab.tokenizer import bpe_files
 from llmlab.tokenizer.base import TokenizerBase, unknown_id, write_atomic
 from llmlab.tokenizer.bpe_encode import ChunkCache, derive_merges
+from llmlab.tokenizer.errors import UnknownTokenError
 from llmlab.tokenizer.byte_level import bytes_to_token_string, hf_byte_order, token_string_to_bytes
 from llmlab.tokenizer.merge_trainer import id_char, train_merges
 from llmlab.tokenizer.patterns import compiled, resolve_pattern
@@ -281,7 +282,7 @@ class BPETokenizer(TokenizerBase):
         (tiktoken's ``encode_single_token``); ``ValueError`` if it is not one token."""
         found = self.token_to_id(token.encode("utf-8") if isinstance(token, str) else token)
         if found is None:
-            raise ValueError(f"{token!r} is not a single token of this vocabulary")
+            raise UnknownTokenError(f"{token!r} is not a single token of this vocabulary")
         return found
 
     def __call__(self, text: str) -> list[int]:
