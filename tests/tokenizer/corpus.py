@@ -141,13 +141,53 @@ def unicode_texts(max_fragments: int = 12):
     fragment = st.one_of(
         st.text(st.characters(blacklist_categories=("Cs",)), max_size=8),
         st.sampled_from(
-            [" ", "  ", "   \t ", "\n", "\n\n", " " * 17, "\t\t", "\u3000", "\u00a0", "\r\n",
-             "\u2028", "▁", "▁▁ ", "\x00", "\x1b[0m", "\u200b", "\ufeff"]
-        ),  # fmt: skip
+            [
+                " ",
+                "  ",
+                "   \t ",
+                "\n",
+                "\n\n",
+                " " * 17,
+                "\t\t",
+                "\u3000",
+                "\u00a0",
+                "\r\n",
+                "\u2028",
+                "▁",
+                "▁▁ ",
+                "\x00",
+                "\x1b[0m",
+                "\u200b",
+                "\ufeff",
+            ]
+        ),
         st.sampled_from(
-            ["the", " king", "Hello", "world", "'s", "don't", "1234567", "中文", "日本語",
-             "🙂", "👍🏽", "👨‍👩‍👧", "🇫🇷", "ᏣᎳᎩ", "ሰላም", "தமிழ்", "ꦧꦱꦗꦮ", "e\u0301", "ﬁ", "Ⅻ",
-             "ｆｕｌｌ", "ǅ", "İ", "ΣΑΣ"]
-        ),  # fmt: skip
+            [
+                "the",
+                " king",
+                "Hello",
+                "world",
+                "'s",
+                "don't",
+                "1234567",
+                "中文",
+                "日本語",
+                "🙂",
+                "👍🏽",
+                "👨‍👩‍👧",
+                "🇫🇷",
+                "ᏣᎳᎩ",
+                "ሰላም",
+                "தமிழ்",
+                "ꦧꦱꦗꦮ",
+                "e\u0301",
+                "ﬁ",
+                "Ⅻ",
+                "ｆｕｌｌ",
+                "ǅ",
+                "İ",
+                "ΣΑΣ",
+            ]
+        ),
     )
     return st.lists(fragment, max_size=max_fragments).map("".join)

@@ -10,8 +10,16 @@ import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 import llmlab.tokenizer as lt
 from llmlab.tokenizer import BPETokenizer
@@ -88,9 +96,13 @@ def test_special_tokens_normalizer_and_round_trip(model_folder, tmp_path):
     assert ours.normalizer == ("NFC" if layout == "qwen2" else None)
     text = "<|begin_of_text|>Café\u0301 naïve<|end_of_text|>" + held_out_text(20_000)
     assert ours.encode(text, allowed_special="all") == hf.encode(text, add_special_tokens=False).ids
-    assert ours.decode(hf.encode(MIXED).ids) == hf.decode(hf.encode(MIXED).ids, skip_special_tokens=False)
+    assert ours.decode(hf.encode(MIXED).ids) == hf.decode(
+        hf.encode(MIXED).ids, skip_special_tokens=False
+    )
     again = Tokenizer.from_file(str(ours.save(tmp_path / "tokenizer.json", format="hf")))
-    assert again.encode(text, add_special_tokens=False).ids == ours.encode(text, allowed_special="all")
+    assert again.encode(text, add_special_tokens=False).ids == ours.encode(
+        text, allowed_special="all"
+    )
 
 
 def _refused(folder, tmp_path, edit, match: str) -> None:

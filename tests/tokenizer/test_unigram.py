@@ -102,8 +102,12 @@ def _hf_unigram_trained(lines: list[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.Unigram())
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-        unk_token="<unk>", show_progress=False)  # fmt: skip
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        unk_token="<unk>",
+        show_progress=False,
+    )
     tok.train_from_iterator(lines, trainer)
     return tok
 

@@ -15,10 +15,16 @@ from llmlab.tokenizer import WordBPETokenizer
 from tests.tokenizer.corpus import MIXED, held_out_text, train_files, unicode_texts
 
 SUFFIX = "</w>"
-PIPELINES = {  # name -> (llmlab normalizer, llmlab pre-tokenizer, HF normalizer, HF pre-tokenizer)
+# name -> (llmlab normalizer, llmlab pre-tokenizer, HF normalizer, HF pre-tokenizer)
+PIPELINES = {
     "whitespace": (None, "whitespace", None, pre_tokenizers.Whitespace()),
-    "bert-lowercase": ("lowercase", "bert", normalizers.Lowercase(), pre_tokenizers.BertPreTokenizer()),
-}  # fmt: skip
+    "bert-lowercase": (
+        "lowercase",
+        "bert",
+        normalizers.Lowercase(),
+        pre_tokenizers.BertPreTokenizer(),
+    ),
+}
 
 
 def hf_trained(files, vocab_size: int, normalizer, pre_tokenizer, specials=("<unk>",)):
@@ -111,7 +117,10 @@ def test_random_unicode_ids_equal_hf_both_ways(pair, tmp_path_factory, text):
 
 def test_vocab_merges_files_and_every_format_round_trip(pair, tmp_path):
     _, ours = pair
-    options = {"normalizer": ours.pipeline.normalizer_spec, "pre_tokenizer": ours.pipeline.pre_tokenizer_spec}
+    options = {
+        "normalizer": ours.pipeline.normalizer_spec,
+        "pre_tokenizer": ours.pipeline.pre_tokenizer_spec,
+    }
     folder = ours.save(tmp_path / "subword-nmt", format="vocab_merges")
     assert (folder / "merges.txt").read_text().startswith("#version: 0.2\n")
     for path, kwargs in (

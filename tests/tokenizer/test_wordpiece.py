@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import BertWordPieceTokenizer, Tokenizer, models, normalizers, pre_tokenizers
-from tokenizers import trainers
+from tokenizers import (
+    BertWordPieceTokenizer,
+    Tokenizer,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 import llmlab.tokenizer as lt
 from llmlab.tokenizer import WordPieceTokenizer

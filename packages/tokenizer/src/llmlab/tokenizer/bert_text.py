@@ -35,7 +35,7 @@ _DROP = regex.compile(r"(?V1)[\x00\ufffd[\p{C}--[\t\n\r]]]+")
 _SPACE = regex.compile(f"[{_WS_CLASS}]")
 _CJK_CHAR = regex.compile(f"[{_CJK}]")
 _MN = regex.compile(r"\p{Mn}+")
-_WORDS = regex.compile(rf"[^{_WS_CLASS}{_ASCII_PUNCT}\p{{P}}]+|[{_ASCII_PUNCT}\p{{P}}]")
+WORDS = regex.compile(rf"[^{_WS_CLASS}{_ASCII_PUNCT}\p{{P}}]+|[{_ASCII_PUNCT}\p{{P}}]")
 
 
 def normalize(
@@ -58,4 +58,4 @@ def normalize(
 
 
 def pre_tokenize(text: str) -> list[str]:
-    return _WORDS.findall(text)
+    return WORDS.findall(text)

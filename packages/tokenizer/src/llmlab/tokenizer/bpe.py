@@ -19,8 +19,8 @@ from typing import Any, Literal
 from llmlab.tokenizer import bpe_files
 from llmlab.tokenizer.base import TokenizerBase, unknown_id, write_atomic
 from llmlab.tokenizer.bpe_encode import ChunkCache, derive_merges
-from llmlab.tokenizer.errors import UnknownTokenError
 from llmlab.tokenizer.byte_level import bytes_to_token_string, hf_byte_order, token_string_to_bytes
+from llmlab.tokenizer.errors import UnknownTokenError
 from llmlab.tokenizer.merge_trainer import id_char, train_merges
 from llmlab.tokenizer.patterns import compiled, resolve_pattern
 from llmlab.tokenizer.pretokenize import count_chunks, iter_file_lines

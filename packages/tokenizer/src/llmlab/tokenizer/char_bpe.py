@@ -17,8 +17,8 @@ merge still applies when the pair now at its position makes the same new id.
 from __future__ import annotations
 
 import heapq
-from itertools import chain
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 Table = dict[tuple[int, int], tuple[float, int]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from functools import cached_property
+
 import regex
 
 _GRAPHEME = regex.compile(r"\X")

@@ -69,7 +69,7 @@ def resolve(spec: str | Spec | None, names: dict[str, Spec], what: str) -> Spec 
 
 
 def onig_regex(pattern: str) -> regex.Pattern:
-    """An Oniguruma pattern from ``tokenizer.json`` for the ``regex`` module (``\\z`` -> ``\\Z``)."""
+    """An Oniguruma pattern from ``tokenizer.json`` for ``regex`` (``\\z`` becomes ``\\Z``)."""
     return compiled(regex.sub(r"(?<!\\)((?:\\\\)*)\\z", r"\1\\Z", pattern))
 
 
@@ -380,6 +380,20 @@ class Pipeline:
 
     def normalize(self, text: str) -> str:
         return self._compiled()[0](text)[0]
+
+    def as_regex(self) -> str | None:
+        """A regex whose ``findall`` gives exactly this pipeline's words, when there is one (no
+        normalizer, a one-regex pre-tokenizer): counting words for training then runs in C."""
+        if self.normalizer_spec is not None or self.pre_tokenizer_spec is None:
+            return None
+        kind = self.pre_tokenizer_spec.get("type")
+        if kind == "Whitespace":
+            return _WORDS.pattern
+        if kind == "WhitespaceSplit":
+            return f"[^{regex.escape(WHITESPACE)}]+"
+        if kind == "BertPreTokenizer":
+            return bert_text.WORDS.pattern
+        return None
 
     def has(self, kind: str) -> bool:
         """Whether a component of this type appears anywhere in the pipeline."""

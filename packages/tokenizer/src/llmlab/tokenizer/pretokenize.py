@@ -41,7 +41,11 @@ def _count_batch(
         else:
             for chunk in findall(text):
                 chunks[chunk] += n
-    chunks.update(itertools.chain.from_iterable(map(findall, singles)))
+    split_batch = getattr(splitter, "split_batch", None)
+    if split_batch is not None:  # a splitter that handles many texts in one call
+        chunks.update(split_batch(singles))
+    else:
+        chunks.update(itertools.chain.from_iterable(map(findall, singles)))
     return chunks
 
 

@@ -55,7 +55,7 @@ class WordBPETokenizer(TokenizerBase):
         special_tokens: Sequence[str] | dict[str, int] = ("<unk>",),
         normalizer: str | Spec | None = None,
         pre_tokenizer: str | Spec | None = "whitespace",
-        decoder: Spec | None | Literal["bpe"] = "bpe",
+        decoder: Spec | Literal["bpe"] | None = "bpe",
     ):
         self.vocab = dict(vocab)
         self.merges = [tuple(m) for m in merges]
@@ -108,7 +108,7 @@ class WordBPETokenizer(TokenizerBase):
         if show_progress is None:
             show_progress = sys.stderr.isatty()
         pipeline = hf_components.Pipeline.named(normalizer, pre_tokenizer)
-        words = count_chunks(texts, pipeline, workers=workers)
+        words = count_chunks(texts, pipeline.as_regex() or pipeline, workers=workers)
         tokens, merges = train_char_bpe(
             words,
             vocab_size,
