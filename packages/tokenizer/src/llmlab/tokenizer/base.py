@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmlab.tokenizer.errors import UnknownTokenError
+from llmlab.tokenizer.pretokenize import iter_file_lines
 from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
 
 FORMAT_TAG = "llmlab-tokenizer"
@@ -68,6 +69,19 @@ class TokenizerBase:
     @property
     def vocab_size(self) -> int:
         raise NotImplementedError
+
+    # ----------------------------------------------------------------- training
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, **kwargs: Any) -> TokenizerBase:
+        raise NotImplementedError
+
+    @classmethod
+    def train_from_files(
+        cls, paths: Iterable[str | Path], vocab_size: int, **kwargs: Any
+    ) -> TokenizerBase:
+        """``train`` on UTF-8 files read line by line, line endings kept (each line is one text,
+        as HF's and sentencepiece's file trainers read them)."""
+        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
 
     # ----------------------------------------------------------------- encoding
     def _encode_segment(self, text: str, at_start: bool) -> list[int]:

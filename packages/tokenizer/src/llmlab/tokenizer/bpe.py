@@ -23,7 +23,7 @@ from llmlab.tokenizer.byte_level import bytes_to_token_string, hf_byte_order, to
 from llmlab.tokenizer.errors import UnknownTokenError
 from llmlab.tokenizer.merge_trainer import id_char, train_merges
 from llmlab.tokenizer.patterns import compiled, resolve_pattern
-from llmlab.tokenizer.pretokenize import count_chunks, iter_file_lines
+from llmlab.tokenizer.pretokenize import count_chunks
 from llmlab.tokenizer.special import SpecialSpec, resolve_special
 
 __all__ = ["BPETokenizer", "derive_merges"]
@@ -159,13 +159,6 @@ class BPETokenizer(TokenizerBase):
             special_tokens={s: i for i, s in enumerate(specials)},
             merges=merges,
         )
-
-    @classmethod
-    def train_from_files(
-        cls, paths: Iterable[str | Path], vocab_size: int, **kwargs: Any
-    ) -> BPETokenizer:
-        """Train on UTF-8 files read line by line (line endings kept), like HF's file trainer."""
-        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
 
     # ----------------------------------------------------------------- encoding
     @property

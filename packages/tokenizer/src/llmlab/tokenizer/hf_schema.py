@@ -71,3 +71,11 @@ def model_field(model: dict[str, Any], key: str, supported: tuple[Any, ...]) -> 
     if value not in supported:
         raise ValueError(f"model field {key}={value!r} is not supported (supported: {supported})")
     return value
+
+
+def require(spec: dict[str, Any] | None, kind: str, what: str, family: str) -> dict[str, Any]:
+    """``spec`` if it is a component of type ``kind``, else an error naming what was found."""
+    if spec is None or spec.get("type") != kind:
+        found = None if spec is None else spec.get("type")
+        raise ValueError(f"{what} {found!r} is not supported for {family} ({kind})")
+    return spec

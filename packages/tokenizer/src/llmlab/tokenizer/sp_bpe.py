@@ -34,10 +34,9 @@ from llmlab.tokenizer import hf_components, sp_model
 from llmlab.tokenizer.base import TokenizerBase, unknown_id, write_atomic
 from llmlab.tokenizer.char_bpe import CharBPEModel, Table, merges_table
 from llmlab.tokenizer.errors import TokenizerFileError
-from llmlab.tokenizer.pretokenize import iter_file_lines
 from llmlab.tokenizer.sp_bpe_train import WORDS, Piece, train_pieces
 from llmlab.tokenizer.sp_hf import from_hf_fields, to_hf
-from llmlab.tokenizer.sp_normalizer import SPACE, SentencePieceNormalizer
+from llmlab.tokenizer.sp_normalizer import SPACE, SentencePieceNormalizer, split_matches
 
 _CROSSING = regex.compile(r"[^▁]▁")
 UNK_SURFACE = " \u2047 "  # what sentencepiece decodes <unk> to
@@ -137,11 +136,6 @@ class SentencePieceBPETokenizer(TokenizerBase):
         )
         return cls(pieces, byte_fallback, normalizer)
 
-    @classmethod
-    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kwargs: Any):
-        """Train on UTF-8 files, one sentence per line (as sentencepiece's trainer reads them)."""
-        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
-
     # ----------------------------------------------------------------- encoding
     def encode_ordinary(self, text: str) -> list[int]:
         return self._encode_segment(text, at_start=True)
@@ -165,17 +159,7 @@ class SentencePieceBPETokenizer(TokenizerBase):
         return out
 
     def _split_user_defined(self, text: str) -> list[tuple[str, bool]]:
-        if self._user_split is None:
-            return [(text, False)] if text else []
-        parts, start = [], 0
-        for m in self._user_split.finditer(text):
-            if m.start() > start:
-                parts.append((text[start : m.start()], False))
-            parts.append((m.group(), True))
-            start = m.end()
-        if start < len(text):
-            parts.append((text[start:], False))
-        return parts
+        return split_matches(text, self._user_split)
 
     def _words(self, text: str) -> list[int]:
         if not self._splittable:

@@ -96,7 +96,7 @@ class SentencePieceNormalizer:
         # sentencepiece reads bytes: each byte of invalid UTF-8 (a lone surrogate) is U+FFFD
         text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
         out: list[tuple[str, bool]] = []
-        for part, is_symbol in _split(text, self._protected):
+        for part, is_symbol in split_matches(text, self._protected):
             if is_symbol or self.charsmap is None:
                 out.append((part, not is_symbol))
             else:
@@ -159,7 +159,7 @@ class SentencePieceNormalizer:
         return result
 
 
-def _split(text: str, pattern: regex.Pattern | None) -> list[tuple[str, bool]]:
+def split_matches(text: str, pattern: regex.Pattern | None) -> list[tuple[str, bool]]:
     """``text`` cut at ``pattern``'s matches: (part, is_match), empty parts left out."""
     if pattern is None:
         return [(text, False)] if text else []

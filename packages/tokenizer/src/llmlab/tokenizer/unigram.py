@@ -18,7 +18,7 @@ from typing import Any
 
 from llmlab.tokenizer import metaspace
 from llmlab.tokenizer.base import TokenizerBase, unknown_id
-from llmlab.tokenizer.hf_schema import added_token, read_added, skeleton
+from llmlab.tokenizer.hf_schema import added_token, read_added, require, skeleton
 from llmlab.tokenizer.metaspace import NORMALIZATIONS, SPACE
 from llmlab.tokenizer.pretokenize import iter_file_lines
 from llmlab.tokenizer.unigram_train import train_unigram
@@ -84,7 +84,10 @@ class UnigramTokenizer(TokenizerBase):
         return cls(pieces, unk_id=0, control_ids=range(1, reserved), **options)
 
     @classmethod
-    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any):
+    def train_from_files(
+        cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any
+    ) -> UnigramTokenizer:
+        """``train`` on the lines of UTF-8 files, line endings removed."""
         return cls.train((ln.rstrip("\r\n") for ln in iter_file_lines(paths)), vocab_size, **kw)
 
     # ----------------------------------------------------------------- encoding
@@ -246,12 +249,7 @@ class UnigramTokenizer(TokenizerBase):
                 raise ValueError(
                     f"normalizer {kind!r} is not supported for Unigram (NFKC, Replace, Strip)"
                 )
-        pre = data.get("pre_tokenizer")
-        if pre is None or pre.get("type") != "Metaspace":
-            raise ValueError(
-                f"pre-tokenizer {None if pre is None else pre.get('type')!r} is not supported "
-                "for Unigram (Metaspace)"
-            )
+        pre = require(data.get("pre_tokenizer"), "Metaspace", "pre-tokenizer", "Unigram")
         if pre.get("replacement", SPACE) != SPACE:
             raise ValueError(f"Metaspace replacement {pre['replacement']!r} is not {SPACE!r}")
         scheme = pre.get(

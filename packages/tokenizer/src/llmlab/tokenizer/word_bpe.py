@@ -29,7 +29,7 @@ from llmlab.tokenizer.char_bpe import CharBPEModel, merges_table
 from llmlab.tokenizer.char_bpe_train import train_char_bpe
 from llmlab.tokenizer.errors import TokenizerFileError
 from llmlab.tokenizer.hf_schema import added_tokens, model_field, read_added, skeleton
-from llmlab.tokenizer.pretokenize import count_chunks, iter_file_lines
+from llmlab.tokenizer.pretokenize import count_chunks
 
 Spec = dict[str, Any]
 
@@ -131,11 +131,6 @@ class WordBPETokenizer(TokenizerBase):
             normalizer=pipeline.normalizer_spec,
             pre_tokenizer=pipeline.pre_tokenizer_spec,
         )
-
-    @classmethod
-    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kwargs: Any):
-        """Train on UTF-8 files read line by line (line endings kept), like HF's file trainer."""
-        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
 
     # ----------------------------------------------------------------- encoding
     def encode_ordinary(self, text: str) -> list[int]:

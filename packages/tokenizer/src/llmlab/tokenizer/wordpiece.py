@@ -18,8 +18,8 @@ from typing import Any
 from llmlab.tokenizer import bert_text
 from llmlab.tokenizer.base import TokenizerBase, unknown_id
 from llmlab.tokenizer.char_bpe_train import train_char_bpe
-from llmlab.tokenizer.hf_schema import added_tokens, read_added, skeleton
-from llmlab.tokenizer.pretokenize import count_chunks, iter_file_lines
+from llmlab.tokenizer.hf_schema import added_tokens, read_added, require, skeleton
+from llmlab.tokenizer.pretokenize import count_chunks
 from llmlab.tokenizer.special import SpecialSpec
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -105,11 +105,6 @@ class WordPieceTokenizer(TokenizerBase):
             show_progress=show_progress,
         )
         return cls(tokens, special_tokens=specials, **options)
-
-    @classmethod
-    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any):
-        """Train on UTF-8 files read line by line, like HF's file trainer."""
-        return cls.train(iter_file_lines(paths), vocab_size, **kw)
 
     # ----------------------------------------------------------------- encoding
     def normalize(self, text: str) -> str:
@@ -286,12 +281,7 @@ class WordPieceTokenizer(TokenizerBase):
             raise ValueError(
                 f"normalizer {norm.get('type')!r} is not supported for WordPiece (BertNormalizer)"
             )
-        pre = data.get("pre_tokenizer")
-        if pre is None or pre.get("type") != "BertPreTokenizer":
-            raise ValueError(
-                f"pre-tokenizer {None if pre is None else pre.get('type')!r} is not supported "
-                "for WordPiece (BertPreTokenizer)"
-            )
+        require(data.get("pre_tokenizer"), "BertPreTokenizer", "pre-tokenizer", "WordPiece")
         model = data["model"]
         kwargs.update(
             unk_token=model.get("unk_token", "[UNK]"),
