@@ -12,6 +12,7 @@ of one character is a single chunk) use a linked list of parts and a heap keyed 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from itertools import chain
 
 HEAP_THRESHOLD = 64
@@ -85,6 +86,20 @@ def bpe_merge(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
     if len(piece) < HEAP_THRESHOLD:
         return _merge_small(piece, ranks)
     return _merge_large(piece, ranks)
+
+
+def concat_cached(
+    items: list[str], cache: dict[str, list[int]], compute: Callable[[str], list[int]], limit: int
+) -> list[int]:
+    """``compute(item)`` of every item, concatenated. Each distinct unseen item is computed once
+    into ``cache`` (cleared when it would pass ``limit`` entries), then the lookups run as
+    ``map`` over the cache in C: no Python-level loop per item."""
+    new = {item: compute(item) for item in set(items).difference(cache)}
+    if new:
+        if len(cache) + len(new) > limit:
+            cache.clear()
+        cache.update(new)
+    return list(chain.from_iterable(map(cache.__getitem__, items)))
 
 
 class ChunkCache:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
-from itertools import chain
 from typing import Any
+
+from llmlab.tokenizer.bpe_encode import concat_cached
 
 Table = dict[tuple[int, int], tuple[float, int]]
 CACHE_LIMIT = 200_000
@@ -124,27 +125,16 @@ class CharBPEModel:
 
     def tokenize(self, word: str) -> list[int]:
         """Ids of one pre-tokenized word."""
-        cached = self._cache.get(word)
-        if cached is not None:
-            return cached
+        return self.encode_words([word])
+
+    def _merge(self, word: str) -> list[int]:
         if self.ignore_merges and word in self.vocab:
-            out = [self.vocab[word]]
-        else:
-            out = merge_all(self.symbols(word), self.table)
-        if len(self._cache) >= CACHE_LIMIT:
-            self._cache.clear()
-        self._cache[word] = out
-        return out
+            return [self.vocab[word]]
+        return merge_all(self.symbols(word), self.table)
 
     def encode_words(self, words: list[str]) -> list[int]:
-        """Ids of ``words`` in order: unseen distinct words are tokenized once, then every
-        lookup runs as ``map`` over the cache in C (no Python-level loop per word)."""
-        cache = self._cache
-        for word in set(words).difference(cache):
-            self.tokenize(word)
-        if len(cache) < CACHE_LIMIT or all(w in cache for w in words):
-            return list(chain.from_iterable(map(cache.__getitem__, words)))
-        return [i for w in words for i in self.tokenize(w)]  # the cache was cleared meanwhile
+        """Ids of ``words`` in order (each distinct word merged once, lookups in C)."""
+        return concat_cached(words, self._cache, self._merge, CACHE_LIMIT)
 
     def symbols(self, word: str) -> list[int]:
         """The word's characters as ids before any merge (HF's ``merge_word`` start)."""

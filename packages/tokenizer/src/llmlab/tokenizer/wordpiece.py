@@ -17,6 +17,7 @@ from typing import Any
 
 from llmlab.tokenizer import bert_text
 from llmlab.tokenizer.base import TokenizerBase, unknown_id
+from llmlab.tokenizer.bpe_encode import concat_cached
 from llmlab.tokenizer.char_bpe_train import train_char_bpe
 from llmlab.tokenizer.hf_schema import added_tokens, read_added, require, skeleton
 from llmlab.tokenizer.pretokenize import count_chunks
@@ -121,9 +122,7 @@ class WordPieceTokenizer(TokenizerBase):
         return bert_text.pre_tokenize(self.normalize(text))
 
     def _word(self, word: str) -> list[int]:
-        cached = self._cache.get(word)
-        if cached is not None:
-            return cached
+        """Greedy longest-match-first pieces of one word ([UNK] if some position has none)."""
         unk = [self.vocab[self.unk_token]]
         if len(word) > self.max_input_chars_per_word:
             return unk
@@ -144,15 +143,10 @@ class WordPieceTokenizer(TokenizerBase):
                 break
             out.append(found)
             start = end
-        if len(self._cache) < 100_000:
-            self._cache[word] = out
         return out
 
     def encode_ordinary(self, text: str) -> list[int]:
-        out: list[int] = []
-        for word in self.pre_tokenize(self.normalize(text)):
-            out.extend(self._word(word))
-        return out
+        return concat_cached(self.words(text), self._cache, self._word, 100_000)
 
     def encode(
         self,
