@@ -179,3 +179,14 @@ def test_batch_and_offset_apis(pair):
     assert offsets[0] == 0 and offsets == sorted(offsets) and len(offsets) == len(ids[0])
     with pytest.raises(ValueError, match=r"token id 99999 is not in this vocabulary"):
         ours.decode([99999])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab_size", [8192, 32768])
+def test_training_equals_hf_on_the_whole_corpus(vocab_size):
+    files = train_files(None)
+    hf = hf_trained(files, vocab_size, None, pre_tokenizers.Whitespace())
+    ours = WordBPETokenizer.train_from_files(
+        files, vocab_size, initial_tokens=hf_initial_layout(hf, 1)
+    )
+    assert ours.merges == hf_merges(hf) and ours.vocab == hf.get_vocab()

@@ -129,3 +129,15 @@ def test_vocab_size_too_small_fails_clearly():
 def test_missing_unk_fails_clearly():
     with pytest.raises(ValueError, match="unk_token"):
         WordPieceTokenizer(["a", "b"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab_size", [8192, 32768])
+def test_training_equals_hf_on_the_whole_corpus(vocab_size):
+    files = train_files(None)
+    hf = _hf_wordpiece_trained(files, vocab_size)
+    vocab = hf.get_vocab()
+    layout = [t for t in sorted(vocab, key=vocab.get)[5:] if len(t.removeprefix("##")) == 1]
+    assert (
+        WordPieceTokenizer.train_from_files(files, vocab_size, initial_tokens=layout).vocab == vocab
+    )

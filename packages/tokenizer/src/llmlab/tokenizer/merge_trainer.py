@@ -8,8 +8,8 @@ by a new symbol. Instead of recounting the corpus after each merge:
 - ``pair_counts[p]`` holds the count-weighted number of occurrences of pair ``p``;
 - ``where[p]`` holds the indices of the words that contain ``p`` (a superset: entries may be
   stale, a word is re-checked before it is touched);
-- a max-heap gives the best pair. It is *lazy*: an entry whose count no longer matches
-  ``pair_counts`` is re-pushed with the current count when popped. Only pairs containing the new
+- a max-queue gives the best pair. It is *lazy*: an entry whose count no longer matches
+  ``pair_counts`` is re-queued with the current count when popped. Only pairs containing the new
   symbol can grow, so only those get a fresh entry after a merge.
 
 Speed: each word is kept as a Python ``str`` with one character per symbol id (``chr`` of the id,
@@ -80,13 +80,24 @@ def train_merges(
         for pair in map(add, word, word[1:]):
             pair_counts[pair] += count
             where[pair].add(wi)
-    heap = [(-c, p) for p, c in pair_counts.items() if c > 0]
-    heapq.heapify(heap)
+    # The best pair comes from two queues: the initial pairs sorted once (their counts only
+    # ever shrink, so this order stays valid up to lazy re-checks) and a small heap of the
+    # entries pushed later (grown pairs, re-queued stale ones). Keeping the ~10^5 initial pairs
+    # out of the heap makes every pop cheap.
+    initial = sorted((-c, p) for p, c in pair_counts.items() if c > 0)
+    next_initial = 0
+    heap: list[tuple[int, str]] = []
 
     merges: list[tuple[int, int]] = []
     progress = Progress("bpe merges", max(vocab_size - len(token_ids), 0), show_progress)
-    while len(tokens) < vocab_size and heap:
-        neg_count, pair = heapq.heappop(heap)
+    while len(tokens) < vocab_size:
+        if heap and (next_initial == len(initial) or heap[0] < initial[next_initial]):
+            neg_count, pair = heapq.heappop(heap)
+        elif next_initial < len(initial):
+            neg_count, pair = initial[next_initial]
+            next_initial += 1
+        else:
+            break
         current = pair_counts.get(pair, 0)
         if -neg_count != current:  # stale entry: re-queue with the true count
             if current > 0:

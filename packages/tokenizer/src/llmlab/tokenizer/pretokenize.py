@@ -1,8 +1,10 @@
 """Pre-tokenize and count: corpus -> {chunk: count}, the only thing BPE training needs.
 
-Texts are consumed in batches, so memory is bounded by the distinct chunks plus one batch per
-worker, never by the corpus. With ``workers > 1`` batches are split and counted in separate
-processes (regex matching is the expensive part and releases nothing in one process).
+Texts are consumed in batches, so memory is bounded by the distinct chunks plus a few batches
+per worker, never by the corpus. With ``workers > 1`` the batches are dealt round-robin to
+``workers - 1`` processes and this one (regex matching is the expensive part and releases
+nothing in one process); each keeps its own counts and hands them back once at the end, because
+merging a Counter into another is a Python-level loop per distinct chunk.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from llmlab.tokenizer.patterns import compiled
 
@@ -66,10 +69,48 @@ def count_chunks(texts: Iterable[str], pattern: Splitter, workers: int = 1) -> C
         for job in jobs:
             _count_batch(job, into=total)
         return total
+    return _count_parallel(pattern, jobs, workers, total)
+
+
+def _worker(splitter: Splitter, inbox: Any, results: Any) -> None:
+    """Count every batch from ``inbox`` until ``None``; send the counts (or the error) back."""
+    counts: Counter[str] = Counter()
+    try:
+        while (batch := inbox.get()) is not None:
+            _count_batch((splitter, batch), into=counts)
+        results.put(("ok", counts))
+    except BaseException as exc:  # reported in the parent, which raises it
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _count_parallel(
+    pattern: Splitter, jobs: Iterator[tuple[Splitter, list[str]]], workers: int, total: Counter
+) -> Counter[str]:
     ctx = multiprocessing.get_context("spawn" if _has_threads() else "fork")
-    with ctx.Pool(workers) as pool:
-        for partial in pool.imap_unordered(_count_batch, jobs, chunksize=1):
-            total.update(partial)
+    results = ctx.Queue()
+    inboxes = [ctx.Queue(maxsize=4) for _ in range(workers - 1)]
+    procs = [ctx.Process(target=_worker, args=(pattern, q, results), daemon=True) for q in inboxes]
+    for proc in procs:
+        proc.start()
+    try:
+        for i, job in enumerate(jobs):
+            slot = i % workers
+            if slot == 0:
+                _count_batch(job, into=total)  # this process takes its share
+            else:
+                inboxes[slot - 1].put(job[1])
+        for inbox in inboxes:
+            inbox.put(None)
+        for _ in procs:
+            status, counts = results.get()
+            if status != "ok":
+                raise RuntimeError(f"a counting worker failed: {counts}")
+            total.update(counts)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
     return total
 
 
