@@ -108,12 +108,13 @@ def train_merges(
         a, b = char_id(pair[0]), char_id(pair[1])
         value = concat(tokens[a], tokens[b])
         new = token_ids.get(value)
+        reused = new is not None
         if new is None:
             new = len(tokens)
             tokens.append(value)
             token_ids[value] = new
         merges.append((a, b))
-        _apply_merge(pair, id_char(new), words, counts, pair_counts, where, heap)
+        _apply_merge(pair, id_char(new), reused, words, counts, pair_counts, where, heap)
         progress.update()
     progress.close()
     return merges
@@ -122,6 +123,7 @@ def train_merges(
 def _apply_merge(
     pair: str,
     n: str,
+    reused: bool,
     words: list[str],
     counts: list[int],
     pair_counts: dict[str, int],
@@ -146,7 +148,7 @@ def _apply_merge(
         new = old.replace(pair, n)
         words[wi] = new
         count = counts[wi]
-        if n in old:  # the merge re-made an existing token: recount the whole word
+        if reused and n in old:  # the merge re-made a token the word holds: recount it all
             for p in map(add, old, old[1:]):
                 pair_counts[p] -= count
             for p in map(add, new, new[1:]):

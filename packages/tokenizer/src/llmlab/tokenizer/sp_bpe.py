@@ -143,11 +143,11 @@ class SentencePieceBPETokenizer(TokenizerBase):
     def _encode_segment(self, text: str, at_start: bool) -> list[int]:
         if self.hf_mode:  # HF: added tokens out of the raw text, then the pipeline
             out: list[int] = []
-            for part, is_symbol in self._split_user_defined(text):
+            for k, (part, is_symbol) in enumerate(self._split_user_defined(text)):
                 if is_symbol:
                     out.append(self.vocab[part])
                     continue
-                for word in self.front(part, at_start and not out):  # type: ignore[call-arg]
+                for word in self.front(part, at_start and k == 0):  # type: ignore[call-arg]
                     if self.ignore_merges and word in self.vocab:
                         out.append(self.vocab[word])
                     else:
