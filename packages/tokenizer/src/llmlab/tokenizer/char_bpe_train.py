@@ -17,10 +17,10 @@ tokens; passing the one an HF-trained vocabulary used reproduces that run exactl
 from __future__ import annotations
 
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from llmlab.tokenizer.merge_trainer import spell, train_merges
+from llmlab.tokenizer.merge_trainer import id_char, train_merges
 
 
 def train_char_bpe(
@@ -38,14 +38,17 @@ def train_char_bpe(
     """(tokens in id order, merges as id pairs) learned from ``{word: count}``."""
     prefix, suffix = continuing_subword_prefix or "", end_of_word_suffix or ""
     tokens: list[str] = list(dict.fromkeys(special_tokens))
-    alphabet = _alphabet(word_counts, limit_alphabet, initial_alphabet)
+    char_counts = _char_counts(word_counts)
+    alphabet = _alphabet(char_counts, limit_alphabet, initial_alphabet)
     known = set(tokens) | set(alphabet)  # HF keeps a character when its string is a token
-    forms: set[str] = set()
-    for word in word_counts:
-        last = len(word) - 1
-        for i, c in enumerate(word):
-            if c in known:
-                forms.add((prefix if i else "") + c + (suffix if i == last else ""))
+
+    def form(c: str, position: str) -> str:
+        """A character's token by its place in the word (HF's is_first / is_last)."""
+        return {"first": c, "middle": prefix + c, "last": prefix + c + suffix,
+                "alone": c + suffix}[position]  # fmt: skip
+
+    seen = _positions(list(word_counts))
+    forms = {form(c, where) for where, chars in seen.items() for c in chars if c in known}
     layout = sorted(alphabet) + sorted(forms - known)
     if initial_tokens is not None:
         _check_layout(list(initial_tokens), layout)
@@ -57,15 +60,20 @@ def train_char_bpe(
             f"{len(tokens) - len(special_tokens)} initial characters need at least {len(tokens)}"
         )
     ids = {t: i for i, t in enumerate(tokens)}
-    words = []
-    for word in word_counts:
-        last = len(word) - 1
-        symbols = [
-            ids[(prefix if i else "") + c + (suffix if i == last else "")]
-            for i, c in enumerate(word)
-            if c in known
-        ]
-        words.append(spell(symbols))
+    # Spelling a word is str.translate by position (in C); characters outside the alphabet
+    # are dropped, keeping the others' places, as HF does.
+    table = {}
+    for where, chars in seen.items():
+        mapping: dict[str, str | None] = dict.fromkeys(char_counts.keys() - known)
+        mapping.update({c: id_char(ids[form(c, where)]) for c in chars & known})
+        table[where] = str.maketrans(mapping)
+    first, middle, last, alone = (table[k] for k in ("first", "middle", "last", "alone"))
+    words = [
+        w.translate(alone)
+        if len(w) == 1
+        else w[0].translate(first) + w[1:-1].translate(middle) + w[-1].translate(last)
+        for w in word_counts
+    ]
 
     cut = len(prefix)
 
@@ -78,13 +86,31 @@ def train_char_bpe(
     return tokens, merges
 
 
-def _alphabet(
-    word_counts: Mapping[str, int], limit: int | None, initial: Iterable[str]
-) -> list[str]:
+def _char_counts(word_counts: Mapping[str, int]) -> Counter[str]:
+    """How often each character occurs, counted in C: words are grouped by their count."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for word, n in word_counts.items():
+        groups[n].append(word)
     counts: Counter[str] = Counter()
-    for word, count in word_counts.items():
-        for c in word:
-            counts[c] += count
+    for n, group in groups.items():
+        for c, k in Counter("".join(group)).items():
+            counts[c] += k * n
+    return counts
+
+
+def _positions(words: list[str]) -> dict[str, set[str]]:
+    """The characters seen first, inside, last and alone in the words."""
+    longer = [w for w in words if len(w) > 1]
+    return {
+        "first": {w[0] for w in longer},
+        "middle": set("".join(w[1:-1] for w in longer)),
+        "last": {w[-1] for w in longer},
+        "alone": {w for w in words if len(w) == 1},
+    }
+
+
+def _alphabet(counts: Counter[str], limit: int | None, initial: Iterable[str]) -> list[str]:
+    counts = Counter(counts)
     for c in initial:
         if len(c) != 1:
             raise ValueError(f"initial_alphabet entries must be single characters, got {c!r}")
