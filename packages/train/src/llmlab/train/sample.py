@@ -82,7 +82,8 @@ def load_checkpoint(path: str) -> tuple[torch.nn.Module, Any]:
     hp = ckpt.get("hyper_parameters", {})
     if "model" not in hp:
         raise ValueError(f"{path} has no hyper_parameters['model']: not an llmlab.train checkpoint")
-    model = build_model(hp["model"])
+    # The checkpoint's weights replace any init_from folder's, so the folder is not read again.
+    model = build_model({k: v for k, v in hp["model"].items() if k != "init_from"})
     model.load_state_dict(state)
     return model.eval(), build_tokenizer(hp.get("tokenizer"))
 
