@@ -27,15 +27,24 @@ WHITESPACE = frozenset(
     "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
     + "".join(map(chr, range(0x2000, 0x200B)))
 )
-_WS_CLASS = regex.escape("".join(sorted(WHITESPACE)), special_only=False)
 _ASCII_PUNCT = regex.escape("".join(chr(c) for c in range(33, 127) if not chr(c).isalnum()))
 
 # clean_text: tab, newline and carriage return are whitespace, every other C* is dropped
 _DROP = regex.compile(r"(?V1)[\x00\ufffd[\p{C}--[\t\n\r]]]+")
-_SPACE = regex.compile(f"[{_WS_CLASS}]")
+_SPACE = regex.compile(r"\s")  # the regex module's \s is exactly WHITESPACE
 _CJK_CHAR = regex.compile(f"[{_CJK}]")
 _MN = regex.compile(r"\p{Mn}+")
-WORDS = regex.compile(rf"[^{_WS_CLASS}{_ASCII_PUNCT}\p{{P}}]+|[{_ASCII_PUNCT}\p{{P}}]")
+WORDS = regex.compile(rf"[^\s{_ASCII_PUNCT}\p{{P}}]+|[{_ASCII_PUNCT}\p{{P}}]")
+
+
+# ASCII text needs none of the Unicode work: controls other than tab, newline and carriage
+# return are dropped, those three become spaces (one str.translate, in C).
+_ASCII_CLEAN = str.maketrans(
+    {
+        **{chr(c): None for c in (*range(32), 127) if chr(c) not in "\t\n\r"},
+        **dict.fromkeys("\t\n\r", " "),
+    }
+)
 
 
 def normalize(
@@ -45,6 +54,10 @@ def normalize(
     strip_accents: bool | None = None,
     lowercase: bool = True,
 ) -> str:
+    if text.isascii():  # no CJK, no accents, no Unicode controls or spaces
+        if clean_text:
+            text = text.translate(_ASCII_CLEAN)
+        return text.lower() if lowercase else text
     if clean_text:
         text = _SPACE.sub(" ", _DROP.sub("", text))
     if handle_chinese_chars:

@@ -37,7 +37,7 @@ Normalize = Callable[[str], str]
 PreTokenize = Callable[[list[str], bool], list[str]]
 
 WHITESPACE = "".join(sorted(bert_text.WHITESPACE))  # Rust's char::is_whitespace
-_WS_RUN = regex.compile(f"[{regex.escape(WHITESPACE)}]+")
+_WS_RUN = regex.compile(r"\s+")  # the regex module's \s is exactly WHITESPACE
 _WORDS = compiled(r"\w+|[^\w\s]+")
 
 NORMALIZER_NAMES: dict[str, Spec] = {
@@ -390,7 +390,7 @@ class Pipeline:
         if kind == "Whitespace":
             return _WORDS.pattern
         if kind == "WhitespaceSplit":
-            return f"[^{regex.escape(WHITESPACE)}]+"
+            return r"\S+"
         if kind == "BertPreTokenizer":
             return bert_text.WORDS.pattern
         return None

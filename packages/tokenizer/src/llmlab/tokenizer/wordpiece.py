@@ -40,6 +40,21 @@ _CLEANUP = (
 )
 
 
+class BertWords:
+    """Text -> the BERT-normalized, pre-tokenized words training counts (picklable, for the
+    worker processes). Both steps are character-local and split on whitespace, so a batch of
+    texts joined by newlines gives exactly their words, in one call."""
+
+    def __init__(self, tok: WordPieceTokenizer):
+        self.options = (tok.clean_text, tok.handle_chinese_chars, tok.strip_accents, tok.lowercase)
+
+    def __call__(self, text: str) -> list[str]:
+        return bert_text.pre_tokenize(bert_text.normalize(text, *self.options))
+
+    def split_batch(self, texts: list[str]) -> list[str]:
+        return self("\n".join(texts))
+
+
 class WordPieceTokenizer(TokenizerBase):
     model = "wordpiece"
 
@@ -93,7 +108,7 @@ class WordPieceTokenizer(TokenizerBase):
         if unk not in specials:
             specials.insert(0, unk)
         probe = cls(specials, special_tokens=specials, **options)
-        words = count_chunks(texts, probe.words, workers=workers)
+        words = count_chunks(texts, BertWords(probe), workers=workers)
         tokens, _ = train_char_bpe(
             words,
             vocab_size,
