@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 from llmlab.tokenizer.bpe_encode import concat_cached
@@ -135,6 +136,17 @@ class CharBPEModel:
     def encode_words(self, words: list[str]) -> list[int]:
         """Ids of ``words`` in order (each distinct word merged once, lookups in C)."""
         return concat_cached(words, self._cache, self._merge, CACHE_LIMIT)
+
+    def encode_word_lists(self, lists: list[list[str]]) -> list[list[int]]:
+        """``encode_words`` of each list: the unseen words of all lists are merged in one pass,
+        then each list is looked up in C (a batch of short texts pays no per-text set)."""
+        cache = self._cache
+        unseen = set().union(*lists).difference(cache)
+        if len(cache) + len(unseen) > CACHE_LIMIT:
+            return [self.encode_words(words) for words in lists]
+        cache.update((word, self._merge(word)) for word in unseen)
+        get = cache.__getitem__
+        return [list(chain.from_iterable(map(get, words))) for words in lists]
 
     def symbols(self, word: str) -> list[int]:
         """The word's characters as ids before any merge (HF's ``merge_word`` start)."""

@@ -158,6 +158,17 @@ class SentencePieceBPETokenizer(TokenizerBase):
             out.extend([self.vocab[part]] if is_symbol else self._words(part))
         return out
 
+    def encode_ordinary_batch(
+        self, texts: Sequence[str], *, num_threads: int = 8
+    ) -> list[list[int]]:
+        """``encode_ordinary`` of each text; with sentencepiece's rules and no user-defined
+        symbols, all texts' words go through the model in one batch."""
+        if self.hf_mode or self._user_split is not None or not self._splittable:
+            return [self.encode_ordinary(t) for t in texts]
+        findall = WORDS.findall
+        normalized = self.front.normalize_batch(texts)  # type: ignore[union-attr]
+        return self.bpe.encode_word_lists([findall(t) for t in normalized])
+
     def _split_user_defined(self, text: str) -> list[tuple[str, bool]]:
         return split_matches(text, self._user_split)
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any
 
 import regex
@@ -45,6 +46,7 @@ class SentencePieceNormalizer:
         self._protected = (
             regex.compile("|".join(regex.escape(s) for s in protected)) if protected else None
         )
+        self._plain = self.charsmap is None and not protected and not remove_extra_whitespaces
         self._cache: dict[str, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -88,6 +90,15 @@ class SentencePieceNormalizer:
             self._cache[text] = out
         return out
 
+    def normalize_batch(self, texts: Sequence[str]) -> list[str]:
+        """``self(text)`` of each text; with the plain rules (identity, spaces kept, no user
+        symbols) one list comprehension of ``replace`` and a prefix."""
+        if not self._plain or not _valid_utf8("".join(texts)):
+            return [self(t) for t in texts]
+        space = SPACE if self.escape_whitespaces else " "
+        prefix = space if self.add_dummy_prefix else ""
+        return [prefix + t.replace(" ", space) if t else "" for t in texts]
+
     def _pieces(self, text: str) -> list[tuple[str, bool]]:
         """The text rewritten piece by piece: (piece, is_raw_run). A raw run is text copied as
         is (sentencepiece handles it one character at a time, which matters only for collapsing
@@ -127,6 +138,14 @@ class SentencePieceNormalizer:
     def _normalize(self, text: str) -> str:
         if not text:
             return ""
+        if self._plain and _valid_utf8(text):
+            # identity rule, no user symbols, spaces kept: a prefix and a replace
+            space = SPACE if self.escape_whitespaces else " "
+            return (
+                space + text.replace(" ", space)
+                if self.add_dummy_prefix
+                else text.replace(" ", space)
+            )
         pieces = self._pieces(text)
         remove = self.remove_extra_whitespaces
         if remove:  # leading spaces
@@ -172,3 +191,14 @@ def split_matches(text: str, pattern: regex.Pattern | None) -> list[tuple[str, b
     if start < len(text):
         parts.append((text[start:], False))
     return parts
+
+
+def _valid_utf8(text: str) -> bool:
+    """Whether ``text`` has no lone surrogate (sentencepiece would see invalid UTF-8)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
