@@ -15,9 +15,9 @@ PYTEST_ARGS ?=
 INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
 	$(wildcard packages/*/pyproject.toml)
 EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
-	-e packages/parallel -e packages/train -e ".[dev]"
+	-e packages/serving -e packages/parallel -e packages/train -e ".[dev]"
 
-.PHONY: install test test-all lint format train compare bench sample export eval gpu-check clean
+.PHONY: install test test-all lint format train compare bench sample serve export eval gpu-check clean
 
 install: $(STAMP) $(WHEELHOUSE)
 
@@ -67,6 +67,10 @@ compare: install
 # make sample CKPT=path/to/last.ckpt PROMPT="ROMEO:" ARGS="max_new_tokens=200"
 sample: install
 	$(PY) -m llmlab.train.sample ckpt=$(CKPT) prompt="$(PROMPT)" $(ARGS)
+
+# make serve CKPT=path/to/last.ckpt ARGS="--port 8000 --max-num-seqs 32"  (OpenAI-compatible)
+serve: install
+	$(PY) -m llmlab.serving $(CKPT) $(ARGS)
 
 # make export CKPT=outputs/<exp>/<run> OUT=exported/  (a .ckpt, a sharded folder or a run dir)
 export: install

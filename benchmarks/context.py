@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from benchmarks.common import Row, best_of, report
+from benchmarks.common import Row, best_of, parse_args, report
 from llmlab.models import Llama, LlamaConfig
 from llmlab.parallel.context import ContextLayout, ContextParallel, attention_work
 from llmlab.parallel.launch import run_distributed
@@ -118,8 +118,7 @@ def measure_rank(rank: int, world: int, sizes: dict[str, int], repeats: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
-    args = parser.parse_args()
+    args = parse_args(parser)  # --smoke: tiny sizes, one repeat, results to a scratch directory
     torch.set_num_threads(1)
     degrees = (2,) if args.smoke else (2, 4)
     repeats = 1 if args.smoke else 5

@@ -33,14 +33,13 @@ activation bytes on its worst rank against 1F1B's.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from benchmarks.common import RESULTS_DIR, Row, report
+from benchmarks.common import Row, parse_args, report, results_dir
 from llmlab.parallel.pipeline.engine import PipelineEngine
 from llmlab.parallel.pipeline.schedules import placement, theoretical_bubble
 from llmlab.parallel.pipeline.timeline import gather_events, measured_bubble, plot_timeline
@@ -301,15 +300,12 @@ def _split_rows(p: int, measured: list[dict], misses: list[str]) -> list[Row]:
 def main() -> None:
     from llmlab.parallel.launch import run_distributed
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline")
-    parser.add_argument(
-        "--smoke", action="store_true", help="seconds: 2 ranks, 1/100 of the stage times"
-    )
-    args = parser.parse_args()
+    # --smoke: seconds, 2 ranks, 1/100 of the stage times; its results and charts go to the
+    # scratch directory of benchmarks.common, never over the real run's
+    args = parse_args(argparse.ArgumentParser(prog="python -m benchmarks.pipeline"))
     scale = 0.01 if args.smoke else 1.0
     microbatches = (4,) if args.smoke else MICROBATCHES
-    # smoke: the charts go to a scratch folder, never over the real run's
-    timelines = tempfile.mkdtemp(prefix="pipeline_smoke_") if args.smoke else str(RESULTS_DIR)
+    timelines = str(results_dir())
     rows: list[Row] = []
     misses: list[str] = []
     started = time.perf_counter()

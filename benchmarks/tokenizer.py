@@ -1,7 +1,7 @@
 """Tokenizer benchmark: training time and encoding speed of every family against its reference.
 
 Run from the repo root: ``.venv/bin/python -m benchmarks.tokenizer`` (part of ``make bench``);
-``--smoke`` runs tiny sizes once and writes no results.
+``--smoke`` runs tiny sizes once (its results go to a scratch directory).
 
 Training, on the ~10 MB Shakespeare corpus read line by line (targets: at least HF's speed):
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, report
+from benchmarks.common import Row, parse_args, report
 from llmlab.tokenizer import (
     BPETokenizer,
     SentencePieceBPETokenizer,
@@ -385,13 +385,7 @@ def encode_families(text, trained, rows, repeats) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny sizes, one repeat (seconds); prints the table and writes no results",
-    )
-    args = parser.parse_args(argv)
+    args = parse_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), argv)
     files = corpus(0.02) if args.smoke else corpus()
     sizes, repeats = ((1000,), 1) if args.smoke else ((8192, 32768), 2)
     text = "".join(f.read_text(encoding="utf-8") for f in files)
@@ -401,11 +395,6 @@ def main(argv: list[str] | None = None) -> None:
     train_unigram(lines[:2000] if args.smoke else lines, 300 if args.smoke else 2000, rows)
     encode_byte_level(text, trained[f"bpe-{sizes[0]}"], rows, 1 if args.smoke else 3)
     encode_families(text[:2_000_000], trained, rows, repeats)
-    if args.smoke:
-        for r in rows:
-            print(f"{r.name:<50} {r.llmlab:>9.4g} {r.reference:>9.4g} {r.ratio:>6.2f}", end=" ")
-            print(f"vs {r.reference_name}")
-        return
     megabytes = len(text.encode("utf-8")) / 1e6
     report(
         "tokenizer",

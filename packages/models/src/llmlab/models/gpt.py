@@ -1,6 +1,6 @@
 """A GPT (decoder-only transformer) that is plain PyTorch and ready to be split and sharded.
 
-Three contracts from DESIGN §3 shape this module:
+Three contracts from docs/architecture.md#contracts shape this module:
 
 * **Pipeline**: ``GPT.pipeline_layers()`` is ``[embed, *blocks, head]``; each maps one tensor to
   one tensor (ids -> hidden -> hidden -> logits), and their composition is ``GPT.forward``.
@@ -132,12 +132,19 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor | None = None, last_position: int | None = None
+    ) -> Tensor:
+        """``last_position``: the largest of ``positions`` when the caller knows it on the host;
+        the check against ``block_size`` then needs no device read (one per step otherwise)."""
         if positions is None:  # (1, T): batch-major like the ids, as sequence sharding expects
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        if int(positions.max()) >= self.block_size:
+            last_position = input_ids.shape[1] - 1
+        if last_position is None:
+            last_position = int(positions.max())
+        if last_position >= self.block_size:
             raise ValueError(
-                f"position {int(positions.max())} is beyond the model's block_size "
+                f"position {last_position} is beyond the model's block_size "
                 f"{self.block_size}; sequences may hold at most {self.block_size} tokens"
             )
         return self.drop(self.wte(input_ids) + self.wpe(positions))
@@ -204,31 +211,36 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         positions: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | Tensor = 0,
     ) -> Tensor:
         """Logits for ``input_ids`` (B, T).
 
         ``cache``: a ``KVCache`` from ``new_cache``; the new tokens are appended to it.
         ``attention_mask``: (B, past + T) with 1 for real tokens and 0 for (left) padding.
         ``positions``: (B, T) position ids; by default derived from the mask (or the cache).
-        ``logits_to_keep``: if > 0, only the last that many positions go through the LM head.
+        ``logits_to_keep``: if > 0, only the last that many positions go through the LM head; a
+        LongTensor of positions keeps exactly those (HF's convention).
         """
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
+        last_position = None  # without padding it is past + T - 1, known here
         if positions is None:
             positions = default_positions(input_ids, past, attention_mask)
+            last_position = past + T - 1 if attention_mask is None else None
         # Without padding, a fresh sequence is plainly causal and a single new token may attend to
         # every cached key: neither needs a mask tensor, so the fused causal kernel stays in use.
         attn_mask = None
         if attention_mask is not None or (past > 0 and T > 1):
             attn_mask = attention_bias(input_ids, past, attention_mask)
         causal = past == 0
-        x = self.embed(input_ids, positions)
+        x = self.embed(input_ids, positions, last_position)
         for block in self.blocks:
             x = block(x, cache, attn_mask, causal)
         if cache is not None:
             cache.advance(T)
-        if logits_to_keep > 0:
+        if isinstance(logits_to_keep, Tensor):  # HF's meaning: the positions to keep
+            x = x[:, logits_to_keep]
+        elif logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.head(x)
 

@@ -9,7 +9,7 @@ q, k, v); an untied LM head by default. The family's switches (explicit head dim
 sliding windows, q/k norms) are in :mod:`llmlab.models.llama_config`, the layers in
 :mod:`llmlab.models.llama_layers`.
 
-The contracts of DESIGN §3 are the GPT's, met the same way:
+The contracts of docs/architecture.md#contracts are the GPT's, met the same way:
 
 * **Pipeline**: ``pipeline_layers()`` is ``[embed, *blocks, head]``; a block called with the
   hidden state alone takes positions ``0..T-1`` (training), so RoPE needs nothing passed between
@@ -86,7 +86,7 @@ class Llama(nn.Module):
         cache: KVCache | None = None,
         positions: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | Tensor = 0,
     ) -> Tensor:
         """Logits for ``input_ids`` (B, T).
 
@@ -94,18 +94,24 @@ class Llama(nn.Module):
         ``attention_mask``: (B, past + T) with 1 for real tokens and 0 for (left) padding.
         ``positions``: (B, T) position ids, the RoPE angles' positions; by default derived from
         the mask (or the cache). ``logits_to_keep``: if > 0, only the last that many positions
-        go through the LM head.
+        go through the LM head; a LongTensor of positions keeps exactly those (HF's convention).
         """
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
-        if past + T > self.config.block_size:
+        if positions is None:
+            if past + T > self.config.block_size:
+                raise ValueError(
+                    f"{past + T} tokens (cached {past} + new {T}) exceed the model's block_size "
+                    f"{self.config.block_size}; sequences may hold at most "
+                    f"{self.config.block_size} tokens"
+                )
+            positions = default_positions(input_ids, past, attention_mask)
+        elif int(positions.max()) >= self.config.block_size:  # e.g. packed sequences (serving)
             raise ValueError(
-                f"{past + T} tokens (cached {past} + new {T}) exceed the model's block_size "
+                f"position {int(positions.max())} is beyond the model's block_size "
                 f"{self.config.block_size}; sequences may hold at most "
                 f"{self.config.block_size} tokens"
             )
-        if positions is None:
-            positions = default_positions(input_ids, past, attention_mask)
         # Without padding, a fresh sequence is plainly causal and a single new token may attend to
         # every cached key: neither needs a mask tensor, so the fused causal kernel stays in use.
         attn_mask = None
@@ -117,7 +123,9 @@ class Llama(nn.Module):
             x = block(x, positions, cache, mask, past == 0 and mask is None)
         if cache is not None:
             cache.advance(T)
-        if logits_to_keep > 0:
+        if isinstance(logits_to_keep, Tensor):  # HF's meaning: the positions to keep
+            x = x[:, logits_to_keep]
+        elif logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.head(x)
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.hf.loading import USE_SETTINGS
@@ -86,6 +86,29 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
             )
         log.info("kernels=%s: %d modules use the %s ops", kernels, used, kernels)
     return model
+
+
+def from_state_dict(
+    spec: Mapping[str, Any], state_dict: Mapping[str, Tensor], prefix: str = ""
+) -> nn.Module:
+    """``build_model(spec)`` holding the weights of ``state_dict``, in eval mode.
+
+    Only the keys under ``prefix`` are read, with it removed: a Lightning checkpoint of the
+    training task keeps the model under ``"model."`` next to other modules' weights. Loading is
+    strict, so a missing or unexpected weight raises naming it. This is the one place that turns
+    a checkpoint's ``(model config, weights)`` back into a model, for every reader of
+    checkpoints (the sampler, the serving engine) without them knowing each other.
+    """
+    weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not weights:
+        raise ValueError(
+            f"the state dict holds no weights under prefix {prefix!r} "
+            f"(its first keys: {sorted(state_dict)[:3]})"
+        )
+    # The weights replace any init_from folder's, so the folder is not read again.
+    model = build_model({k: v for k, v in spec.items() if k != INIT_FROM})
+    model.load_state_dict(weights)
+    return model.eval()
 
 
 def _from_folder(spec: Mapping[str, Any]) -> nn.Module:

@@ -9,12 +9,14 @@ torch).
 
 ``load(path)`` reads every supported file (llmlab's JSON, HF ``tokenizer.json``, SentencePiece
 ``.model``, ``.tiktoken``, ``vocab.json`` + ``merges.txt``); ``tok.save(path, format)`` writes them.
+``ByteTokenizer`` is the 256 byte values as tokens.
 """
 
 from llmlab.tokenizer.base import TokenizerBase
 from llmlab.tokenizer.bpe import BPETokenizer
 from llmlab.tokenizer.errors import TokenizerFileError
 from llmlab.tokenizer.formats import load, save
+from llmlab.tokenizer.raw_bytes import ByteTokenizer
 from llmlab.tokenizer.sp_bpe import SentencePieceBPETokenizer
 from llmlab.tokenizer.unigram import UnigramTokenizer
 from llmlab.tokenizer.word_bpe import WordBPETokenizer
@@ -22,6 +24,7 @@ from llmlab.tokenizer.wordpiece import WordPieceTokenizer
 
 __all__ = [
     "BPETokenizer",
+    "ByteTokenizer",
     "SentencePieceBPETokenizer",
     "TokenizerBase",
     "TokenizerFileError",

@@ -26,6 +26,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from llmlab.tokenizer import ByteTokenizer  # noqa: F401  (checkpoints name it from here)
 from llmlab.train.resumable import ResumableDataLoader, ResumableSampler
 
 CORPORA = ("shakespeare",)
@@ -39,30 +40,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class ByteTokenizer:
-    """The 256 byte values as tokens: no training, no unknowns, lossless for any UTF-8 text."""
-
-    vocab_size = 256
-    eos_token_id = None
-    fingerprint = "bytes-v1"
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        return bytes(int(i) for i in ids)
-
-    def as_bpe(self) -> Any:
-        """The same tokenizer as a byte-level BPE with no merges (ids = byte values), the form
-        HF ``tokenizer.json`` can express: what an exported model ships as its tokenizer."""
-        from llmlab.tokenizer import BPETokenizer
-
-        return BPETokenizer({bytes([b]): b for b in range(256)})
 
 
 def corpus_files(name: str = "shakespeare") -> dict[str, list[str]]:

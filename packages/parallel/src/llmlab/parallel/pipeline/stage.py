@@ -24,7 +24,8 @@ def pipeline_layers_of(model: nn.Module) -> list[nn.Module]:
     if not callable(fn):
         raise TypeError(
             f"{type(model).__name__} has no pipeline_layers() method; a pipelined model must "
-            "return its ordered list of one-tensor-to-one-tensor layers (DESIGN §3)"
+            "return its ordered list of one-tensor-to-one-tensor layers "
+            "(docs/architecture.md#contracts)"
         )
     layers = list(fn())
     if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
