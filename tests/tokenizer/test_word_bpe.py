@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 import llmlab.tokenizer as lt
 from llmlab.tokenizer import WordBPETokenizer
 from tests.tokenizer.corpus import MIXED, held_out_text, train_files, unicode_texts
+from tests.tokenizer.hf_bpe import hf_merges
 
 SUFFIX = "</w>"
 # name -> (llmlab normalizer, llmlab pre-tokenizer, HF normalizer, HF pre-tokenizer)
@@ -41,11 +42,6 @@ def hf_trained(files, vocab_size: int, normalizer, pre_tokenizer, specials=("<un
     )
     tok.train([str(f) for f in files], trainer)
     return tok
-
-
-def hf_merges(tok) -> list[tuple[str, str]]:
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
 
 
 def hf_initial_layout(tok, n_specials: int) -> list[str]:
