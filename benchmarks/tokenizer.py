@@ -390,12 +390,16 @@ def main(argv: list[str] | None = None) -> None:
     sizes, repeats = ((1000,), 1) if args.smoke else ((8192, 32768), 2)
     text = "".join(f.read_text(encoding="utf-8") for f in files)
     rows: list[Row] = []
+    load_before = os.getloadavg()[0]
     trained = train_families(files, sizes, repeats, rows)
     lines = [ln.rstrip("\r\n") for ln in iter_file_lines(corpus(0.3))]
-    train_unigram(lines[:2000] if args.smoke else lines, 300 if args.smoke else 2000, rows)
+    lines = lines[:2000] if args.smoke else lines
+    train_unigram(lines, 300 if args.smoke else 2000, rows)
     encode_byte_level(text, trained[f"bpe-{sizes[0]}"], rows, 1 if args.smoke else 3)
     encode_families(text[:2_000_000], trained, rows, repeats)
     megabytes = len(text.encode("utf-8")) / 1e6
+    unigram_mb = sum(len(ln.encode("utf-8")) + 1 for ln in lines) / 1e6
+    load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     report(
         "tokenizer",
         rows,
@@ -404,12 +408,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{repeats} runs interleaved with the reference; llmlab counts words in {WORKERS} "
             "processes (HF uses its threads); extra.equals_hf: the learned merges / vocabulary "
             "equal HF's in order (given the initial id layout of an HF run, which HF draws from a "
-            "random hash order for end-of-word BPE and WordPiece). Unigram: 0.3 MB, one run each, "
-            "no target (pure-Python EM; reported). Encoding: the whole corpus for byte-level "
+            "random hash order for end-of-word BPE and WordPiece). "
+            f"Unigram: {unigram_mb:.1f} MB, one run each, no target (pure-Python EM; reported). "
+            "Encoding: the whole corpus for byte-level "
             "BPE, its first 2 MB for the other families (lines), ids checked equal "
             "to the reference's; the byte-level fast path is tiktoken's core on llmlab's ranks; "
             "HF encodes the lines with encode_batch (all cores), sentencepiece with one thread. "
-            "The machine is shared: compare ratios, not absolute figures."
+            f"The machine is shared (1-minute load average {load}, on {WORKERS} cores): compare "
+            "ratios, not absolute figures; both sides slow down under load, but not equally."
         ),
     )
 
