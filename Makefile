@@ -10,6 +10,8 @@ EXP ?= gpt_shakespeare
 ARGS ?=
 TASKS ?= shakespeare_bpb,shakespeare_cloze
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): one per core, at most 4 (distributed tests start several ranks each).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 
 # Everything that changes what gets installed: a change to any of these re-runs the install.
 INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
@@ -43,10 +45,10 @@ $(WHEELHOUSE): $(STAMP)
 	@touch $@
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 test-all: install
-	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "" -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
