@@ -195,7 +195,7 @@ def beam_search(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Return (B * num_return_sequences, P + generated) ids, best hypotheses first per prompt."""
-    B, P = input_ids.shape
+    B = input_ids.shape[0]
     nb = config.num_beams
     search = BeamSearch(input_ids, config, attention_mask, tokenizer, generator)
     mask = attention_mask.repeat_interleave(nb, dim=0) if attention_mask is not None else None
