@@ -20,10 +20,11 @@ handed to every layer's call.
 
 Faces (docs/architecture.md#contracts): :func:`reference` gathers each sequence's keys
 through its block table and runs ``F.scaled_dot_product_attention`` (single-query sequences
-batched together, since decode steps are the common case); the Triton kernel (``_jit/paged_attention.py``) runs one program per
-(query, head) that walks the query's blocks with an online softmax and never gathers; and
-:func:`paged_attention` dispatches between them. Grouped-query attention: the pool stores
-``H_kv`` heads and query head ``h`` reads KV head ``h // (H / H_kv)``.
+batched together, since decode steps are the common case); the Triton kernel
+(``_jit/paged_attention.py``) runs one program per (query, head) that walks the query's blocks
+with an online softmax and never gathers; and :func:`paged_attention` dispatches between them.
+Grouped-query attention: the pool stores ``H_kv`` heads and query head ``h`` reads KV head
+``h // (H / H_kv)``.
 """
 
 from __future__ import annotations
