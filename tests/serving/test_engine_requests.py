@@ -94,7 +94,7 @@ def test_abort_returns_every_block_at_once():
          r"max_new_tokens \(20\) exceed the model's context of 128"),
         ([1, 256], GenerationConfig(), r"token ids in \[0, 256\), got \[1, 256\]"),
         ([], GenerationConfig(), r"non-empty list of token ids"),
-        ([1], GenerationConfig(num_beams=2), r"strategy 'beam' \(num_beams=2\) is not served"),
+        ([1], GenerationConfig(num_beams=9), r"num_beams=9 exceeds max_num_seqs=8"),
         ([1], GenerationConfig(temperature=0), r"temperature must be > 0"),
         ([1], GenerationConfig(sliding_window=8), r"sliding_window and use_cache=False"),
         ([1], GenerationConfig(do_sample=True, num_return_sequences=9),

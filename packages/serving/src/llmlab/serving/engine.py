@@ -120,12 +120,12 @@ class LLMEngine:
                 f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
                 f"({config.max_new_tokens}) exceed the model's context of {limit} tokens"
             )
-        width = max(config.num_return_sequences, config.num_beams)
-        if width > self.config.max_num_seqs:
-            raise ValueError(
-                f"num_return_sequences={config.num_return_sequences} / num_beams="
-                f"{config.num_beams} exceeds max_num_seqs={self.config.max_num_seqs}"
-            )
+        for name in ("num_return_sequences", "num_beams"):
+            if getattr(config, name) > self.config.max_num_seqs:
+                raise ValueError(
+                    f"{name}={getattr(config, name)} exceeds max_num_seqs="
+                    f"{self.config.max_num_seqs}"
+                )
         per_beam = -(-(len(prompt_ids) + config.max_new_tokens) // self.config.block_size)
         if strategy == "beam" and config.num_beams * per_beam > self.config.num_blocks:
             raise ValueError(

@@ -6,8 +6,9 @@ chat; ``temperature`` 1; ``temperature: 0`` means greedy). vLLM's extensions tha
 ``min_tokens``, ``no_repeat_ngram_size``, ``ignore_eos``), and beam search (``num_beams``,
 ``length_penalty``, ``early_stopping``: the ``n`` best of ``num_beams`` beams, greedy).
 OpenAI options the engine cannot honour (log-probabilities, echo, penalties by frequency, logit
-bias, tools...) are refused with a 400 naming the field when they are set to anything but their default, and unknown fields are
-refused: an option that would silently change nothing is an error, not a no-op.
+bias, tools...) are refused with a 400 naming the field when they are set to anything but their
+default, and unknown fields are refused: an option that would silently change nothing is an
+error, not a no-op.
 """
 
 from __future__ import annotations
