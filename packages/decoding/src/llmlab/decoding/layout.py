@@ -58,7 +58,7 @@ def _row_time_ratio(weight: Tensor, rounds: int = 5) -> float:
     return statistics.median(ratios)
 
 
-def column_major_is_faster(weight: Tensor, min_gain: float = 1.25) -> bool:
+def column_major_is_faster(weight: Tensor, min_gain: float = 1.1) -> bool:
     """Whether ``F.linear`` of one row reads ``weight``'s shape at least ``min_gain`` times faster
     column-major on this machine (measured on ``weight`` once per shape, dtype and thread count;
     near ties keep the row-major default)."""
@@ -69,7 +69,7 @@ def column_major_is_faster(weight: Tensor, min_gain: float = 1.25) -> bool:
     return _CHOICES[key]
 
 
-def tune_linear_layouts(model: nn.Module, min_gain: float = 1.25) -> list[str]:
+def tune_linear_layouts(model: nn.Module, min_gain: float = 1.1) -> list[str]:
     """Store every CPU ``nn.Linear`` weight of ``model`` in the memory order that multiplies
     one row faster here (see the module docstring); returns the names of the weights moved to
     column-major. Values, shapes and parameter identities (tied weights) are unchanged; calling

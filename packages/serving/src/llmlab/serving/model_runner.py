@@ -42,7 +42,7 @@ class PagedBatch:
     positions: Tensor  # (1, N)
     slot_mapping: Tensor  # (N,) pool slot of each new token
     layout: PagedLayout  # block tables (padded with block 0, never read), query offsets, lengths
-    logits_indices: Tensor  # rows of the packed batch whose logits are wanted
+    logits_indices: Tensor | int  # rows whose logits are wanted; 0: every row (no gather)
 
 
 class KVPool:
@@ -178,7 +178,8 @@ class ModelRunner:
                 bs,
                 self.scratch,
             ),
-            logits_indices=tensor(keep),
+            # decode-only steps want every row: 0 (HF's "all") skips a gather before the head
+            logits_indices=0 if len(keep) == starts[-1] else tensor(keep),
         )
 
     @torch.inference_mode()
