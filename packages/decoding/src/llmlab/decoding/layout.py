@@ -29,6 +29,7 @@ from torch import Tensor, nn
 # (out, in, dtype, threads) -> whether column-major is faster: measured once per process.
 _CHOICES: dict[tuple[int, int, torch.dtype, int], bool] = {}
 COLD_BYTES = 4 << 20  # beyond a core's L2 (1 MiB here): where a decode step finds its weights
+MIN_BYTES = 256 << 10  # smaller weights stay in the cache: either order is fast, keep the default
 
 
 def _row_time_ratio(weight: Tensor, rounds: int = 5) -> float:
@@ -61,7 +62,9 @@ def _row_time_ratio(weight: Tensor, rounds: int = 5) -> float:
 def column_major_is_faster(weight: Tensor, min_gain: float = 1.1) -> bool:
     """Whether ``F.linear`` of one row reads ``weight``'s shape at least ``min_gain`` times faster
     column-major on this machine (measured on ``weight`` once per shape, dtype and thread count;
-    near ties keep the row-major default)."""
+    near ties, and weights under ``MIN_BYTES``, keep the row-major default)."""
+    if weight.numel() * weight.element_size() < MIN_BYTES:
+        return False
     key = (*weight.shape, weight.dtype, torch.get_num_threads())
     if key not in _CHOICES:
         with torch.no_grad():
