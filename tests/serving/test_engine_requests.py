@@ -95,6 +95,7 @@ def test_abort_returns_every_block_at_once():
         ([1, 256], GenerationConfig(), r"token ids in \[0, 256\), got \[1, 256\]"),
         ([], GenerationConfig(), r"non-empty list of token ids"),
         ([1], GenerationConfig(num_beams=9), r"num_beams=9 exceeds max_num_seqs=8"),
+        ([1], GenerationConfig(num_beams=2, do_sample=True), r"beam sampling \(num_beams=2"),
         ([1], GenerationConfig(temperature=0), r"temperature must be > 0"),
         ([1], GenerationConfig(sliding_window=8), r"sliding_window and use_cache=False"),
         ([1], GenerationConfig(do_sample=True, num_return_sequences=9),

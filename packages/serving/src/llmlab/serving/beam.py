@@ -36,13 +36,10 @@ class BeamGroup:
     """The beam search of one request and the sequences that hold its beams' KV blocks."""
 
     def __init__(self, request: Request, tokenizer: Any, device: torch.device | str) -> None:
-        config = request.config
-        generator = None
-        if config.seed is not None and config.do_sample:
-            generator = torch.Generator(device=device).manual_seed(config.seed)
+        config = request.config  # deterministic: the engine refuses beam sampling
         prompt = torch.tensor([request.prompt_ids], device=device)
         self.request = request
-        self.search = BeamSearch(prompt, config, tokenizer=tokenizer, generator=generator)
+        self.search = BeamSearch(prompt, config, tokenizer=tokenizer)
         self.num_beams = config.num_beams
         self.pending: dict[Sequence, Tensor] = {}  # next-token logits of the beams that have them
         self.steps = 0

@@ -103,6 +103,12 @@ class LLMEngine:
                 f"strategy {strategy!r} (num_beams={config.num_beams}) is not served; the "
                 f"engine decodes {list(SUPPORTED_STRATEGIES)} (use llmlab.decoding.generate)"
             )
+        if strategy == "beam" and config.do_sample:
+            raise ValueError(
+                f"beam sampling (num_beams={config.num_beams} with do_sample=True) is not served; "
+                f"the engine runs deterministic beam search (do_sample=False), or use "
+                f"llmlab.decoding.generate"
+            )
         if config.sliding_window is not None or not config.use_cache:
             raise ValueError(
                 "sliding_window and use_cache=False do not apply to the serving engine "
