@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmlab.models.kv_cache import KVCache
-from llmlab.models.masks import attention_bias, default_positions
+from llmlab.models.masks import attention_bias, resolve_positions
 from llmlab.models.ops import Ops, get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -185,6 +185,7 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
         causal: bool = True,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         B, T, _ = x.shape
         D = self.head_dim
@@ -203,7 +204,8 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)
         dropout_p = self.dropout if self.training else 0.0
         if attn_mask is None and causal:
-            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p)
+            docs = {} if document_ids is None else {"document_ids": document_ids}
+            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
         else:  # decoding: an explicit mask, or one new token that may see every cached key
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, enable_gqa=True
@@ -244,8 +246,11 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
         causal: bool = True,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, cache, attn_mask, causal)
+        # ids by keyword: sequence parallelism gathers only the first positional input
+        h = self.attn_norm(x)
+        x = x + self.attn(h, positions, cache, attn_mask, causal, document_ids=document_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -310,6 +315,7 @@ class Llama(nn.Module):
         positions: Tensor | None = None,
         attention_mask: Tensor | None = None,
         logits_to_keep: int = 0,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Logits for ``input_ids`` (B, T).
 
@@ -317,7 +323,9 @@ class Llama(nn.Module):
         ``attention_mask``: (B, past + T) with 1 for real tokens and 0 for (left) padding.
         ``positions``: (B, T) position ids, the RoPE angles' positions; by default derived from
         the mask (or the cache). ``logits_to_keep``: if > 0, only the last that many positions
-        go through the LM head.
+        go through the LM head. ``document_ids``: (B, T) ids of the packed documents,
+        non-decreasing per row (training): attention stays inside each document and the RoPE
+        positions restart at each document's start.
         """
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
@@ -327,8 +335,9 @@ class Llama(nn.Module):
                 f"{self.config.block_size}; sequences may hold at most "
                 f"{self.config.block_size} tokens"
             )
-        if positions is None:
-            positions = default_positions(input_ids, past, attention_mask)
+        positions = resolve_positions(
+            input_ids, positions, past, attention_mask, document_ids, cache is not None
+        )
         # Without padding, a fresh sequence is plainly causal and a single new token may attend to
         # every cached key: neither needs a mask tensor, so the fused causal kernel stays in use.
         attn_mask = None
@@ -336,8 +345,9 @@ class Llama(nn.Module):
             attn_mask = attention_bias(input_ids, past, attention_mask)
         causal = past == 0
         x = self.embed(input_ids)
+        docs = {} if document_ids is None else {"document_ids": document_ids}
         for block in self.blocks:
-            x = block(x, positions, cache, attn_mask, causal)
+            x = block(x, positions, cache, attn_mask, causal, **docs)
         if cache is not None:
             cache.advance(T)
         if logits_to_keep > 0:
