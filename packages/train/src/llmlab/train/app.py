@@ -203,7 +203,20 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             f"task.optimizer_impl={impl!r} is not one of ['default', 'foreach', 'fused']"
         )
     check_layout(cfg, model)
+    check_data(cfg, model, tokenizer_vocab)
     checkpoint_to_resume(cfg)
+
+
+def check_data(cfg: DictConfig, model: dict[str, Any], tokenizer_vocab: int | None) -> None:
+    """The model's vocabulary against the tokenizer's; ``data.document_mask`` against the layout
+    and the model (:func:`llmlab.train.tokens.data_config_problems`)."""
+    from llmlab.train.tokens import data_config_problems
+
+    data, strategy = (OmegaConf.to_container(n, resolve=True) for n in (cfg.data, cfg.strategy))
+    devices, nodes = cfg.trainer.devices, cfg.trainer.get("num_nodes", 1)
+    problems = data_config_problems(data, model, strategy, devices, nodes, tokenizer_vocab)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def check_layout(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> None:
@@ -419,8 +432,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     tokenizer = build_tokenizer(cfg)
     if cfg.get("model") is not None and cfg.model.get("vocab_size", 0) is None:
         cfg.model.vocab_size = int(tokenizer.vocab_size)  # null: the tokenizer's vocabulary
-    log.info("Checking the config: model, layout, batch split, checkpoint")
-    validate_config(cfg)
+    log.info("Checking the config: model, layout, batch split, data, checkpoint")
+    validate_config(cfg, getattr(tokenizer, "vocab_size", None))
     log.info("Instantiating strategy <%s>", cfg.strategy.get("_target_", cfg.strategy.get("name")))
     strategy = build_strategy(cfg)
     if cfg.precision.get("plugin"):

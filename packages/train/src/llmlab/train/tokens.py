@@ -1,0 +1,336 @@
+"""``data=tokens``: training windows read from prepared shards (``make data``), memory-mapped.
+
+A split's token stream (all its shards end to end) is cut into windows of ``T + 1`` tokens at
+stride ``T``, as nanoGPT samples them: window ``w`` is tokens ``[wT, wT + T + 1)``, inputs its
+first ``T``, targets its last ``T``, so every token but the first is a target once per pass.
+Windows run across document (and shard) boundaries: nothing is padded or dropped.
+
+* **Order**: the training stream is a :class:`~llmlab.train.mixture.MixtureSchedule` over the
+  sources (one source: all of it); each source hands out its windows in a seeded permutation,
+  a fresh one per pass. Global batches and their split over data-parallel replicas follow
+  :mod:`llmlab.train.global_batch`, so any layout sees the batches of one process, and the
+  checkpointed position resumes at any data-parallel degree.
+* **Documents**: with ``document_mask=true`` a batch is ``(inputs, targets, document_ids)``;
+  the ids (from the shards' document index) restart at 0 in each row, and the model attends
+  within each document only, with positions restarting at each document's first token.
+* **Memory**: nothing is loaded whole. Windows are copied out of the shards' memory maps, whose
+  pages are then released; the sources' permutations (8 bytes a window) and the mixture's
+  slot table (12 bytes a window) are the only arrays that grow with the corpus.
+* **Checks before training**: every shard and index against the manifest (sizes always,
+  sha256 in the launching process unless ``verify_checksums=false``), the tokenizer against
+  the one the shards were made with, and enough windows for a global batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from llmlab.train.global_batch import GlobalBatchDataModule
+from llmlab.train.mixture import MixtureProportions, MixtureSchedule, normalise_weights
+from llmlab.train.resumable import ResumableSampler
+from llmlab.train.shards import DatasetError, TokenStore, read_manifest, verify
+
+log = logging.getLogger(__name__)
+
+
+def source_dirs(dir: str | os.PathLike, mix: Mapping[str, Any] | None) -> dict[str, Path]:
+    """``{name: prepared dataset}``: ``dir`` itself, or its subfolders named in ``mix``."""
+    root = Path(dir)
+    if not mix:
+        return {root.name or "data": root}
+    return {str(name): root / str(name) for name in mix}
+
+
+def prepared_tokenizer(dir: str, mix: Mapping[str, Any] | None = None) -> Any:
+    """The tokenizer the prepared dataset(s) at ``dir`` were made with (``tokenizer=prepared``):
+    the byte tokenizer with its end-of-document id, or the copy of the tokenizer file."""
+    entries = {
+        name: read_manifest(path)["tokenizer"] for name, path in source_dirs(dir, mix).items()
+    }
+    (name, entry), *others = entries.items()
+    for other, e in others:
+        if e["fingerprint"] != entry["fingerprint"]:
+            raise DatasetError(
+                f"data.mix: {name} and {other} were prepared with different tokenizers "
+                f"({entry['fingerprint']} vs {e['fingerprint']}); prepare them with the same one"
+            )
+    if entry["kind"] == "bytes":
+        from llmlab.train.byte_tokenizer import ByteTokenizer
+
+        return ByteTokenizer(eos=True)
+    from llmlab.tokenizer import load
+
+    return load(source_dirs(dir, mix)[name] / entry["file"])
+
+
+class StreamSampler(ResumableSampler):
+    """The stream's positions in order, epoch ``e`` being ``e·N ... (e+1)·N - 1``: the
+    dataset orders windows itself, from the position (the rank split and resume are the
+    parent's)."""
+
+    def __iter__(self):
+        offset = self.epoch * len(self.dataset)  # type: ignore[arg-type]
+        return (offset + i for i in super().__iter__())
+
+
+class TrainWindows(Dataset):
+    """Global stream position -> (window tokens, document ids or None)."""
+
+    def __init__(self, stores, schedule: MixtureSchedule, block_size: int, seed: int, docs: bool):
+        self.stores, self.schedule, self.T = stores, schedule, block_size
+        self.windows = [(s.tokens - 1) // block_size for s in stores]
+        self.seed, self.docs = seed, docs
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.schedule.epoch_windows
+
+    def permutation(self, source: int, epoch_pass: int) -> np.ndarray:
+        """Source ``source``'s window order on its ``epoch_pass``-th pass (seeded)."""
+        key = (source, epoch_pass)
+        if key not in self._perms:
+            if len(self._perms) >= 2 * len(self.stores):  # keep the current and next passes
+                self._perms.pop(next(iter(self._perms)))
+            rng = np.random.default_rng([self.seed, source, epoch_pass])
+            self._perms[key] = rng.permutation(self.windows[source])
+        return self._perms[key]
+
+    def window_of(self, position: int) -> tuple[int, int]:
+        """(source, window index in it) of a global position."""
+        src, k = self.schedule.locate(np.array([position]))
+        s, k = int(src[0]), int(k[0])
+        epoch_pass, offset = divmod(k, self.windows[s])
+        return s, int(self.permutation(s, epoch_pass)[offset])
+
+    def __getitem__(self, position: int) -> tuple[np.ndarray, np.ndarray | None]:
+        s, w = self.window_of(position)
+        return read_window(self.stores[s], w, self.T, self.docs)
+
+    def __getitems__(self, positions: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        return [self[p] for p in positions]
+
+
+class ValidationWindows(Dataset):
+    """Every source's validation windows, source after source, in order."""
+
+    def __init__(self, stores, block_size: int, docs: bool) -> None:
+        self.stores, self.T, self.docs = stores, block_size, docs
+        self.ends = np.cumsum([(s.tokens - 1) // block_size for s in stores])
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        s = int(np.searchsorted(self.ends, i, side="right"))
+        w = i - (int(self.ends[s - 1]) if s else 0)
+        return read_window(self.stores[s], w, self.T, self.docs)
+
+
+def read_window(store: TokenStore, w: int, T: int, docs: bool) -> tuple[np.ndarray, Any]:
+    start = w * T
+    tokens = store.read(start, start + T + 1)
+    return tokens, store.document_ids(start, start + T) if docs else None
+
+
+def collate_windows(rows: list[tuple[np.ndarray, Any]]) -> tuple[torch.Tensor, ...]:
+    """(inputs, targets) or (inputs, targets, document_ids), each (B, T) int64."""
+    windows = torch.from_numpy(np.stack([r[0] for r in rows]).astype(np.int64))
+    batch = (windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+    if rows[0][1] is None:
+        return batch
+    return (*batch, torch.from_numpy(np.stack([r[1] for r in rows]).astype(np.int64)))
+
+
+def _has(trainer: Any, kind: type) -> bool:
+    return any(isinstance(c, kind) for c in trainer.callbacks)
+
+
+def _launching_process() -> bool:
+    """True in the process a run starts from (local rank 0): it checks checksums once."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+class TokenDataModule(GlobalBatchDataModule):
+    """Windows of prepared token shards (one dataset at ``dir``, or a mixture of the datasets
+    in ``dir``'s subfolders named by ``mix``), global batches split by data-parallel rank."""
+
+    def __init__(
+        self,
+        dir: str,
+        mix: Mapping[str, float] | None = None,
+        block_size: int = 128,
+        batch_size: int = 32,
+        seed: int = 1337,
+        document_mask: bool = False,
+        verify_checksums: bool = True,
+        tokenizer: Any = None,
+    ) -> None:
+        super().__init__(batch_size, seed)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"data.block_size must be a positive integer, got {block_size!r}")
+        self.block_size, self.document_mask = block_size, bool(document_mask)
+        self.weights = normalise_weights(mix) if mix else None
+        self.dirs = source_dirs(dir, mix)
+        self.manifests = {n: read_manifest(p) for n, p in self.dirs.items()}
+        for name, path in self.dirs.items():
+            verify(path, self.manifests[name], checksums=verify_checksums and _launching_process())
+        self.fingerprint = self._check_tokenizers(tokenizer)
+        self._check_sizes()
+        self.stores: dict[str, list[TokenStore]] = {}
+        self.schedule: MixtureSchedule | None = None
+
+    # ---------------------------------------------------------------------- checks
+    def _check_tokenizers(self, tokenizer: Any) -> str:
+        fingerprints = {n: m["tokenizer"]["fingerprint"] for n, m in self.manifests.items()}
+        if len(set(fingerprints.values())) > 1:
+            raise DatasetError(
+                f"data.mix: the datasets were prepared with different tokenizers {fingerprints}; "
+                "prepare them with the same one"
+            )
+        prepared = next(iter(fingerprints.values()))
+        if tokenizer is not None:
+            from llmlab.train.data import tokenizer_fingerprint
+
+            ours = tokenizer_fingerprint(tokenizer)
+            if ours != prepared:
+                raise DatasetError(
+                    f"data.dir={self.dirs[next(iter(self.dirs))]} was prepared with the tokenizer "
+                    f"{prepared}, but this run's tokenizer is {type(tokenizer).__name__} ({ours}); "
+                    "use tokenizer=prepared (the dataset's own) or prepare it with this tokenizer"
+                )
+        return prepared
+
+    def _check_sizes(self) -> None:
+        T, B = self.block_size, self.batch_size
+        val_windows = 0
+        for name, m in self.manifests.items():
+            train = (m["splits"]["train"]["tokens"] - 1) // T
+            if train < 1:
+                raise DatasetError(
+                    f"data source {name}: its train split has {m['splits']['train']['tokens']} "
+                    f"tokens, fewer than one window of block_size + 1 = {T + 1}"
+                )
+            val_windows += (m["splits"]["validation"]["tokens"] - 1) // T
+        if val_windows < B:
+            raise DatasetError(
+                f"the validation split holds {val_windows} windows of {T + 1} tokens, fewer "
+                f"than one global batch of {B}: prepare with a larger --val-fraction, or lower "
+                "data.batch_size or model.block_size"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(next(iter(self.manifests.values()))["tokenizer"]["vocab_size"])
+
+    # ---------------------------------------------------------------------- Lightning
+    def setup(self, stage: str | None = None) -> None:
+        if self.stores:
+            return
+        for split in ("train", "validation"):
+            self.stores[split] = [
+                TokenStore(self.dirs[n], self.manifests[n], split) for n in self.dirs
+            ]
+        windows = [(s.tokens - 1) // self.block_size for s in self.stores["train"]]
+        weights = list(self.weights.values()) if self.weights else [1.0]
+        self.schedule = MixtureSchedule(list(self.dirs), weights, sum(windows))
+        log.info(
+            "tokens: %d train windows of %d tokens per epoch from %s",
+            self.schedule.epoch_windows,
+            self.block_size + 1,
+            self.schedule.describe(),
+        )
+        trainer = self.trainer
+        if self.weights and trainer is not None and not _has(trainer, MixtureProportions):
+            # the realised proportions go to the run's logger with every step
+            callback = MixtureProportions(self.schedule, self.batch_size, self._train_progress)
+            trainer.callbacks.append(callback)
+
+    def split_dataset(self, split: str) -> Dataset:
+        self.setup()
+        if split == "train":
+            assert self.schedule is not None
+            return TrainWindows(
+                self.stores["train"], self.schedule, self.block_size, self.seed, self.document_mask
+            )
+        return ValidationWindows(self.stores[split], self.block_size, self.document_mask)
+
+    def collate(self, rows: list[tuple[np.ndarray, Any]]) -> tuple[torch.Tensor, ...]:
+        return collate_windows(rows)
+
+    def sampler(self, dataset: Dataset, split: str, replicas: int, rank: int) -> ResumableSampler:
+        # The train dataset orders the stream itself; the sampler only adds the epoch's offset.
+        cls = StreamSampler if split == "train" else ResumableSampler
+        return cls(dataset, num_replicas=replicas, rank=rank, shuffle=False, drop_last=True)
+
+    def identity(self) -> dict[str, Any]:
+        """The data, order and batch a checkpointed position refers to."""
+        data = {
+            name: hashlib.sha1(
+                json.dumps(m["splits"]["train"], sort_keys=True).encode()
+            ).hexdigest()
+            for name, m in self.manifests.items()
+        }
+        return {
+            "data": data,
+            "weights": self.weights,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "block_size": self.block_size,
+        }
+
+
+def data_config_problems(
+    data: Mapping[str, Any],
+    model: Mapping[str, Any] | None,
+    strategy: Mapping[str, Any],
+    devices: int,
+    num_nodes: int = 1,
+    tokenizer_vocab: int | None = None,
+) -> list[str]:
+    """What the app refuses before any process starts, for ``data=tokens`` runs: document
+    masking where the document ids cannot reach attention, and a model vocabulary smaller than
+    the ids the data holds."""
+    from llmlab.models.registry import ARCHITECTURES
+    from llmlab.train.layout import layout_from_config
+
+    problems = []
+    vocab = (model or {}).get("vocab_size")
+    if tokenizer_vocab and isinstance(vocab, int) and vocab < tokenizer_vocab:
+        problems.append(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer_vocab} ids; "
+            f"use model.vocab_size >= {tokenizer_vocab} (or null to take the tokenizer's)"
+        )
+    if not data.get("document_mask"):
+        return problems
+    target = str(strategy.get("_target_", ""))
+    pipeline = layout_from_config(strategy, devices, num_nodes).pipeline
+    if pipeline > 1 or target.endswith("NaiveModelParallelStrategy"):
+        problems.append(
+            "data.document_mask=true cannot run with pipeline parallelism "
+            f"({target.rsplit('.', 1)[-1] or 'strategy'}, {pipeline} stages): stages pass one "
+            "tensor between them, so the document ids would not reach the attention of later "
+            "stages; use data.document_mask=false or a layout without a pipeline"
+        )
+    arch = (
+        (model or {}).get("arch", "gpt")
+        if model and ("arch" in model or "n_layer" in model)
+        else None
+    )
+    model_cls = ARCHITECTURES[arch][0] if arch in ARCHITECTURES else None
+    if model_cls is None or "document_ids" not in inspect.signature(model_cls.forward).parameters:
+        problems.append(
+            f"data.document_mask=true needs a model whose forward takes document_ids "
+            f"(arch gpt or llama), got {arch or 'a model without arch'}"
+        )
+    return problems
