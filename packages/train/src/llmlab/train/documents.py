@@ -83,26 +83,24 @@ def load_documents(
     if text_unit not in TEXT_UNITS:
         raise ValueError(f"--text-unit {text_unit!r} is not one of {list(TEXT_UNITS)}")
     datasets.disable_progress_bars()
+    parts = []  # (dataset, its text column)
     if dataset is not None:
-        parts = [datasets.load_dataset(dataset, split=dataset_split, cache_dir=str(cache_dir))]
-    else:
-        parts = []
-        for reader, group in _runs_by_reader(files or []):
-            kwargs: dict[str, Any] = {}
-            if reader == "text":
-                kwargs = {"sample_by": text_unit, "keep_linebreaks": True}
-            parts.append(
-                datasets.load_dataset(
-                    reader,
-                    data_files=[str(f) for f in group],
-                    split="train",
-                    cache_dir=str(cache_dir),
-                    **kwargs,
-                )
-            )
+        loaded = datasets.load_dataset(dataset, split=dataset_split, cache_dir=str(cache_dir))
+        parts.append((loaded, text_field))
+    for reader, group in _runs_by_reader(files or []):
+        kwargs: dict[str, Any] = {}
+        if reader == "text":  # text files have one column, "text"
+            kwargs = {"sample_by": text_unit, "keep_linebreaks": True}
+        loaded = datasets.load_dataset(
+            reader,
+            data_files=[str(f) for f in group],
+            split="train",
+            cache_dir=str(cache_dir),
+            **kwargs,
+        )
+        parts.append((loaded, "text" if reader == "text" else text_field))
     columns = []
-    for part in parts:
-        field = "text" if "text" in part.column_names and text_field == "text" else text_field
+    for part, field in parts:
         if field not in part.column_names:
             raise ValueError(
                 f"the documents have no column {field!r}; columns: {part.column_names}; "
