@@ -235,8 +235,16 @@ class TokenDataModule(GlobalBatchDataModule):
 
     # ---------------------------------------------------------------------- Lightning
     def setup(self, stage: str | None = None) -> None:
-        if self.stores:
-            return
+        if not self.stores:
+            self._open()
+        trainer = self.trainer
+        if self.weights and trainer is not None and not _has(trainer, MixtureProportions):
+            # the realised proportions go to the run's logger with every step
+            assert self.schedule is not None
+            callback = MixtureProportions(self.schedule, self.batch_size, self._train_progress)
+            trainer.callbacks.append(callback)
+
+    def _open(self) -> None:
         for split in ("train", "validation"):
             self.stores[split] = [
                 TokenStore(self.dirs[n], self.manifests[n], split) for n in self.dirs
@@ -250,14 +258,10 @@ class TokenDataModule(GlobalBatchDataModule):
             self.block_size + 1,
             self.schedule.describe(),
         )
-        trainer = self.trainer
-        if self.weights and trainer is not None and not _has(trainer, MixtureProportions):
-            # the realised proportions go to the run's logger with every step
-            callback = MixtureProportions(self.schedule, self.batch_size, self._train_progress)
-            trainer.callbacks.append(callback)
 
     def split_dataset(self, split: str) -> Dataset:
-        self.setup()
+        if not self.stores:
+            self._open()
         if split == "train":
             assert self.schedule is not None
             return TrainWindows(
