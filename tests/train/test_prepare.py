@@ -22,7 +22,8 @@ from llmlab.train.prepare import main, prepare
 from llmlab.train.shards import DatasetError, TokenStore, read_manifest
 from llmlab.train.tokens import TokenDataModule
 
-WORDS = "the quick brown fox jumps over a lazy dog ünïcödé 漢字 emoji 🙂 tab\there".split(" ")
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "ünïcödé", "漢字",
+         "🙂", "tab\there"]  # fmt: skip
 
 
 def make_documents(n: int, seed: int) -> list[str]:
@@ -130,7 +131,7 @@ def test_a_tokenizer_file_gives_hf_tokenizers_ids(corpus, tmp_path):
     assert read_manifest(out)["tokenizer"]["eos_token_id"] == eos
     for split, want in split_documents(docs, 0.2).items():
         got = stored_documents(out, split)
-        assert [list(ids) for ids in got] == [hf.encode(t).ids + [eos] for t in want]
+        assert [list(ids) for ids in got] == [[*hf.encode(t).ids, eos] for t in want]
     assert (out / "tokenizer.json").is_file()  # the tokenizer travels with its shards
 
 
@@ -160,7 +161,8 @@ def test_a_rerun_does_nothing_until_an_input_or_the_tokenizer_changes(corpus, pr
     tok = tmp_path / "tok.json"
     from llmlab.tokenizer import BPETokenizer, save
 
-    save(BPETokenizer.train(["some text to learn from"], 260, special_tokens=["<|endoftext|>"]), tok)
+    other = BPETokenizer.train(["some text to learn from"], 260, special_tokens=["<|endoftext|>"])
+    save(other, tok)
     result = prepare(mine, out, **{**kw, "shard_tokens": 50}, tokenizer=str(tok))
     assert len(result.reasons) == 2 and result.reasons[0].startswith("tokenizer changed")
 

@@ -105,9 +105,7 @@ def test_a_position_saved_at_two_replicas_resumes_at_another_degree(
     for ld in loaders:
         ld.load_state_dict(state)
         ld.sampler.set_epoch(stopped_at[0])
-    rest = [
-        tuple(interleave([p[i] for p in parts]) for i in range(2)) for parts in zip(*loaders)
-    ]
+    rest = [tuple(interleave([p[i] for p in parts]) for i in range(2)) for parts in zip(*loaders)]
     done = stopped_at[0] * per_epoch + stopped_at[1]
     assert_same(rest, expected[done : (stopped_at[0] + 1) * per_epoch])
 
