@@ -33,6 +33,7 @@ FORMAT, VERSION = "llmlab-tokens", 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
 INDEX = "documents.npy"
+RELEASE_ALIGN = 1 << 21  # 2 MiB: covers fault-around (64 KiB) and large page-cache folios
 
 
 class DatasetError(ValueError):
@@ -206,6 +207,7 @@ class TokenStore:
             self.shards.append(_Shard(start, int(shard["tokens"]), root / shard["file"]))
             start += int(shard["tokens"])
         self._starts = np.array([s.start for s in self.shards], dtype=np.int64)
+        self._lookups = 0
 
     @property
     def documents(self) -> int:
@@ -227,6 +229,33 @@ class TokenStore:
             i += 1
         return out
 
+    def read_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """(len(starts), length) copies of tokens ``[s, s + length)`` for each start ``s``:
+        one gather per shard for the windows inside it (a window across a boundary: ``read``)."""
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        shard_of = np.searchsorted(self._starts, starts, side="right") - 1
+        ends_of = self._starts[shard_of] + np.array([self.shards[i].tokens for i in shard_of])
+        inside = starts + length <= ends_of
+        for i in np.unique(shard_of[inside]):
+            rows = np.flatnonzero(inside & (shard_of == i))
+            shard = self.shards[int(i)]
+            local = starts[rows] - shard.start
+            out[rows] = self._view(shard)[local[:, None] + np.arange(length)]
+            self._release_many(shard, local, local + length)
+        for row in np.flatnonzero(~inside):
+            out[row] = self.read(int(starts[row]), int(starts[row]) + length)
+        return out
+
+    def _release_many(self, shard: _Shard, lo: np.ndarray, hi: np.ndarray) -> None:
+        if shard.map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        size = self.dtype.itemsize
+        chunks = np.unique(np.concatenate([lo * size, (hi * size - 1)]) // RELEASE_ALIGN)
+        for c in chunks.tolist():
+            first = c * RELEASE_ALIGN
+            shard.map.madvise(mmap.MADV_DONTNEED, first, min(RELEASE_ALIGN, len(shard.map) - first))
+
     def _view(self, shard: _Shard) -> np.ndarray:
         if shard.view is None:
             with open(shard.path, "rb") as f:
@@ -235,19 +264,26 @@ class TokenStore:
         return shard.view
 
     def _release(self, shard: _Shard, lo: int, hi: int) -> None:
-        """Unmap the pages just read from this process (they stay in the page cache)."""
+        """Unmap the pages around the tokens just read from this process (the page cache keeps
+        them). "Around": a page fault maps its neighbours too (fault-around, 64 KiB, and whole
+        large page-cache folios on recent kernels), so the range released is widened to
+        ``RELEASE_ALIGN`` on both sides."""
         if shard.map is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         size = self.dtype.itemsize
-        first = (lo * size) // mmap.PAGESIZE * mmap.PAGESIZE
-        shard.map.madvise(mmap.MADV_DONTNEED, first, hi * size - first)
+        first = (lo * size) // RELEASE_ALIGN * RELEASE_ALIGN
+        last = min(-(-(hi * size) // RELEASE_ALIGN) * RELEASE_ALIGN, len(shard.map))
+        shard.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
-    def document_ids(self, start: int, stop: int) -> np.ndarray:
-        """(stop - start,) the document of each token, counted from 0 at ``start``."""
-        first = int(np.searchsorted(self.offsets, start, side="right"))
-        last = int(np.searchsorted(self.offsets, stop - 1, side="right"))
-        boundaries = np.asarray(self.offsets[first:last], dtype=np.int64) - start
-        return np.searchsorted(boundaries, np.arange(stop - start), side="right")
+    def document_ids(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """(len(starts), length): the document of each token of the windows ``[s, s + length)``,
+        counted from 0 at each window's first token (a search in the document index)."""
+        positions = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length)
+        docs = np.searchsorted(self.offsets, positions, side="right")
+        self._lookups += 1
+        if self._lookups % 64 == 0:  # binary searches touch index pages all over: let go
+            _release_all(self.offsets)
+        return docs - docs[:, :1]
 
     def document(self, d: int) -> np.ndarray:
         """The token ids of document ``d`` (its end-of-document token last)."""
@@ -257,3 +293,10 @@ class TokenStore:
         state = dict(self.__dict__)
         state["shards"] = [_Shard(s.start, s.tokens, s.path) for s in self.shards]
         return state
+
+
+def _release_all(array: np.ndarray) -> None:
+    """Unmap a ``numpy.memmap``'s resident pages from this process (the page cache keeps them)."""
+    mapping = getattr(array, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)

@@ -106,19 +106,28 @@ class TrainWindows(Dataset):
             self._perms[key] = rng.permutation(self.windows[source])
         return self._perms[key]
 
+    def windows_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, window index in it) of each global position."""
+        src, k = self.schedule.locate(np.asarray(positions, dtype=np.int64))
+        window = np.empty_like(k)
+        for s in np.unique(src).tolist():
+            rows = np.flatnonzero(src == s)
+            epoch_pass, offset = np.divmod(k[rows], self.windows[s])
+            for p in np.unique(epoch_pass).tolist():
+                sel = rows[epoch_pass == p]
+                window[sel] = self.permutation(s, p)[offset[epoch_pass == p]]
+        return src, window
+
     def window_of(self, position: int) -> tuple[int, int]:
-        """(source, window index in it) of a global position."""
-        src, k = self.schedule.locate(np.array([position]))
-        s, k = int(src[0]), int(k[0])
-        epoch_pass, offset = divmod(k, self.windows[s])
-        return s, int(self.permutation(s, epoch_pass)[offset])
+        src, window = self.windows_of(np.array([position]))
+        return int(src[0]), int(window[0])
 
     def __getitem__(self, position: int) -> tuple[np.ndarray, np.ndarray | None]:
-        s, w = self.window_of(position)
-        return read_window(self.stores[s], w, self.T, self.docs)
+        return self.__getitems__([position])[0]
 
     def __getitems__(self, positions: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        return [self[p] for p in positions]
+        """A batch's windows at once (the ``DataLoader`` calls this with the sampler's indices)."""
+        return read_windows(self.stores, *self.windows_of(np.asarray(positions)), self.T, self.docs)
 
 
 class ValidationWindows(Dataset):
@@ -132,15 +141,27 @@ class ValidationWindows(Dataset):
         return int(self.ends[-1])
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
-        s = int(np.searchsorted(self.ends, i, side="right"))
-        w = i - (int(self.ends[s - 1]) if s else 0)
-        return read_window(self.stores[s], w, self.T, self.docs)
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        i = np.asarray(indices, dtype=np.int64)
+        src = np.searchsorted(self.ends, i, side="right")
+        window = i - np.concatenate([[0], self.ends])[src]
+        return read_windows(self.stores, src, window, self.T, self.docs)
 
 
-def read_window(store: TokenStore, w: int, T: int, docs: bool) -> tuple[np.ndarray, Any]:
-    start = w * T
-    tokens = store.read(start, start + T + 1)
-    return tokens, store.document_ids(start, start + T) if docs else None
+def read_windows(stores, src: np.ndarray, windows: np.ndarray, T: int, docs: bool) -> list[tuple]:
+    """(tokens, document ids or None) of window ``windows[i]`` of source ``src[i]``: tokens
+    ``[wT, wT + T + 1)``, and the documents of its first ``T`` (the inputs)."""
+    rows: list[Any] = [None] * len(windows)
+    for s in np.unique(src).tolist():
+        sel = np.flatnonzero(src == s)
+        starts = windows[sel].astype(np.int64) * T
+        tokens = stores[s].read_windows(starts, T + 1)
+        ids = stores[s].document_ids(starts, T) if docs else [None] * len(sel)
+        for i, row in zip(sel.tolist(), zip(tokens, ids, strict=True), strict=True):
+            rows[i] = row
+    return rows
 
 
 def collate_windows(rows: list[tuple[np.ndarray, Any]]) -> tuple[torch.Tensor, ...]:
