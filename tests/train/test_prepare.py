@@ -208,3 +208,22 @@ def test_the_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     assert main(args) == 2  # one document cannot fill both splits
     assert "no document went to the" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # a failed build leaves nothing behind
+
+
+def test_an_hf_dataset_folder_is_prepared_and_its_fingerprint_tracked(tmp_path, monkeypatch):
+    """``--dataset`` takes what ``datasets.load_dataset`` takes (a hub name online; here a local
+    folder, offline); re-running is a no-op while the dataset's fingerprint stays the same."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    folder = tmp_path / "hf"
+    (folder / "data").mkdir(parents=True)
+    docs = make_documents(30, seed=4)
+    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in docs]
+    (folder / "data" / "train.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    kw = dict(dataset=str(folder), val_fraction=0.3, progress=False)
+    assert prepare(**kw, output=out).built
+    got = stored_documents(out, "train") + stored_documents(out, "validation")
+    assert sorted(bytes(d[:-1].astype(np.uint8)).decode() for d in got) == sorted(docs)
+    assert not prepare(**kw, output=out).built

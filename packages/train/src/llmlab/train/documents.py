@@ -70,14 +70,14 @@ def reader_of(path: Path) -> str | None:
 
 def load_documents(
     files: Sequence[Path] | None,
-    cache_dir: Path,
+    cache_dir: Path | None,
     text_field: str = "text",
     text_unit: str = "document",
     dataset: str | None = None,
     dataset_split: str = "train",
 ) -> Any:
     """One HF ``Dataset`` with a ``text`` column: every document of ``files`` in order (or of
-    the HF dataset ``dataset``, a hub name or a local folder)."""
+    the HF dataset ``dataset``, a hub name or a local folder), cached under ``cache_dir``."""
     import datasets
 
     if text_unit not in TEXT_UNITS:
@@ -85,7 +85,8 @@ def load_documents(
     datasets.disable_progress_bars()
     parts = []  # (dataset, its text column)
     if dataset is not None:
-        loaded = datasets.load_dataset(dataset, split=dataset_split, cache_dir=str(cache_dir))
+        cache = None if cache_dir is None else str(cache_dir)  # None: HF's default cache
+        loaded = datasets.load_dataset(dataset, split=dataset_split, cache_dir=cache)
         parts.append((loaded, text_field))
     for reader, group in _runs_by_reader(files or []):
         kwargs: dict[str, Any] = {}

@@ -100,8 +100,8 @@ def prepare(
     }
     files = input_files(inputs) if inputs else []
     documents = None
-    if dataset:  # the hub's cache keeps it; its fingerprint says whether it changed
-        documents = load_documents(None, _hf_cache(), text_field, text_unit, dataset, dataset_split)
+    if dataset:  # HF's own cache keeps it; its fingerprint says whether it changed
+        documents = load_documents(None, None, text_field, text_unit, dataset, dataset_split)
         sources = [
             {"dataset": dataset, "split": dataset_split, "fingerprint": documents._fingerprint}
         ]
@@ -119,10 +119,6 @@ def prepare(
 def _stat(path: Path) -> dict[str, Any]:
     st = path.stat()
     return {"path": str(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _hf_cache() -> Path:
-    return Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache/huggingface/datasets"))
 
 
 def stale(
