@@ -210,11 +210,12 @@ def peak_rss(root: Path, batches: int, release: bool) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def memory_rows(work: Path, small_tokens: int, batches: int) -> list[Row]:
+def memory_rows(work: Path, small_tokens: int, batches: int, control: bool) -> list[Row]:
     small = synthetic_dataset(work / "small", small_tokens)
     large = synthetic_dataset(work / "large", 10 * small_tokens)
     rows = []
-    for release, label in ((True, "llmlab loader"), (False, "control: pages kept")):
+    cases = ((True, "llmlab loader"), (False, "control: pages kept"))
+    for release, label in cases if control else cases[:1]:
         one, ten = peak_rss(small, batches, release), peak_rss(large, batches, release)
         rows.append(
             Row(
@@ -238,7 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
     args = parser.parse_args()
-    repeats = 1 if args.smoke else 3
+    repeats = 1 if args.smoke else 2
     files = shakespeare()[:3] if args.smoke else shakespeare()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -262,8 +263,8 @@ def main() -> None:
                 target=100.0,
             )
         )
-        small = 2_000_000 if args.smoke else 20_000_000
-        rows += memory_rows(work, small, 50 if args.smoke else 1000)
+        small = 200_000 if args.smoke else 20_000_000
+        rows += memory_rows(work, small, 20 if args.smoke else 1000, control=not args.smoke)
     notes = (
         "Preparation includes reading the files with HF datasets, hashing the inputs and "
         "writing shards; the reference only encodes text already in memory. Memory: the "

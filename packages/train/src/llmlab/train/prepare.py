@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             force=args.force,
             progress=not args.no_progress,
         )
-    except (ValueError, DatasetError) as err:
+    except ValueError as err:  # DatasetError included
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

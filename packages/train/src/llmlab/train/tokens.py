@@ -28,7 +28,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,13 @@ def prepared_tokenizer(dir: str, mix: Mapping[str, Any] | None = None) -> Any:
         return ByteTokenizer(eos=True)
     from llmlab.tokenizer import load
 
-    return load(source_dirs(dir, mix)[name] / entry["file"])
+    tokenizer = load(source_dirs(dir, mix)[name] / entry["file"])
+    if tokenizer.fingerprint != entry["fingerprint"]:
+        raise DatasetError(
+            f"{source_dirs(dir, mix)[name] / entry['file']} is not the tokenizer the shards were "
+            f"made with (fingerprint {tokenizer.fingerprint}, manifest {entry['fingerprint']})"
+        )
+    return tokenizer
 
 
 class StreamSampler(ResumableSampler):
@@ -79,7 +85,7 @@ class StreamSampler(ResumableSampler):
     dataset orders windows itself, from the position (the rank split and resume are the
     parent's)."""
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         offset = self.epoch * len(self.dataset)  # type: ignore[arg-type]
         return (offset + i for i in super().__iter__())
 
@@ -87,7 +93,14 @@ class StreamSampler(ResumableSampler):
 class TrainWindows(Dataset):
     """Global stream position -> (window tokens, document ids or None)."""
 
-    def __init__(self, stores, schedule: MixtureSchedule, block_size: int, seed: int, docs: bool):
+    def __init__(
+        self,
+        stores: list[TokenStore],
+        schedule: MixtureSchedule,
+        block_size: int,
+        seed: int,
+        docs: bool,
+    ) -> None:
         self.stores, self.schedule, self.T = stores, schedule, block_size
         self.windows = [(s.tokens - 1) // block_size for s in stores]
         self.seed, self.docs = seed, docs
@@ -133,7 +146,7 @@ class TrainWindows(Dataset):
 class ValidationWindows(Dataset):
     """Every source's validation windows, source after source, in order."""
 
-    def __init__(self, stores, block_size: int, docs: bool) -> None:
+    def __init__(self, stores: list[TokenStore], block_size: int, docs: bool) -> None:
         self.stores, self.T, self.docs = stores, block_size, docs
         self.ends = np.cumsum([(s.tokens - 1) // block_size for s in stores])
 
@@ -150,7 +163,9 @@ class ValidationWindows(Dataset):
         return read_windows(self.stores, src, window, self.T, self.docs)
 
 
-def read_windows(stores, src: np.ndarray, windows: np.ndarray, T: int, docs: bool) -> list[tuple]:
+def read_windows(
+    stores: list[TokenStore], src: np.ndarray, windows: np.ndarray, T: int, docs: bool
+) -> list[tuple]:
     """(tokens, document ids or None) of window ``windows[i]`` of source ``src[i]``: tokens
     ``[wT, wT + T + 1)``, and the documents of its first ``T`` (the inputs)."""
     rows: list[Any] = [None] * len(windows)
@@ -249,10 +264,6 @@ class TokenDataModule(GlobalBatchDataModule):
                 f"than one global batch of {B}: prepare with a larger --val-fraction, or lower "
                 "data.batch_size or model.block_size"
             )
-
-    @property
-    def vocab_size(self) -> int:
-        return int(next(iter(self.manifests.values()))["tokenizer"]["vocab_size"])
 
     # ---------------------------------------------------------------------- Lightning
     def setup(self, stage: str | None = None) -> None:
