@@ -242,19 +242,10 @@ class TokenStore:
             shard = self.shards[int(i)]
             local = starts[rows] - shard.start
             out[rows] = self._view(shard)[local[:, None] + np.arange(length)]
-            self._release_many(shard, local, local + length)
+            self._release(shard, local, local + length)
         for row in np.flatnonzero(~inside):
             out[row] = self.read(int(starts[row]), int(starts[row]) + length)
         return out
-
-    def _release_many(self, shard: _Shard, lo: np.ndarray, hi: np.ndarray) -> None:
-        if shard.map is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        size = self.dtype.itemsize
-        chunks = np.unique(np.concatenate([lo * size, (hi * size - 1)]) // RELEASE_ALIGN)
-        for c in chunks.tolist():
-            first = c * RELEASE_ALIGN
-            shard.map.madvise(mmap.MADV_DONTNEED, first, min(RELEASE_ALIGN, len(shard.map) - first))
 
     def _view(self, shard: _Shard) -> np.ndarray:
         if shard.view is None:
@@ -263,17 +254,21 @@ class TokenStore:
             shard.view = np.frombuffer(shard.map, dtype=self.dtype, count=shard.tokens)
         return shard.view
 
-    def _release(self, shard: _Shard, lo: int, hi: int) -> None:
-        """Unmap the pages around the tokens just read from this process (the page cache keeps
-        them). "Around": a page fault maps its neighbours too (fault-around, 64 KiB, and whole
-        large page-cache folios on recent kernels), so the range released is widened to
-        ``RELEASE_ALIGN`` on both sides."""
+    def _release(self, shard: _Shard, lo: Any, hi: Any) -> None:
+        """Unmap the pages around tokens ``[lo[i], hi[i])`` of ``shard`` from this process (the
+        page cache keeps them). "Around": a page fault maps its neighbours too (fault-around,
+        64 KiB, and whole large page-cache folios on recent kernels), so each range released is
+        widened to ``RELEASE_ALIGN`` on both sides."""
         if shard.map is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         size = self.dtype.itemsize
-        first = (lo * size) // RELEASE_ALIGN * RELEASE_ALIGN
-        last = min(-(-(hi * size) // RELEASE_ALIGN) * RELEASE_ALIGN, len(shard.map))
-        shard.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+        first = np.atleast_1d(lo) * size // RELEASE_ALIGN
+        last = -(-(np.atleast_1d(hi) * size) // RELEASE_ALIGN)  # ceil: the chunk after the end
+        for a, b in set(zip(first.tolist(), last.tolist(), strict=True)):
+            begin = a * RELEASE_ALIGN
+            shard.map.madvise(
+                mmap.MADV_DONTNEED, begin, min(b * RELEASE_ALIGN, len(shard.map)) - begin
+            )
 
     def document_ids(self, starts: np.ndarray, length: int) -> np.ndarray:
         """(len(starts), length): the document of each token of the windows ``[s, s + length)``,
@@ -288,11 +283,6 @@ class TokenStore:
     def document(self, d: int) -> np.ndarray:
         """The token ids of document ``d`` (its end-of-document token last)."""
         return self.read(int(self.offsets[d]), int(self.offsets[d + 1]))
-
-    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers re-open their own maps
-        state = dict(self.__dict__)
-        state["shards"] = [_Shard(s.start, s.tokens, s.path) for s in self.shards]
-        return state
 
 
 def _release_all(array: np.ndarray) -> None:
