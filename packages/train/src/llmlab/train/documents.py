@@ -247,10 +247,13 @@ def tokenized_batches(
     batch_documents: int = 256,
 ) -> Iterator[TokenizedBatch]:
     """Tokenized batches of ``documents`` in order; ``num_proc`` worker processes tokenize
-    batches ahead of the consumer (``imap`` keeps the order)."""
+    batches ahead of the consumer (``imap`` keeps the order). Batches hold at most
+    ``batch_documents``, fewer when that would leave a worker idle (a few long documents)."""
     if not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"--num-proc must be a positive integer, got {num_proc!r}")
     n = len(documents)
+    if num_proc > 1:  # at least 8 batches per worker, so the last one does not finish alone
+        batch_documents = max(1, min(batch_documents, n // (8 * num_proc)))
     ranges = [(i, min(i + batch_documents, n)) for i in range(0, n, batch_documents)]
     if num_proc == 1:
         _init_worker(documents, tok, dtype.str, val_fraction)

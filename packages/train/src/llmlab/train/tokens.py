@@ -13,9 +13,9 @@ Windows run across document (and shard) boundaries: nothing is padded or dropped
 * **Documents**: with ``document_mask=true`` a batch is ``(inputs, targets, document_ids)``;
   the ids (from the shards' document index) restart at 0 in each row, and the model attends
   within each document only, with positions restarting at each document's first token.
-* **Memory**: nothing is loaded whole. Windows are copied out of the shards' memory maps, whose
-  pages are then released; the sources' permutations (8 bytes a window) and the mixture's
-  slot table (12 bytes a window) are the only arrays that grow with the corpus.
+* **Memory**: nothing is loaded whole, and nothing grows with the corpus. Windows are copied
+  out of the shards' memory maps, whose pages are then released; the order of the windows is
+  computed from the position (:mod:`llmlab.train.mixture`), not stored.
 * **Checks before training**: every shard and index against the manifest (sizes always,
   sha256 in the launching process unless ``verify_checksums=false``), the tokenizer against
   the one the shards were made with, and enough windows for a global batch.
@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import Dataset
 
 from llmlab.train.global_batch import GlobalBatchDataModule
-from llmlab.train.mixture import MixtureProportions, MixtureSchedule, normalise_weights
+from llmlab.train.mixture import MixtureProportions, MixtureSchedule, Shuffle, normalise_weights
 from llmlab.train.resumable import ResumableSampler
 from llmlab.train.shards import DatasetError, TokenStore, read_manifest, verify
 
@@ -91,7 +91,8 @@ class StreamSampler(ResumableSampler):
 
 
 class TrainWindows(Dataset):
-    """Global stream position -> (window tokens, document ids or None)."""
+    """Global stream position -> (window tokens, document ids or None), in the order of the
+    :class:`~llmlab.train.mixture.MixtureSchedule` and each source's :class:`Shuffle`."""
 
     def __init__(
         self,
@@ -104,20 +105,20 @@ class TrainWindows(Dataset):
         self.stores, self.schedule, self.T = stores, schedule, block_size
         self.windows = [(s.tokens - 1) // block_size for s in stores]
         self.seed, self.docs = seed, docs
-        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._shuffles: dict[tuple[int, int], Shuffle] = {}
 
     def __len__(self) -> int:
-        return self.schedule.epoch_windows
+        """An epoch: as many windows as the sources hold together."""
+        return sum(self.windows)
 
-    def permutation(self, source: int, epoch_pass: int) -> np.ndarray:
+    def shuffle(self, source: int, epoch_pass: int) -> Shuffle:
         """Source ``source``'s window order on its ``epoch_pass``-th pass (seeded)."""
         key = (source, epoch_pass)
-        if key not in self._perms:
-            if len(self._perms) >= 2 * len(self.stores):  # keep the current and next passes
-                self._perms.pop(next(iter(self._perms)))
-            rng = np.random.default_rng([self.seed, source, epoch_pass])
-            self._perms[key] = rng.permutation(self.windows[source])
-        return self._perms[key]
+        if key not in self._shuffles:
+            if len(self._shuffles) >= 4 * len(self.stores):  # a few passes per source are live
+                self._shuffles.pop(next(iter(self._shuffles)))
+            self._shuffles[key] = Shuffle(self.windows[source], [self.seed, source, epoch_pass])
+        return self._shuffles[key]
 
     def windows_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, window index in it) of each global position."""
@@ -127,8 +128,8 @@ class TrainWindows(Dataset):
             rows = np.flatnonzero(src == s)
             epoch_pass, offset = np.divmod(k[rows], self.windows[s])
             for p in np.unique(epoch_pass).tolist():
-                sel = rows[epoch_pass == p]
-                window[sel] = self.permutation(s, p)[offset[epoch_pass == p]]
+                here = epoch_pass == p
+                window[rows[here]] = self.shuffle(s, p)(offset[here])
         return src, window
 
     def window_of(self, position: int) -> tuple[int, int]:
@@ -273,7 +274,9 @@ class TokenDataModule(GlobalBatchDataModule):
         if self.weights and trainer is not None and not _has(trainer, MixtureProportions):
             # the realised proportions go to the run's logger with every step
             assert self.schedule is not None
-            callback = MixtureProportions(self.schedule, self.batch_size, self._train_progress)
+            callback = MixtureProportions(
+                self.schedule, self.epoch_windows, self.batch_size, self._train_progress
+            )
             trainer.callbacks.append(callback)
 
     def _open(self) -> None:
@@ -281,12 +284,12 @@ class TokenDataModule(GlobalBatchDataModule):
             self.stores[split] = [
                 TokenStore(self.dirs[n], self.manifests[n], split) for n in self.dirs
             ]
-        windows = [(s.tokens - 1) // self.block_size for s in self.stores["train"]]
+        self.epoch_windows = sum((s.tokens - 1) // self.block_size for s in self.stores["train"])
         weights = list(self.weights.values()) if self.weights else [1.0]
-        self.schedule = MixtureSchedule(list(self.dirs), weights, sum(windows))
+        self.schedule = MixtureSchedule(list(self.dirs), weights)
         log.info(
-            "tokens: %d train windows of %d tokens per epoch from %s",
-            self.schedule.epoch_windows,
+            "tokens: %d train windows of %d tokens per epoch, from %s",
+            self.epoch_windows,
             self.block_size + 1,
             self.schedule.describe(),
         )
