@@ -12,10 +12,11 @@ Run from the repo root: ``.venv/bin/python -m benchmarks.data`` (part of ``make 
   document ids) against what training the default experiment's model consumes on this machine
   (the same batch through forward, backward and AdamW). Target: >= 100x, so data never stalls
   a step.
-- **Memory**: peak resident memory of a process that sets up the loader and draws 1,000
-  batches, on a corpus 10x larger against the 1x one (target: within 10 %). The control: the
-  same loader without releasing the memory map's pages, whose resident memory grows with every
-  page it has touched.
+- **Memory**: the loader's own peak resident memory (anonymous memory above the imports', plus
+  the resident pages of its maps of the shards) while it sets up and draws 1,000 batches, on a
+  corpus 10x larger against the 1x one: a ratio near 1 is memory independent of the corpus
+  (target >= 0.5, the noise on ~1 MB being a few hundred kB); memory linear in the corpus would
+  read 0.1, as the control does: the same loader keeping the memory map's pages it touched.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def memory_rows(work: Path, small_tokens: int, batches: int, control: bool) -> l
                 f"the same, {small_tokens / 1e6:g}M tokens",
                 "MB",
                 higher_is_better=False,
-                target=0.9 if release else None,
+                target=0.5 if release else None,  # ~1: flat; 0.1: linear (the control)
                 extra={
                     "corpus_mb": [2 * small_tokens / 1e6, 20 * small_tokens / 1e6],
                     "mapped_shard_pages_mb_at_end": [one["mapped_mb"], ten["mapped_mb"]],

@@ -133,6 +133,14 @@ def test_a_tokenizer_file_gives_hf_tokenizers_ids(corpus, tmp_path):
         got = stored_documents(out, split)
         assert [list(ids) for ids in got] == [[*hf.encode(t).ids, eos] for t in want]
     assert (out / "tokenizer.json").is_file()  # the tokenizer travels with its shards
+    # an end-of-document id that ordinary text also encodes to (WordPiece's [UNK], for a
+    # character it never saw) would split documents where none end: refused, naming --eos
+    from llmlab.tokenizer import WordPieceTokenizer, save
+
+    save(WordPieceTokenizer.train(["plain ascii words only"], 60), tmp_path / "wp.json")
+    with pytest.raises(ValueError, match=r"end-of-document id .* inside it; choose another --eos"):
+        prepare(globs, tmp_path / "bad", tokenizer=str(tmp_path / "wp.json"), eos="[UNK]",
+                text_field="content", val_fraction=0.2, progress=False)  # fmt: skip
 
 
 def test_a_rerun_does_nothing_until_an_input_or_the_tokenizer_changes(corpus, prepared, tmp_path):

@@ -118,14 +118,21 @@ def test_a_position_from_other_data_is_refused(datasets_dir):
         other.load_state_dict(state)
 
 
-def test_document_ids_restart_after_every_end_of_document_token(datasets_dir):
+def test_document_ids_follow_the_document_index(datasets_dir):
+    """The loader reads a window's documents off its end tokens; the oracle is the prepared
+    document index (``documents.npy``) searched at each token's position."""
     dm = module(datasets_dir, document_mask=True)
+    train = dm.split_dataset("train")
+    offsets = np.asarray(dm.stores["train"][0].offsets)
     batches = global_batches(dm, 1, range(1), steps=20)
     assert any(int(d.max()) > 0 for _, _, d in batches)  # rows do pack several documents
-    for inputs, targets, docs in batches:
+    for step, (inputs, targets, docs) in enumerate(batches):
         assert torch.equal(inputs[:, 1:], targets[:, :-1])
-        eos_before = torch.cumsum(inputs == 256, dim=1) - (inputs == 256).long()
-        assert torch.equal(docs, eos_before)  # the end token closes its own document
+        for row in range(B):
+            _, window = train.window_of(step * B + row)
+            positions = window * T + np.arange(T)
+            index = np.searchsorted(offsets, positions, side="right")
+            assert docs[row].tolist() == (index - index[0]).tolist()
 
 
 def test_validation_holds_whole_held_out_documents_in_order(datasets_dir):

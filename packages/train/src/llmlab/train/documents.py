@@ -214,6 +214,12 @@ def tokenize_texts(
             ids = np.frombuffer(raw, dtype=np.uint8).astype(dtype)
         else:  # special-token text in a document is text, never a control token
             ids = np.asarray(encode(text), dtype=dtype)
+            if (ids == tok.eos_token_id).any():  # the loader finds documents by this id
+                raise ValueError(
+                    f"the tokenizer encodes a document's text with the end-of-document id "
+                    f"{tok.eos_token_id} ({tok.entry['eos_token']!r}) inside it; choose another "
+                    "--eos (a special token its ordinary encoding never produces)"
+                )
         pieces += [ids, eos]
         lengths.append(len(ids) + 1)
         held_out.append(in_validation(raw, val_fraction))

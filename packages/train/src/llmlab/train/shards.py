@@ -7,7 +7,9 @@
     train/shard_00000.bin ...  token ids, raw little-endian uint16 (vocabulary <= 65,536) or uint32,
                                ``shard_tokens`` per file (the last one shorter): nanoGPT's memmap
     train/documents.npy        int64 offsets: document ``d`` is tokens ``[o[d], o[d+1])`` of the
-                               split's stream, its last token the end-of-document id
+                               split's stream, its last token the end-of-document id (which
+                               occurs nowhere else, so a window's documents can be read off
+                               its own tokens)
     validation/...             the same for the documents held out for validation
 
 Shards are plain arrays so that any reader (``numpy.memmap``, C, Rust) can use them; the manifest
@@ -45,11 +47,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """The file's sha256, read into one reused buffer (no allocation per chunk)."""
+    digest, buffer = hashlib.sha256(), bytearray(chunk)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 
@@ -199,6 +203,7 @@ class TokenStore:
         root = Path(root)
         entry = manifest["splits"][split]
         self.dtype = np.dtype(manifest["dtype"])
+        self.eos_token_id = int(manifest["tokenizer"]["eos_token_id"])
         self.tokens = int(entry["tokens"])
         self.offsets = np.load(root / entry["index"]["file"], mmap_mode="r")
         self.shards: list[_Shard] = []
@@ -207,7 +212,6 @@ class TokenStore:
             self.shards.append(_Shard(start, int(shard["tokens"]), root / shard["file"]))
             start += int(shard["tokens"])
         self._starts = np.array([s.start for s in self.shards], dtype=np.int64)
-        self._lookups = 0
 
     @property
     def documents(self) -> int:
@@ -270,23 +274,6 @@ class TokenStore:
                 mmap.MADV_DONTNEED, begin, min(b * RELEASE_ALIGN, len(shard.map)) - begin
             )
 
-    def document_ids(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """(len(starts), length): the document of each token of the windows ``[s, s + length)``,
-        counted from 0 at each window's first token (a search in the document index)."""
-        positions = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length)
-        docs = np.searchsorted(self.offsets, positions, side="right")
-        self._lookups += 1
-        if self._lookups % 64 == 0:  # binary searches touch index pages all over: let go
-            _release_all(self.offsets)
-        return docs - docs[:, :1]
-
     def document(self, d: int) -> np.ndarray:
         """The token ids of document ``d`` (its end-of-document token last)."""
         return self.read(int(self.offsets[d]), int(self.offsets[d + 1]))
-
-
-def _release_all(array: np.ndarray) -> None:
-    """Unmap a ``numpy.memmap``'s resident pages from this process (the page cache keeps them)."""
-    mapping = getattr(array, "_mmap", None)
-    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-        mapping.madvise(mmap.MADV_DONTNEED)

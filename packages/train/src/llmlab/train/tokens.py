@@ -174,10 +174,18 @@ def read_windows(
         sel = np.flatnonzero(src == s)
         starts = windows[sel].astype(np.int64) * T
         tokens = stores[s].read_windows(starts, T + 1)
-        ids = stores[s].document_ids(starts, T) if docs else [None] * len(sel)
+        ids = document_ids(tokens[:, :T], stores[s].eos_token_id) if docs else [None] * len(sel)
         for i, row in zip(sel.tolist(), zip(tokens, ids, strict=True), strict=True):
             rows[i] = row
     return rows
+
+
+def document_ids(tokens: np.ndarray, eos_token_id: int) -> np.ndarray:
+    """(B, T) the document of each token, from 0 at each row's start: a document ends with its
+    end-of-document token, the only place that id occurs (``make data`` checks it), so the ids
+    count the end tokens strictly before each position."""
+    ends = tokens == eos_token_id
+    return np.cumsum(ends, axis=1) - ends
 
 
 def collate_windows(rows: list[tuple[np.ndarray, Any]]) -> tuple[torch.Tensor, ...]:
