@@ -11,7 +11,7 @@ Windows run across document (and shard) boundaries: nothing is padded or dropped
   :mod:`llmlab.train.global_batch`, so any layout sees the batches of one process, and the
   checkpointed position resumes at any data-parallel degree.
 * **Documents**: with ``document_mask=true`` a batch is ``(inputs, targets, document_ids)``;
-  the ids (from the shards' document index) restart at 0 in each row, and the model attends
+  the ids (counted from the end-of-document tokens) restart at 0 in each row; the model attends
   within each document only, with positions restarting at each document's first token.
 * **Memory**: nothing is loaded whole, and nothing grows with the corpus. Windows are copied
   out of the shards' memory maps, whose pages are then released; the order of the windows is
