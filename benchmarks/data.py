@@ -79,7 +79,7 @@ def preparation_rows(files: list[Path], work: Path, repeats: int, val: float) ->
                 prepare(inputs, work / "out", tokenizer=tokenizer, num_proc=procs,
                         val_fraction=val, force=True, progress=False)  # fmt: skip
 
-            seconds = best_of(run, repeats=repeats, warmup=0)
+            seconds = best_of(run, repeats=repeats, warmup=1)
             rows.append(
                 Row(
                     f"prepare {label}, num_proc={procs} (MB/s)",

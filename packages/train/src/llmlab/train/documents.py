@@ -21,7 +21,9 @@ import glob
 import hashlib
 import multiprocessing as mp
 import os
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,14 +236,12 @@ def tokenize_texts(
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(documents: Any, tok: PrepareTokenizer, dtype: str, val_fraction: float) -> None:
-    _WORKER.update(documents=documents, tok=tok, dtype=np.dtype(dtype), val=val_fraction)
+def _init_worker(tok: PrepareTokenizer, dtype: str, val_fraction: float) -> None:
+    _WORKER.update(tok=tok, dtype=np.dtype(dtype), val=val_fraction)
 
 
-def _tokenize_rows(rows: tuple[int, int]) -> TokenizedBatch:
-    w = _WORKER
-    texts = w["documents"][rows[0] : rows[1]]["text"]
-    return tokenize_texts(texts, w["tok"], w["dtype"], w["val"])
+def _tokenize(texts: list[str]) -> TokenizedBatch:
+    return tokenize_texts(texts, _WORKER["tok"], _WORKER["dtype"], _WORKER["val"])
 
 
 def tokenized_batches(
@@ -252,21 +252,29 @@ def tokenized_batches(
     num_proc: int = 1,
     batch_documents: int = 256,
 ) -> Iterator[TokenizedBatch]:
-    """Tokenized batches of ``documents`` in order; ``num_proc`` worker processes tokenize
-    batches ahead of the consumer (``imap`` keeps the order). Batches hold at most
-    ``batch_documents``, fewer when that would leave a worker idle (a few long documents)."""
+    """Tokenized batches of ``documents`` in order. With ``num_proc`` > 1, this process reads
+    the texts (Arrow, memory-mapped) and worker processes tokenize them, at most two batches per
+    worker in flight (memory stays bounded), results taken in submission order. Batches hold at
+    most ``batch_documents``, fewer when that would leave a worker idle (a few long documents)."""
     if not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"--num-proc must be a positive integer, got {num_proc!r}")
     n = len(documents)
     if num_proc > 1:  # at least 8 batches per worker, so the last one does not finish alone
         batch_documents = max(1, min(batch_documents, n // (8 * num_proc)))
-    ranges = [(i, min(i + batch_documents, n)) for i in range(0, n, batch_documents)]
+    texts = (documents[i : i + batch_documents]["text"] for i in range(0, n, batch_documents))
     if num_proc == 1:
-        _init_worker(documents, tok, dtype.str, val_fraction)
-        yield from map(_tokenize_rows, ranges)
+        _init_worker(tok, dtype.str, val_fraction)
+        yield from map(_tokenize, texts)
         return
     # spawn, not fork: the parent may hold threads (Arrow, tokenizers) that fork would copy
-    # mid-lock; the workers import only this module (no torch) and the tokenizer.
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(num_proc, _init_worker, (documents, tok, dtype.str, val_fraction)) as pool:
-        yield from pool.imap(_tokenize_rows, ranges, chunksize=1)
+    # mid-lock; workers import only this module (numpy, no torch, no datasets) and the tokenizer.
+    context = mp.get_context("spawn")
+    init = (tok, dtype.str, val_fraction)
+    with ProcessPoolExecutor(num_proc, context, initializer=_init_worker, initargs=init) as pool:
+        pending: deque = deque()
+        for batch in texts:
+            pending.append(pool.submit(_tokenize, batch))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
