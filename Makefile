@@ -8,15 +8,16 @@ STAMP := $(VENV)/.llmlab-installed
 WHEELHOUSE := $(VENV)/wheelhouse/.filled
 EXP ?= gpt_shakespeare
 ARGS ?=
+TASKS ?= shakespeare_bpb,shakespeare_cloze
 PYTEST_ARGS ?=
 
 # Everything that changes what gets installed: a change to any of these re-runs the install.
 INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
 	$(wildcard packages/*/pyproject.toml)
 EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
-	-e packages/parallel -e packages/train -e ".[dev]"
+	-e packages/serving -e packages/parallel -e packages/train -e ".[dev]"
 
-.PHONY: install test test-all lint format data train compare bench sample gpu-check clean
+.PHONY: install test test-all lint format data train compare bench sample serve export eval gpu-check clean
 
 install: $(STAMP) $(WHEELHOUSE)
 
@@ -73,6 +74,18 @@ compare: install
 # make sample CKPT=path/to/last.ckpt PROMPT="ROMEO:" ARGS="max_new_tokens=200"
 sample: install
 	$(PY) -m llmlab.train.sample ckpt=$(CKPT) prompt="$(PROMPT)" $(ARGS)
+
+# make serve CKPT=path/to/last.ckpt ARGS="--port 8000 --max-num-seqs 32"  (OpenAI-compatible)
+serve: install
+	$(PY) -m llmlab.serving $(CKPT) $(ARGS)
+
+# make export CKPT=outputs/<exp>/<run> OUT=exported/  (a .ckpt, a sharded folder or a run dir)
+export: install
+	$(PY) -m llmlab.train.export $(CKPT) $(OUT) $(ARGS)
+
+# make eval CKPT=outputs/<exp>/<run> TASKS=shakespeare_bpb,shakespeare_cloze
+eval: install
+	$(PY) -m llmlab.train.eval $(CKPT) --tasks $(TASKS) $(ARGS)
 
 bench: install
 	$(PY) -m benchmarks.run_all

@@ -15,7 +15,9 @@ rank, or each rank reading its boxes). Reported: best of 3 wall seconds per save
 needs sharding hits first. On 2 shared CPU cores the four ranks compete for the cores, so the
 times are for the ratio only.
 
-    python -m benchmarks.checkpoint [--world 4] [--repeats 3]
+    python -m benchmarks.checkpoint [--world 4] [--repeats 3] [--smoke]
+
+``--smoke``: 2 ranks (data 1 × tensor 2), a 1-layer model of width 32, one repeat.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Row, report
+from benchmarks.common import Row, parse_args, report
 from llmlab.parallel.launch import run_distributed
 
 MODEL = dict(vocab_size=4096, block_size=64, n_layer=8, n_head=6, n_embd=384, dropout=0.0)
+SMOKE_MODEL = dict(vocab_size=64, block_size=64, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
 BATCH, T = 8, 64
 
 
-def _trained_trainer(world: int) -> Any:
+def _trained_trainer(world: int, model: dict[str, Any]) -> Any:
     """A Trainer that has run one step of the N-D strategy (so AdamW holds its moments)."""
     import lightning as L
     from lightning.pytorch.plugins.environments import LightningEnvironment
@@ -48,7 +51,7 @@ def _trained_trainer(world: int) -> Any:
     os.environ["WORLD_SIZE"] = str(world)
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, MODEL["vocab_size"], (2, BATCH // 2, T + 1), generator=g)
+    ids = torch.randint(0, model["vocab_size"], (2, BATCH // 2, T + 1), generator=g)
     loader = DataLoader([(b[:, :-1], b[:, 1:]) for b in ids], batch_size=None)
     strategy = NDParallelStrategy(data=world // 2, tensor=2, zero=1, timeline_every_n_steps=0)
     strategy.cluster_environment = LightningEnvironment()
@@ -65,16 +68,16 @@ def _trained_trainer(world: int) -> Any:
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
-    task = CausalLMTask(model=dict(MODEL), warmup_steps=1, max_steps=10)
+    task = CausalLMTask(model=dict(model), warmup_steps=1, max_steps=10)
     trainer.fit(task, train_dataloaders=loader)
     return trainer
 
 
-def _rank(rank: int, world: int, root: str, repeats: int) -> dict[str, Any]:
+def _rank(rank: int, world: int, root: str, repeats: int, model: dict) -> dict[str, Any]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    trainer = _trained_trainer(world)
+    trainer = _trained_trainer(world, model)
     strategy = trainer.strategy
     paths = {"sharded": Path(root) / "sharded.ckpt", "consolidated": Path(root) / "full.ckpt"}
 
@@ -111,9 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint")
     parser.add_argument("--world", type=int, default=4, help="ranks: data (world/2) × tensor 2")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
+    model = SMOKE_MODEL if args.smoke else MODEL
+    if args.smoke:
+        args.world, args.repeats = 2, 1
     with tempfile.TemporaryDirectory() as root:
-        results = run_distributed(_rank, args.world, root, args.repeats, timeout=1800)
+        results = run_distributed(_rank, args.world, root, args.repeats, model, timeout=1800)
     times = {k: max(r["times"][k] for r in results) for k in results[0]["times"]}
     written = results[0]["written"]
     layout = f"{args.world // 2}x1x2 zero=1, {args.world} ranks"
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint",
         rows,
         notes=(
-            f"GPT {MODEL['n_layer']}x{MODEL['n_embd']}, vocab {MODEL['vocab_size']}; "
+            f"GPT {model['n_layer']}x{model['n_embd']}, vocab {model['vocab_size']}; "
             "best of "
             f"{args.repeats}, slowest rank; the consolidated file holds weights and AdamW state "
             "of the whole model, each shard file about 1/world of it"

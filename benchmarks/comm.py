@@ -4,17 +4,18 @@ Fits α (latency) and β (inverse bandwidth) from a point-to-point ping-pong on 
 times our three all-reduce algorithms and ``torch.distributed.all_reduce`` at 1 KB..64 MB on
 2 ranks. Rows compare each of our algorithms with torch's (ratio > 1: ours is faster).
 
-    .venv/bin/python -m benchmarks.comm
+    .venv/bin/python -m benchmarks.comm [--smoke]     # smoke: 1 and 4 KiB, one timing each
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import Row, report
+from benchmarks.common import Row, parse_args, report
 from llmlab.parallel.comm import all_reduce, bus_bandwidth, fit_alpha_beta, predicted_time
 from llmlab.parallel.launch import run_distributed
 
@@ -23,7 +24,9 @@ SIZES = [1 << k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB, ×4 each
 ALGORITHMS = ["ring", "recursive_doubling", "reduce_broadcast"]
 
 
-def _repeats(nbytes: int) -> int:
+def _repeats(nbytes: int, smoke: bool = False) -> int:
+    if smoke:
+        return 1
     return 30 if nbytes <= 1 << 16 else 10 if nbytes <= 1 << 22 else 3
 
 
@@ -41,7 +44,7 @@ def _timed(fn, repeats: int) -> float:
     return best
 
 
-def measure(rank: int, world: int, sizes: list[int]) -> dict:
+def measure(rank: int, world: int, sizes: list[int], smoke: bool = False) -> dict:
     out: dict = {"pingpong": {}, "allreduce": {}}
     for nbytes in sizes:  # one-way time = round trip / 2
         buf = torch.zeros(nbytes // 4)
@@ -54,14 +57,14 @@ def measure(rank: int, world: int, sizes: list[int]) -> dict:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        out["pingpong"][nbytes] = _timed(pingpong, _repeats(nbytes)) / 2
+        out["pingpong"][nbytes] = _timed(pingpong, _repeats(nbytes, smoke)) / 2
         for algo in [*ALGORITHMS, "torch"]:
             x = torch.randn(nbytes // 4)
             if algo == "torch":
                 fn = lambda x=x: dist.all_reduce(x)  # noqa: E731
             else:
                 fn = lambda x=x, a=algo: all_reduce(x, algorithm=a)  # noqa: E731
-            out["allreduce"][(algo, nbytes)] = _timed(fn, _repeats(nbytes))
+            out["allreduce"][(algo, nbytes)] = _timed(fn, _repeats(nbytes, smoke))
     return out
 
 
@@ -69,9 +72,11 @@ def _fmt_bytes(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), argv)
+    sizes = SIZES[:2] if args.smoke else SIZES
     torch.set_num_threads(1)
-    res = run_distributed(measure, WORLD, SIZES, timeout=600)[0]
+    res = run_distributed(measure, WORLD, sizes, args.smoke, timeout=600)[0]
     sizes = sorted(res["pingpong"])
     alpha, beta = fit_alpha_beta([float(s) for s in sizes], [res["pingpong"][s] for s in sizes])
     print(

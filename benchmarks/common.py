@@ -1,12 +1,21 @@
-"""Shared plumbing for benchmarks: best-of-N timing and one JSON format for `make bench`.
+"""Shared plumbing for benchmarks: best-of-N timing, one JSON format for `make bench`, smoke runs.
 
 Every benchmark measures llmlab and its reference in the same run and reports ratios, because
 these machines are shared and noisy: absolute times are printed for context, never compared.
+
+Every benchmark also takes ``--smoke`` (:func:`parse_args`): tiny sizes, one repeat, done in
+seconds, to check that the script runs (the test suite runs each one so). A smoke run's figures
+mean nothing, so they must never replace the committed ones: :func:`start_smoke` points
+:func:`results_dir` (and through the environment, any process the benchmark starts) at a scratch
+directory, ``$LLMLAB_BENCH_RESULTS`` if set, else a fresh temporary one.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -14,6 +23,35 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_ENV = "LLMLAB_BENCH_RESULTS"  # where results go instead of RESULTS_DIR (smoke runs)
+
+
+def results_dir() -> Path:
+    """Where ``report`` and other result files go: ``$LLMLAB_BENCH_RESULTS`` or ``results/``."""
+    return Path(os.environ.get(RESULTS_ENV) or RESULTS_DIR)
+
+
+def start_smoke() -> Path:
+    """Send this run's results to a scratch directory (kept in the environment, so processes
+    the benchmark spawns write there too); return it."""
+    scratch = os.environ.get(RESULTS_ENV) or tempfile.mkdtemp(prefix="llmlab-bench-smoke-")
+    os.environ[RESULTS_ENV] = scratch
+    print(f"smoke run: tiny sizes, one repeat; results go to {scratch}")
+    return Path(scratch)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> Any:
+    """``parser.parse_args(argv)`` with the common ``--smoke`` flag; starts smoke mode if set."""
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, one repeat (seconds): checks the script; results go to a scratch "
+        f"directory (${RESULTS_ENV} or a temporary one), never to benchmarks/results",
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        start_smoke()
+    return args
 
 
 def best_of(
@@ -65,8 +103,9 @@ class Row:
 
 
 def report(benchmark: str, rows: list[Row], notes: str = "", skipped: str | None = None) -> Path:
-    """Print a table of ``rows`` and write ``benchmarks/results/<benchmark>.json``."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    """Print a table of ``rows`` and write ``<results_dir()>/<benchmark>.json``."""
+    out_dir = results_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
     if skipped:
         print(f"{benchmark}: skipped: {skipped}")
     else:
@@ -89,7 +128,7 @@ def report(benchmark: str, rows: list[Row], notes: str = "", skipped: str | None
         "notes": notes,
         "rows": [{**asdict(r), "ratio": r.ratio, "meets_target": r.meets_target} for r in rows],
     }
-    path = RESULTS_DIR / f"{benchmark}.json"
+    path = out_dir / f"{benchmark}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
 

@@ -10,7 +10,8 @@ against HF and against llmlab's uncompiled path, with the same tokens. Speculati
 the target's own first block as the draft (layer skipping: same embeddings and head) and is
 compared with llmlab greedy.
 
-Run: ``.venv/bin/python -m benchmarks.decoding`` (``--quick`` for a smoke run). One intra-op
+Run: ``.venv/bin/python -m benchmarks.decoding`` (``--smoke``: a 1-layer model of width 64, 8
+tokens, one repeat, no compilation). One intra-op
 thread for both sides (on a shared 2-core machine extra threads mostly spin, see
 tests/decoding), timed in CPU seconds of this process (see ``best_of`` below).
 """
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from benchmarks.common import Row, report
+from benchmarks.common import Row, parse_args, report
 from benchmarks.common import best_of as common_best_of
 
 NEW_TOKENS = 256
@@ -60,7 +61,7 @@ def compiled_rows(ours, ids, cfg, tokens, t_hf, t_eager, compile_seconds) -> lis
     ]  # fmt: skip
 
 
-def build_models():
+def build_models(smoke: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 
@@ -71,8 +72,8 @@ def build_models():
     cfg = GPT2Config(
         vocab_size=8192,
         n_positions=512,
-        n_embd=256,
-        n_layer=4,
+        n_embd=64 if smoke else 256,
+        n_layer=1 if smoke else 4,
         n_head=4,
         bos_token_id=None,
         eos_token_id=None,
@@ -87,16 +88,15 @@ def build_models():
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="32 tokens, one repeat")
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
-    new_tokens = 32 if args.quick else NEW_TOKENS
-    repeats = 1 if args.quick else args.repeats
+    args = parse_args(parser)
+    new_tokens = 8 if args.smoke else NEW_TOKENS
+    repeats = 1 if args.smoke else args.repeats
     torch.set_num_threads(1)
 
     from llmlab.decoding import GenerationConfig, generate, speculative_generate
 
-    hf, ours, draft = build_models()
+    hf, ours, draft = build_models(args.smoke)
     g = torch.Generator().manual_seed(1)
     cases = [
         ("greedy", 1, dict()),
@@ -148,7 +148,7 @@ def main() -> None:
                 )
             )
             print(f"  {rows[-1].name}: llmlab {tokens / t_ours:.0f} tok/s, HF {tokens / t_hf:.0f}")
-            if name == "greedy":
+            if name == "greedy" and not args.smoke:  # compiling takes tens of seconds
                 rows += compiled_rows(ours, ids, cfg, tokens, t_hf, t_ours, compile_seconds)
                 identical &= rows[-1].extra["identical"]
 
@@ -176,10 +176,11 @@ def main() -> None:
                 },
             )
         )
-    compiled = ", ".join(f"batch {b}: {t:.0f} s" for b, t in compile_seconds.items())
+    compiled = ", ".join(f"batch {b}: {t:.0f} s" for b, t in compile_seconds.items()) or "not run"
     notes = (
         f"compile=True: first call (compilation) {compiled} wall time, excluded from the rate. "
-        f"{new_tokens} new tokens, prompt {PROMPT_LEN}, GPT-2 4x256 vocab 8192 (random init), "
+        f"{new_tokens} new tokens, prompt {PROMPT_LEN}, GPT-2 {ours.config.n_layer}x"
+        f"{ours.config.n_embd} vocab 8192 (random init), "
         f"1 thread, best CPU time of {repeats}. Greedy/speculative tokens identical to HF/plain: "
         f"{identical}. Speculative acceptance rate {stats.acceptance_rate:.2f} "
         f"({stats.target_calls} target calls for {new_tokens} tokens)."

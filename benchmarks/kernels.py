@@ -6,43 +6,45 @@ fusions, GFLOP/s for sparse) for llmlab and for a reference measured in the same
 is llmlab / reference (> 1: llmlab is faster). Targets from the issue (H100/H200-class GPU):
 matmul >= 0.9x cuBLAS at 4096^3 bf16, fused ops >= 1.5x eager, attention >= 0.8x SDPA.
 
-Without CUDA it prints "skipped: no CUDA" and exits 0. ``--dry-run`` runs every case at tiny
-sizes on the CPU through the Triton interpreter (set ``TRITON_INTERPRET=1``) with wall-clock
-timing and without torch.compile, to check the script itself; its numbers mean nothing.
+Without CUDA it prints "skipped: no CUDA" and exits 0. ``--smoke`` runs every case at tiny
+sizes on the CPU through the Triton interpreter (it sets ``TRITON_INTERPRET=1`` itself) with
+wall-clock timing and without torch.compile, to check the script itself; its numbers mean
+nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Row, best_of, report
+from benchmarks.common import Row, best_of, parse_args, report
 
 NAME = "kernels"
 
 
 class Bench:
-    """Times callables: ``triton.testing.do_bench`` (median ms) on CUDA, wall clock in dry runs."""
+    """Times callables: ``triton.testing.do_bench`` (median ms) on CUDA, wall clock if smoke."""
 
-    def __init__(self, dry_run: bool) -> None:
-        self.dry_run = dry_run
-        self.device = "cpu" if dry_run else "cuda"
+    def __init__(self, smoke: bool) -> None:
+        self.smoke = smoke
+        self.device = "cpu" if smoke else "cuda"
 
     def ms(self, fn: Callable[[], object]) -> float:
-        if self.dry_run:
+        if self.smoke:
             return 1e3 * best_of(fn, repeats=1, warmup=1)
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
     def compiled(self, fn: Callable) -> Callable | None:
-        """``torch.compile(fn)``; None in dry runs (compiling on CPU takes minutes here)."""
-        return None if self.dry_run else torch.compile(fn)
+        """``torch.compile(fn)``; None in smoke runs (compiling on CPU takes minutes here)."""
+        return None if self.smoke else torch.compile(fn)
 
 
 def rate(amount: float, ms: float) -> float:
@@ -69,9 +71,9 @@ def compare(rows, name, unit, scale, amount, ours, refs, target_ref=None, target
         )
 
 
-def bench_matmul(b: Bench, rows: list[Row], dry: bool) -> None:
+def bench_matmul(b: Bench, rows: list[Row], smoke: bool) -> None:
 
-    sizes = [(32, 32, 32)] if dry else [(4096, 4096, 4096), (8192, 8192, 8192)]
+    sizes = [(32, 32, 32)] if smoke else [(4096, 4096, 4096), (8192, 8192, 8192)]
     for M, N, Kd in sizes:
         _matmul_case(b, rows, M, N, Kd)
 
@@ -114,11 +116,11 @@ def _fwd_bwd(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], None]:
     return step
 
 
-def bench_fusions(b: Bench, rows: list[Row], dry: bool) -> None:
+def bench_fusions(b: Bench, rows: list[Row], smoke: bool) -> None:
     import llmlab.kernels as K
 
-    R, C = (4, 48) if dry else (16384, 4096)
-    dt = torch.float32 if dry else torch.bfloat16
+    R, C = (4, 48) if smoke else (16384, 4096)
+    dt = torch.float32 if smoke else torch.bfloat16
     es = torch.tensor([], dtype=dt).element_size()
     n = R * C
 
@@ -191,15 +193,15 @@ def bench_fusions(b: Bench, rows: list[Row], dry: bool) -> None:
     compare(rows, f"a+b+c {n}", "GB/s", 1e9, 4 * n * es, ours, refs, "eager", 1.5)
 
 
-def bench_attention(b: Bench, rows: list[Row], dry: bool) -> None:
+def bench_attention(b: Bench, rows: list[Row], smoke: bool) -> None:
 
     # (B, H, T, D, H_kv): the last is grouped-query (Llama-style, 4 query heads per KV head)
     shapes = (
         [(1, 1, 20, 16, 1), (1, 2, 20, 16, 1)]
-        if dry
+        if smoke
         else [(4, 16, 2048, 64, 16), (2, 16, 4096, 128, 16), (4, 32, 2048, 128, 8)]
     )
-    dt = torch.float32 if dry else torch.bfloat16
+    dt = torch.float32 if smoke else torch.bfloat16
     for B, H, T, D, H_kv in shapes:
         _attention_case(b, rows, B, H, T, D, dt, H_kv)
 
@@ -243,10 +245,10 @@ def _attention_case(
     compare(rows, f"{label} fwd+bwd", "TFLOP/s", 1e12, 3.5 * fwd_flops, ours, refs, "SDPA", 0.8)
 
 
-def bench_sparse(b: Bench, rows: list[Row], dry: bool) -> None:
+def bench_sparse(b: Bench, rows: list[Row], smoke: bool) -> None:
     import llmlab.kernels as K
 
-    R, Kd, N, density = (20, 30, 8, 0.2) if dry else (8192, 8192, 128, 0.01)
+    R, Kd, N, density = (20, 30, 8, 0.2) if smoke else (8192, 8192, 128, 0.01)
     dense = torch.randn(R, Kd, device=b.device) * (torch.rand(R, Kd, device=b.device) < density)
     X = torch.randn(Kd, N, device=b.device)
     x = X[:, 0].contiguous()
@@ -277,10 +279,10 @@ def bench_sparse(b: Bench, rows: list[Row], dry: bool) -> None:
         )
 
 
-def bench_memory(b: Bench, rows: list[Row], dry: bool) -> None:
+def bench_memory(b: Bench, rows: list[Row], smoke: bool) -> None:
     import llmlab.kernels as K
 
-    M, N = (20, 30) if dry else (8192, 8192)
+    M, N = (20, 30) if smoke else (8192, 8192)
     x = torch.randn(M, N, device=b.device)
     traffic = 2 * x.numel() * x.element_size()
     coalesced = b.ms(lambda: K.copy(x, coalesced=True))
@@ -325,27 +327,24 @@ def bench_memory(b: Bench, rows: list[Row], dry: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="tiny CPU run via the interpreter")
-    args = parser.parse_args(argv)
-    from llmlab.kernels import interpreter_requested, triton_available
+    args = parse_args(parser, argv)
+    if args.smoke:  # before any Triton kernel is defined: the interpreter runs them on the CPU
+        os.environ["TRITON_INTERPRET"] = "1"
+    from llmlab.kernels import triton_available
 
-    if args.dry_run:
-        if not interpreter_requested():
-            parser.error("--dry-run needs TRITON_INTERPRET=1 in the environment")
-    elif not torch.cuda.is_available():
+    if not args.smoke and not torch.cuda.is_available():
         report(NAME, [], skipped="no CUDA")
         return 0
     if not triton_available():
         report(NAME, [], skipped="triton is not installed")
         return 0
     torch.manual_seed(0)
-    b = Bench(args.dry_run)
+    b = Bench(args.smoke)
     rows: list[Row] = []
     for section in (bench_matmul, bench_fusions, bench_attention, bench_sparse, bench_memory):
-        section(b, rows, args.dry_run)
-    device = "CPU (Triton interpreter, dry run)" if args.dry_run else torch.cuda.get_device_name()
-    name = f"{NAME}_dry_run" if args.dry_run else NAME
-    report(name, rows, notes=f"device: {device}; rates are achieved throughput, ratio = llmlab/ref")
+        section(b, rows, args.smoke)
+    device = "CPU (Triton interpreter, smoke run)" if args.smoke else torch.cuda.get_device_name()
+    report(NAME, rows, notes=f"device: {device}; rates are achieved throughput, ratio = llmlab/ref")
     return 0
 
 

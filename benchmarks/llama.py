@@ -10,8 +10,8 @@ vocab 8192, untied head; 7.0M parameters) is built in ``transformers`` and loade
 
 It also reports the KV cache's bytes for this model against the same model with multi-head
 attention (GQA's n_kv_head / n_head = 1/4). Run: ``.venv/bin/python -m benchmarks.llama``
-(``--quick`` for a smoke run). One intra-op thread, CPU time of this process (best of N), as in
-``benchmarks/decoding.py``.
+(``--smoke``: a 1-layer model of width 64, 8 tokens, one repeat). One intra-op thread, CPU
+time of this process (best of N), as in ``benchmarks/decoding.py``.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Row, best_of, report
+from benchmarks.common import Row, best_of, parse_args, report
 
 NEW_TOKENS = 128
 PROMPT_LEN = 16
 VOCAB = 8192
 
 
-def build_models():
+def build_models(smoke: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging
 
@@ -39,9 +39,9 @@ def build_models():
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
+        hidden_size=64 if smoke else 256,
+        intermediate_size=172 if smoke else 688,
+        num_hidden_layers=1 if smoke else 4,
         num_attention_heads=8,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -55,22 +55,22 @@ def build_models():
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="16 tokens, one repeat")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    new_tokens = 16 if args.quick else NEW_TOKENS
-    repeats = 1 if args.quick else args.repeats
+    args = parse_args(parser)
+    new_tokens = 8 if args.smoke else NEW_TOKENS
+    repeats = 1 if args.smoke else args.repeats
+    rows_per_step, tokens_per_row = (2, 32) if args.smoke else (8, 256)
     torch.set_num_threads(1)
 
     from llmlab.decoding import GenerationConfig, generate
     from llmlab.models import Llama, LlamaConfig
 
-    hf, ours = build_models()
+    hf, ours = build_models(args.smoke)
     rows: list[Row] = []
     g = torch.Generator().manual_seed(1)
 
     # Training step: same batch, same weights; both in train mode (no dropout in either).
-    ids = torch.randint(0, VOCAB, (8, 257), generator=g)
+    ids = torch.randint(0, VOCAB, (rows_per_step, tokens_per_row + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
 
     def step_hf() -> None:
@@ -88,7 +88,7 @@ def main() -> None:
     t_ours = best_of(step_ours, repeats=repeats, warmup=1, clock=clock)
     rows.append(
         Row(
-            name="train step fwd+bwd, 8x256 tokens",
+            name=f"train step fwd+bwd, {rows_per_step}x{tokens_per_row} tokens",
             llmlab=t_ours,
             reference=t_hf,
             reference_name="HF LlamaForCausalLM",
@@ -130,10 +130,11 @@ def main() -> None:
 
     mha = Llama(LlamaConfig(**{**ours.config.to_dict(), "n_kv_head": ours.config.n_head}))
     caches = [m.new_cache(8, PROMPT_LEN + new_tokens) for m in (ours, mha)]
-    gqa_bytes, mha_bytes = (2 * c.keys.numel() * c.keys.element_size() for c in caches)
+    gqa_bytes, mha_bytes = (c.nbytes for c in caches)  # keys and values of every layer
     params = sum(p.numel() for p in ours.parameters())
     notes = (
-        f"Llama 4x256, 8 heads / 2 KV heads, vocab {VOCAB}, {params / 1e6:.1f}M parameters "
+        f"Llama {ours.config.n_layer}x{ours.config.n_embd}, 8 heads / 2 KV heads, vocab {VOCAB}, "
+        f"{params / 1e6:.1f}M parameters "
         f"(random init), 1 thread, best CPU time of {repeats}; {new_tokens} new tokens after a "
         f"{PROMPT_LEN}-token prompt. Greedy tokens identical to HF: {identical}. KV cache at "
         f"batch 8 x {PROMPT_LEN + new_tokens} positions: {gqa_bytes / 2**20:.2f} MiB vs "

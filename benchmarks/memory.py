@@ -12,11 +12,12 @@ timing, in a plain PyTorch loop (the plugins' logic without Lightning's per-step
 
 Saved bytes come from ``saved_activation_bytes`` (saved-tensor hooks, parameters excluded).
 On these CPUs fp16 has no native GEMM (~70× slower than fp32): its step-time ratio measures the
-CPU, not the method. Run: ``python -m benchmarks.memory``.
+CPU, not the method. Run: ``python -m benchmarks.memory`` (``--smoke``: T=32 only, one timing).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Row, best_of, report
+from benchmarks.common import Row, best_of, parse_args, report
 from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.memory import (
     apply_activation_checkpointing,
@@ -83,26 +84,28 @@ def build(case: str, T: int) -> tuple[GPT, Callable[[torch.Tensor, torch.Tensor]
     return model, step, context
 
 
-def measure(case: str, T: int) -> tuple[int, float]:
+def measure(case: str, T: int, repeats: int = 2) -> tuple[int, float]:
     model, step, context = build(case, T)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, MODEL["vocab_size"], (BATCH, T), generator=g)
     y = torch.randint(0, MODEL["vocab_size"], (BATCH, T), generator=g)
     with context():
         saved = saved_activation_bytes(model, x).total_bytes
-    seconds = best_of(lambda: step(x, y), repeats=2, warmup=1)
+    seconds = best_of(lambda: step(x, y), repeats=repeats, warmup=1 if repeats > 1 else 0)
     return saved, seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), argv)
+    seq_lens, repeats = ((32,), 1) if args.smoke else (SEQ_LENS, 2)
     torch.set_num_threads(1)  # shared CPUs: OpenMP threads would spin waiting for each other
     rows: list[Row] = []
     notes = []
-    for T in SEQ_LENS:
-        ref_bytes, ref_s = measure("fp32", T)
+    for T in seq_lens:
+        ref_bytes, ref_s = measure("fp32", T, repeats)
         notes.append(f"T={T}: fp32 saves {ref_bytes / 2**20:.2f} MiB, step {ref_s * 1e3:.1f} ms")
         for case in CASES:
-            b, s = measure(case, T)
+            b, s = measure(case, T, repeats)
             rows.append(Row(f"saved MiB {case} T={T}", b / 2**20, ref_bytes / 2**20, "fp32",
                             "MiB", higher_is_better=False))  # fmt: skip
             rows.append(Row(f"step ms {case} T={T}", s * 1e3, ref_s * 1e3, "fp32", "ms",

@@ -31,10 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import RESULTS_ENV
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
-NOT_BENCHMARKS = {"__init__", "common", "run_all"}
+# Not benchmarks: the plumbing, and zero.py's workload (the ZeRO tests share it).
+NOT_BENCHMARKS = {"__init__", "common", "run_all", "zero_workload"}
 
 
 @dataclass
@@ -77,10 +80,12 @@ def run_benchmark(name: str, timeout: float, results_dir: Path = RESULTS_DIR) ->
     """Run ``python -m benchmarks.<name>``; collect every result JSON it (re)wrote."""
     start = time.time()
     before = {p: p.stat().st_mtime for p in results_dir.glob("*.json")}
+    env = {k: v for k, v in os.environ.items() if k != RESULTS_ENV}  # results go to results_dir
     try:
         proc = subprocess.run(
             [sys.executable, "-m", f"benchmarks.{name}"],
             cwd=REPO,
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,

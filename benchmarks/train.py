@@ -22,7 +22,8 @@ best mean over windows of ``--window`` consecutive steps (best of several). The 
 interleaved rounds, half before and half after the Lightning runs. Also: the AdamW implementations
 (``task.optimizer_impl``) and the default experiment's MFU against the measured matmul peak.
 
-Run: ``.venv/bin/python -m benchmarks.train`` (``--quick`` for a smoke run, ``--profile`` to
+Run: ``.venv/bin/python -m benchmarks.train`` (``--smoke``: a 1-layer model of width 32, a
+few steps, no compilation; ``--profile`` to
 print where the time goes in each raw loop and in the compiled step).
 """
 
@@ -34,6 +35,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,12 +43,27 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks.common import STEP_TIMES, Row, report
+from benchmarks.common import STEP_TIMES, Row, parse_args, report
 
 CLOCK = time.process_time  # see the module docstring
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB, BLOCK, LAYERS, HEADS, EMBD, BATCH = 256, 128, 4, 4, 128, 32
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model and batch every row measures (the default experiment's, vocab: bytes)."""
+
+    vocab: int = 256
+    block: int = 128
+    layers: int = 4
+    heads: int = 4
+    embd: int = 128
+    batch: int = 32
+
+
+DEFAULT_SHAPE, SMOKE_SHAPE = Shape(), Shape(block=32, layers=1, heads=2, embd=32, batch=4)
+SHAPE = DEFAULT_SHAPE  # main() sets SMOKE_SHAPE for --smoke
 HP = SimpleNamespace(  # conf/train.yaml's task
     lr=2e-3,
     weight_decay=0.1,
@@ -60,11 +77,18 @@ HP = SimpleNamespace(  # conf/train.yaml's task
 
 
 # ----------------------------------------------------------------------------- models
-def llmlab_gpt() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
-    from llmlab.models import GPT, GPTConfig
+def gpt_config() -> Any:
+    """llmlab's ``GPTConfig`` of ``SHAPE``."""
+    from llmlab.models import GPTConfig
 
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=LAYERS, n_head=HEADS,
-                          n_embd=EMBD))  # fmt: skip
+    return GPTConfig(vocab_size=SHAPE.vocab, block_size=SHAPE.block, n_layer=SHAPE.layers,
+                     n_head=SHAPE.heads, n_embd=SHAPE.embd)  # fmt: skip
+
+
+def llmlab_gpt() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
+    from llmlab.models import GPT
+
+    model = GPT(gpt_config())
     return model, model
 
 
@@ -88,17 +112,17 @@ def litgpt_gpt() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
 
     config = Config(
         name="llmlab-default-shape",
-        block_size=BLOCK,
-        vocab_size=VOCAB,
-        padded_vocab_size=VOCAB,
-        n_layer=LAYERS,
-        n_head=HEADS,
-        n_embd=EMBD,
+        block_size=SHAPE.block,
+        vocab_size=SHAPE.vocab,
+        padded_vocab_size=SHAPE.vocab,
+        n_layer=SHAPE.layers,
+        n_head=SHAPE.heads,
+        n_embd=SHAPE.embd,
         bias=True,
         parallel_residual=False,
         norm_class_name="LayerNorm",
         mlp_class_name="GptNeoxMLP",
-        intermediate_size=4 * EMBD,
+        intermediate_size=4 * SHAPE.embd,
         gelu_approximate="tanh",
     )
     model = GPT(config)
@@ -112,11 +136,11 @@ def hf_gpt2() -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
 
     logging.set_verbosity_error()
     config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=BLOCK,
-        n_embd=EMBD,
-        n_layer=LAYERS,
-        n_head=HEADS,
+        vocab_size=SHAPE.vocab,
+        n_positions=SHAPE.block,
+        n_embd=SHAPE.embd,
+        n_layer=SHAPE.layers,
+        n_head=SHAPE.heads,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
@@ -145,7 +169,8 @@ class RawLoop:
         opt = adamw_warmup_cosine(self.model, HP)
         self.optimizer, self.scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
         g = torch.Generator().manual_seed(0)
-        self.batches = [torch.randint(0, VOCAB, (BATCH, BLOCK + 1), generator=g) for _ in range(4)]
+        shape = (SHAPE.batch, SHAPE.block + 1)
+        self.batches = [torch.randint(0, SHAPE.vocab, shape, generator=g) for _ in range(4)]
         self.loss_fn = compile_loss(causal_lm_loss) if compile else causal_lm_loss
         self.times: list[float] = []
         self.params = sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
@@ -203,6 +228,16 @@ def lightning_step_times(steps: int, compile: bool, output_dir: str) -> tuple[li
             f"compile={str(compile).lower()}",
             f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={steps}",  # one validation, after the timed steps
+            *(
+                f"model.{key}={value}"
+                for key, value in (
+                    ("block_size", SHAPE.block),
+                    ("n_layer", SHAPE.layers),
+                    ("n_head", SHAPE.heads),
+                    ("n_embd", SHAPE.embd),
+                )
+            ),
+            f"data.batch_size={SHAPE.batch}",
             "trainer.limit_val_batches=1",
             "trainer.max_time=null",
             "+callbacks.step_timer._target_=benchmarks.train.StepTimer",
@@ -221,12 +256,11 @@ def lightning_step_times(steps: int, compile: bool, output_dir: str) -> tuple[li
 # ----------------------------------------------------------------------------- optimizer
 def optimizer_rows(repeats: int) -> list[Row]:
     """AdamW step time per implementation on the default model, and distance from the loop."""
-    from llmlab.models import GPT, GPTConfig
+    from llmlab.models import GPT
     from llmlab.train.task import OPTIMIZER_IMPLS, adamw, param_groups
 
     torch.manual_seed(0)
-    base = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=LAYERS, n_head=HEADS,
-                         n_embd=EMBD))  # fmt: skip
+    base = GPT(gpt_config())
     grads = [torch.randn_like(p) * 1e-2 for p in base.parameters()]
     models, opts, times = {}, {}, {impl: [] for impl in OPTIMIZER_IMPLS}
     for impl in OPTIMIZER_IMPLS:
@@ -269,25 +303,26 @@ def profile_loop(loop: RawLoop, steps: int = 3) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global SHAPE
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="smoke run: few steps, no compile")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6, help="raw-loop rounds (even)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args()
-    if args.quick:
-        args.warmup, args.window, args.rounds = 1, 2, 2
+    args = parse_args(parser, argv)
+    if args.smoke:
+        args.warmup, args.window, args.rounds = 1, 1, 2
+        SHAPE = SMOKE_SHAPE
     torch.set_float32_matmul_precision("high")  # what the app sets: the same for every row
     torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    tokens = BATCH * BLOCK
+    tokens = SHAPE.batch * SHAPE.block
 
     loops = [RawLoop("llmlab", llmlab_gpt), RawLoop("litgpt", litgpt_gpt), RawLoop("hf", hf_gpt2)]
     raw_compile_s = 0.0
-    if not args.quick:
+    if not args.smoke:
         loops.append(RawLoop("compiled", llmlab_gpt_compiled, compile=True))
     from torch._dynamo.utils import calculate_time_spent
 
@@ -309,7 +344,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="llmlab-bench-train-") as out:
         eager_times, _ = lightning_step_times(lightning_steps, False, out)
         compiled_times, compile_s = (
-            ([], 0.0) if args.quick else lightning_step_times(lightning_steps, True, out)
+            ([], 0.0) if args.smoke else lightning_step_times(lightning_steps, True, out)
         )
     raw_rounds(args.rounds - args.rounds // 2)
 
@@ -343,12 +378,11 @@ def main() -> None:
                 extra={"compile_seconds": raw_compile_s}),
         ]  # fmt: skip
 
-    from llmlab.models import GPT, GPTConfig
+    from llmlab.models import GPT
     from llmlab.train.telemetry import cached_cpu_peak_flops
 
     with torch.device("meta"):
-        fpt = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=LAYERS, n_head=HEADS,
-                            n_embd=EMBD)).flops_per_token()  # fmt: skip
+        fpt = GPT(gpt_config()).flops_per_token()
     peak = cached_cpu_peak_flops()
     achieved = tps["lightning"] * fpt
     rows.append(
@@ -361,14 +395,15 @@ def main() -> None:
             extra={"mfu": achieved / peak, "flops_per_token": fpt},
         )
     )
-    rows += optimizer_rows(repeats=12 if args.quick else 40)
+    rows += optimizer_rows(repeats=3 if args.smoke else 40)
     fused = rows[-1].extra["max_abs_param_diff_vs_default"]
     foreach = rows[-2].extra["max_abs_param_diff_vs_default"]
 
     params = {loop.name: loop.params for loop in loops}
     notes = (
-        f"Default experiment's step: GPT {LAYERS}x{EMBD}, {HEADS} heads, vocab {VOCAB}, context "
-        f"{BLOCK}, batch {BATCH} ({tokens} tokens), fp32, {threads} torch thread(s), timed in "
+        f"Default experiment's step: GPT {SHAPE.layers}x{SHAPE.embd}, {SHAPE.heads} heads, "
+        f"vocab {SHAPE.vocab}, context {SHAPE.block}, batch {SHAPE.batch} ({tokens} tokens), "
+        f"fp32, {threads} torch thread(s), timed in "
         "CPU seconds of the process, "
         f"AdamW foreach + clip 1.0 + LR schedule. Best mean over windows of {args.window} steps "
         f"after {args.warmup} warm-up steps; raw loops in {args.rounds} interleaved rounds. "

@@ -19,6 +19,8 @@ Per rank and per stage it reports, measured the same way on both sides:
   FIELD-NOTES) and llmlab in a plain loop, so no speed ratio is reported.
 
     python -m benchmarks.zero [--steps 20] [--world 2] [--markdown benchmarks/results/zero.md]
+
+``--smoke``: 3 steps, ZeRO-1 only (llmlab's stages 0 and 1, DeepSpeed's stage 1).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from benchmarks.common import RESULTS_DIR, Row, report
+from benchmarks.common import Row, parse_args, report, results_dir
 from llmlab.parallel.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,6 +128,11 @@ def _global_mean(values: list[float]) -> list[float]:
 
 
 # --------------------------------------------------------------------------- llmlab
+def llmlab_stages(rank: int, world: int, stages: tuple[int, ...], steps: int) -> dict[int, dict]:
+    """``llmlab_rank`` for each stage in turn, in one spawn of the ranks (each costs seconds)."""
+    return {stage: llmlab_rank(rank, world, stage, steps) for stage in stages}
+
+
 def llmlab_rank(rank: int, world: int, stage: int, steps: int) -> dict[str, Any]:
     from benchmarks.zero_workload import train_zero
     from llmlab.parallel.data.zero import ZeroEngine
@@ -250,14 +257,19 @@ def deepspeed_rank(rank: int, world: int, stage: int, steps: int) -> dict[str, A
 
 
 # --------------------------------------------------------------------------- table
-def markdown(ours: dict[int, list[dict]], theirs: dict[int, list[dict]], steps: int) -> str:
+def markdown(
+    ours: dict[int, list[dict]],
+    theirs: dict[int, list[dict]],
+    steps: int,
+    stages: tuple[int, ...] = STAGES,
+) -> str:
     kb = 1024
     lines = [
         "| stage | run | max \\|Δloss\\| vs DeepSpeed | params KiB | optim KiB | state KiB "
         "| ms/step | loss at steps 1, 10, 20 |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for stage in (0, *STAGES):
+    for stage in (0, *stages):
         runs = [("llmlab", ours[stage])] + ([("DeepSpeed", theirs[stage])] if stage in theirs
                                             else [])  # fmt: skip
         for name, by_rank in runs:
@@ -277,28 +289,32 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--markdown", default=str(RESULTS_DIR / "zero.md"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--markdown", help="the table's file (default: results/zero.md)")
+    args = parse_args(parser, argv)
+    stages = (1,) if args.smoke else STAGES
+    if args.smoke:
+        args.steps = 3  # the step time needs two steps after the first
+    markdown_path = Path(args.markdown) if args.markdown else results_dir() / "zero.md"
     try:
         import deepspeed  # noqa: F401
     except ImportError:
         report("zero", [], skipped="deepspeed is not installed")
         return
-    ours = {s: run_distributed(llmlab_rank, args.world, s, args.steps, timeout=900)
-            for s in (0, *STAGES)}  # fmt: skip
+    by_rank = run_distributed(llmlab_stages, args.world, (0, *stages), args.steps, timeout=900)
+    ours = {s: [r[s] for r in by_rank] for s in (0, *stages)}
     theirs = {s: run_distributed(deepspeed_rank, args.world, s, args.steps, timeout=900)
-              for s in STAGES}  # fmt: skip
+              for s in stages}  # fmt: skip
     rows = []
-    for s in STAGES:
+    for s in stages:
         a, b = ours[s][0], theirs[s][0]
         diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
         rows.append(Row(f"zero={s} model state at the step (bytes/rank)", a["state"],
                         b["state"], "DeepSpeed", "B", higher_is_better=False,
                         extra={"max_loss_diff": diff, "params": (a["params"], b["params"]),
                                "optim": (a["optim"], b["optim"])}))  # fmt: skip
-    table = markdown(ours, theirs, args.steps)
-    Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.markdown).write_text(
+    table = markdown(ours, theirs, args.steps, stages)
+    markdown_path.parent.mkdir(parents=True, exist_ok=True)
+    markdown_path.write_text(
         f"`python -m benchmarks.zero --steps {args.steps} --world {args.world}` "
         f"({time.strftime('%Y-%m-%d')}, {sys.platform}, dp={args.world}; rank 0)\n\n{table}\n"
     )

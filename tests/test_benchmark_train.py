@@ -1,4 +1,4 @@
-"""``benchmarks/train.py --quick`` runs end to end and writes its rows (slow: ~2-3 min).
+"""``benchmarks/train.py --smoke`` runs end to end and writes its rows.
 
 Speed is never asserted (DEVELOPERS rule 5); this checks the script itself: every row is
 there, each figure is a positive number, and the optimizer rows carry their exactness check.
@@ -12,21 +12,22 @@ import sys
 
 import pytest
 
+from benchmarks.common import RESULTS_ENV
 from tests.helpers.runs import REPO, train_env
 
 
 @pytest.mark.slow
-def test_train_benchmark_quick_run_writes_every_row(tmp_path):
+def test_train_benchmark_smoke_run_writes_every_row(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.train", "--quick"],
+        [sys.executable, "-m", "benchmarks.train", "--smoke"],
         cwd=REPO,
-        env=train_env(tmp_path),
+        env=train_env(tmp_path, **{RESULTS_ENV: str(tmp_path / "results")}),
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    payload = json.loads((REPO / "benchmarks" / "results" / "train.json").read_text())
+    payload = json.loads((tmp_path / "results" / "train.json").read_text())
     names = [row["name"] for row in payload["rows"]]
     for expected in ("(a) llmlab raw loop / (d) litgpt", "(a) llmlab raw loop / (e) HF GPT-2",
                      "(b) Lightning path / (a) raw loop", "MFU of the default experiment",

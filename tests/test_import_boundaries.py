@@ -78,3 +78,30 @@ def test_the_scan_sees_deferred_and_from_imports(tmp_path):
         "tests.parallel.test_mesh",
         "tests.train.test_config",
     ]
+
+
+# docs/architecture.md#who-may-import-whom: which llmlab packages each package may import (its own always).
+ALLOWED = {
+    "tokenizer": set(),
+    "kernels": set(),
+    "models": {"kernels"},
+    "decoding": set(),
+    "serving": {"decoding", "models", "tokenizer", "kernels"},  # never train or parallel
+    "parallel": set(),
+    "train": {"tokenizer", "kernels", "models", "decoding", "parallel", "serving"},
+}
+
+
+def test_packages_import_only_what_the_architecture_allows():
+    from scripts.import_cycles import import_graph
+
+    graph = import_graph()
+    assert {name.split(".")[1] for name in graph} <= set(ALLOWED)  # a new package is listed
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if target.split(".")[1] != module.split(".")[1]
+        and target.split(".")[1] not in ALLOWED[module.split(".")[1]]
+    )
+    assert wrong == []

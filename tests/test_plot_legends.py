@@ -47,6 +47,16 @@ def test_pipeline_timeline(tmp_path, closed_figures):
     _legend_clear_of_axes(closed_figures[-1])
 
 
+def test_pipeline_timeline_split_backward(tmp_path, closed_figures):
+    """ZB-V draws F, B and W apart (two chunks per rank); the legend names all three."""
+    events = simulate(all_schedules("zbv", 4, 8, 2), 1.0, 1.0, weight_cost=1.0).events
+    plot_timeline(events, 4, tmp_path / "timeline.png", title="zbv p=4 m=8")
+    fig = closed_figures[-1]
+    _legend_clear_of_axes(fig)
+    labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert labels == ["F (forward)", "B (input gradient)", "W (weight gradients)"]
+
+
 def _history(offset: float) -> list[dict[str, float]]:
     rows = []
     for step in range(20):

@@ -1,9 +1,9 @@
 """Each distribution builds a wheel, and ``llmlab-tokenizer``'s works alone, with no torch.
 
-DESIGN §1: ``pip install packages/tokenizer`` must not pull torch. The test builds the six
-wheels with the installed setuptools (no build isolation, so no download), installs the
-tokenizer's into a fresh virtual environment without pip (``pip --python`` drives it from
-outside) together with its one runtime dependency, ``regex``, from the wheelhouse that
+docs/architecture.md#layout: ``pip install packages/tokenizer`` must not pull torch. The test builds
+every distribution's wheel with the installed setuptools (no build isolation, so no download),
+installs the tokenizer's into a fresh virtual environment without pip (``pip --python`` drives it
+from outside) together with its one runtime dependency, ``regex``, from the wheelhouse that
 ``make install`` fills in ``.venv/wheelhouse`` (the only step that may use the network), and runs
 a BPE there: train, encode, decode, save and load. ``--no-index`` keeps the test offline.
 """
@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 DISTRIBUTIONS = {
     "llmlab-tokenizer": REPO / "packages/tokenizer",
     "llmlab-decoding": REPO / "packages/decoding",
+    "llmlab-serving": REPO / "packages/serving",
     "llmlab-models": REPO / "packages/models",
     "llmlab-parallel": REPO / "packages/parallel",
     "llmlab-train": REPO / "packages/train",
@@ -67,7 +68,7 @@ def _run(*args: str | Path, cwd: Path | None = None) -> str:
     return proc.stdout
 
 
-def test_six_wheels_build_and_the_tokenizer_runs_alone_without_torch(tmp_path):
+def test_the_wheels_build_and_the_tokenizer_runs_alone_without_torch(tmp_path):
     regex_wheels = sorted(WHEELHOUSE.glob("regex-*.whl"))
     assert regex_wheels, f"no regex wheel in {WHEELHOUSE}: run `make install` (it fills it)"
     # Build from clean copies: setuptools builds in the source folder, and a stale build/ there

@@ -24,7 +24,7 @@ from llmlab.train.sample import load_checkpoint  # noqa: E402
 from llmlab.train.sample import main as sample_main  # noqa: E402
 from llmlab.train.sample_callback import SampleCallback  # noqa: E402
 from llmlab.train.task import CausalLMTask  # noqa: E402
-from tests.helpers.tiny import quiet_trainer  # noqa: E402
+from tests.helpers.tiny import quiet_trainer, romeo_loader  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,10 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 def checkpoint(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("run")
     torch.manual_seed(0)
-    text = torch.tensor(list(b"ROMEO: hello there, fair Juliet.\n" * 8))
-    x = torch.stack([text[i : i + 16] for i in range(0, 160, 8)])
-    y = torch.stack([text[i + 1 : i + 17] for i in range(0, 160, 8)])
-    loader = torch.utils.data.DataLoader(list(zip(x, y)), batch_size=4)
+    loader = romeo_loader()
     task = CausalLMTask(
         model=dict(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32),
         warmup_steps=1,

@@ -108,6 +108,15 @@ def tiny_tokens(
     return TinyTokens()
 
 
+def romeo_loader(batch_size: int = 4) -> torch.utils.data.DataLoader:
+    """20 (input, next-byte target) windows of 16 bytes over a repeated line of Romeo and
+    Juliet: enough for a byte-level task to train a few steps and save a real checkpoint."""
+    text = torch.tensor(list(b"ROMEO: hello there, fair Juliet.\n" * 8))
+    x = torch.stack([text[i : i + 16] for i in range(0, 160, 8)])
+    y = torch.stack([text[i + 1 : i + 17] for i in range(0, 160, 8)])
+    return torch.utils.data.DataLoader(list(zip(x, y)), batch_size=batch_size)
+
+
 def loss_recorder(losses: list[float]) -> L.Callback:
     """A callback that appends each training step's loss (as a float) to ``losses``."""
     import lightning as L

@@ -72,13 +72,17 @@ def test_biases_are_read_per_projection():
     assert (qwen.attention_bias, qwen.attention_out_bias) == (True, False)
 
 
-def test_sliding_window_caps_block_size_and_rope_scaling_is_refused():
+def test_sliding_window_is_applied_and_unknown_rope_scaling_is_refused():
     mistral = hf_causal_lm("Mistral", sliding_window=24)
-    assert Llama.from_hf(mistral).config.block_size == 24  # exact up to the window
+    ours = Llama.from_hf(mistral)
+    assert (ours.config.block_size, ours.config.sliding_window) == (64, 24)
+    ids = torch.randint(0, 101, (2, 40))  # longer than the window: it binds
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), mistral(ids).logits, atol=1e-5, rtol=0)
     scaled = hf_causal_lm(
-        "Llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
+        "Llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}
     )
-    with pytest.raises(ValueError, match="rope_type='linear' is not supported"):
+    with pytest.raises(ValueError, match="rope_type='dynamic' is not implemented"):
         Llama.from_hf(scaled)
 
 

@@ -24,6 +24,7 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.tiny import rank_trainer, tiny_gpt_config, tiny_task, tiny_tokens
+from tests.parallel.tensor.common import tp_step_bytes
 
 MODEL = tiny_gpt_config(n_layer=4, n_head=4, dropout=0.0)
 T = 16
@@ -125,6 +126,7 @@ def _nd_runs(rank: int, world: int, root: str, cases: list[dict]) -> dict:
             "params": strategy.local_param_count,
             "coords": strategy.groups.coords,
             "comm": dict(strategy.last_comm),
+            "chunks": _chunk_shapes(strategy, case.get("model", MODEL)["n_layer"]),
             "loss_scale": getattr(run["trainer"].precision_plugin.masters, "loss_scale", None)
             if case.get("precision")
             else None,
@@ -170,28 +172,49 @@ def _check_final_weights(path: Path, reference: dict) -> None:
         torch.testing.assert_close(plain(x), ref(x), atol=1e-4, rtol=0)
 
 
-def _analytical_comm(coords: tuple[int, int, int], sp: bool, m: int) -> dict[str, float]:
-    """Payload bytes one rank sends per step at DP × PP × TP = 2 × 2 × 2, 1F1B (README).
+def _chunk_shapes(strategy, n_layer: int) -> list[tuple[bool, int, bool]]:
+    """(holds the embedding, blocks, holds the head) of each model piece this rank runs: one
+    piece without a pipeline, one per virtual stage with one."""
+    stage = strategy.parallel.stage
+    if stage is None:
+        return [(True, n_layer, True)]
+    last, local, shapes = n_layer + 1, iter(stage.local_layers), []
+    for chunk in stage.chunks:  # pipeline_layers() = [embed, *blocks, head]
+        idx = [next(local) for _ in chunk]
+        shapes.append((0 in idx, sum(0 < i < last for i in idx), last in idx))
+    return shapes
 
-    b = rows per replica, L = blocks per stage (2), C, V, T; fp32 (4 bytes).
-    tp: the Megatron f/g collectives of this stage's layers (see the tensor-parallel tests'
-    ``expected_comm``), per micro-batch where a collective runs per backward.
-    pp: stage 0 sends b·T·C activations, the last stage b·T·C gradients (÷ tp under SP: sequence
-    shards), and both all-reduce their copy of the tied embedding shard (V/tp × C).
-    dp: one all-reduce of every held gradient.
-    """
-    _, stage, _ = coords
-    tp, b, L, C, V = 2, BATCH // 2, MODEL["n_layer"] // 2, MODEL["n_embd"], MODEL["vocab_size"]
-    act = b * T * C * 4
-    loss = 3 * b * T * 4
-    if not sp:
-        tp_bytes = (4 * L + 1) * act + (loss if stage == 1 else 0)
-    else:
-        all_reduce = m * (6 * L + (2 if stage == 1 else 0)) * C * 4 + (loss if stage == 1 else 0)
-        position_table = m * T * C * 4 if stage == 0 else 0
-        tp_bytes = all_reduce + 2 * (4 * L + 1) * act + position_table
-    pp_bytes = act / (tp if sp else 1) + V // tp * C * 4
-    return {"comm/tp_bytes": tp_bytes, "comm/pp_bytes": pp_bytes}
+
+def _analytical_tp(chunks: list[tuple[bool, int, bool]], sp: bool, m: int, data: int) -> int:
+    """Payload bytes one rank's tensor parallelism moves per step: the README's formula
+    (``tp_step_bytes``) for each piece it holds, with b = BATCH / data rows per replica and
+    ``m`` micro-batches where a collective runs per backward."""
+    return sum(
+        sum(tp_step_bytes(rows=BATCH // data, seq=T, width=MODEL["n_embd"], layers=L, sp=sp,
+                          microbatches=m, embedding=e, head=h).values())
+        for e, L, h in chunks
+    )  # fmt: skip
+
+
+def _analytical_pp(sp: bool) -> float:
+    """Payload bytes one rank's pipeline moves per step at DP × PP × TP = 2 × 2 × 2, 1F1B:
+    stage 0 sends b·T·C activations, the last stage b·T·C gradients (÷ tp under SP: sequence
+    shards), and both all-reduce their copy of the tied embedding shard (V/tp × C)."""
+    tp, b, C, V = 2, BATCH // 2, MODEL["n_embd"], MODEL["vocab_size"]
+    return b * T * C * 4 / (tp if sp else 1) + V // tp * C * 4
+
+
+def _check_tp_comm(results: list[dict], cases: dict[str, dict]) -> set[tuple[bool, bool]]:
+    """Every rank's logged ``comm/tp_bytes`` of each case in ``cases`` (name -> sp, m, data)
+    equals the formula; returns the stage shapes (embedding?, head?) it covered."""
+    shapes = set()
+    for r in results:
+        for name, c in cases.items():
+            got, chunks = r[name]["comm"]["comm/tp_bytes"], r[name]["chunks"]
+            want = _analytical_tp(chunks, c["sp"], c["m"], c["data"])
+            assert got == want, (name, r[name]["coords"], chunks, got, want)
+            shapes.update((e, h) for e, _, h in chunks)
+    return shapes
 
 
 def _expected_shares() -> tuple[int, int]:
@@ -233,12 +256,15 @@ def test_3d_2x2x2_equals_single_process_and_checkpoints_into_other_layouts(
     replica = [r["3d"]["params"] for r in results if r["3d"]["coords"][0] == 0]
     assert len(replica) == 4 and max(replica) < total / 2
     assert sum(replica) == total + duplicates
-    # The comm bytes of one step equal the analytical count, per dimension.
+    # The comm bytes of one step equal the analytical count, per dimension: first and last
+    # stage, with and without sequence parallelism.
+    shapes = _check_tp_comm(
+        results, {"3d": dict(sp=True, m=2, data=2), "half": dict(sp=False, m=2, data=2)}
+    )
+    assert shapes == {(True, False), (False, True)}, shapes
     for r in results:
-        want = _analytical_comm(r["3d"]["coords"], sp=True, m=2)
         got = r["3d"]["comm"]
-        assert got["comm/tp_bytes"] == want["comm/tp_bytes"], (r["3d"]["coords"], got, want)
-        assert got["comm/pp_bytes"] == want["comm/pp_bytes"], (r["3d"]["coords"], got, want)
+        assert got["comm/pp_bytes"] == _analytical_pp(sp=True), (r["3d"]["coords"], got)
         assert got["comm/dp_bytes"] == 4 * r["3d"]["params"]
 
     # Resume the 2×2×2 checkpoint of step 5 as PP × TP (1×2×2) and DP × TP (2×1×2): the curve
@@ -257,6 +283,17 @@ def test_3d_2x2x2_equals_single_process_and_checkpoints_into_other_layouts(
             _close(r[name]["norms"], reference["norms"][HALF:], f"resumed {name} grad_norm")
         _close(r["pp2tp2"]["losses"], reference["losses"], "pp2tp2 interleaved loss")
         _close(r["pp2tp2"]["norms"], reference["norms"], "pp2tp2 interleaved grad_norm")
+    # tensor-parallel bytes of every stage shape: one stage holding both ends (2x1x2), and
+    # first + middle, middle + last chunks (interleaved: two virtual stages per rank)
+    shapes = _check_tp_comm(
+        results,
+        {
+            "1x2x2": dict(sp=False, m=2, data=1),
+            "2x1x2": dict(sp=False, m=1, data=2),
+            "pp2tp2": dict(sp=False, m=2, data=1),
+        },
+    )
+    assert shapes == {(True, True), (True, False), (False, False), (False, True)}, shapes
 
 
 MATRIX_SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -287,6 +324,12 @@ def test_every_schedule_with_and_without_sequence_parallel_equals_single_process
         for sp in (False, True)
     ]
     results = run_distributed(_nd_runs, 4 * data, str(tmp_path), cases, timeout=2400)
+    layouts = {c["name"]: c["layout"] for c in cases}
+    shapes = _check_tp_comm(
+        results,
+        {n: dict(sp=c["sequence_parallel"], m=2, data=data) for n, c in layouts.items()},
+    )
+    assert (False, False) in shapes  # interleaved: a middle chunk, with and without SP
     for case in cases:
         name = case["name"]
         for r in results:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmlab.train.app import ConfigError, build, build_tokenizer, compose_config, validate_config
-from llmlab.train.byte_tokenizer import ByteTokenizer
+from llmlab.tokenizer import ByteTokenizer
 from llmlab.train.prepare import prepare
 
 

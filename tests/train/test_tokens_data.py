@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from llmlab.train.byte_tokenizer import ByteTokenizer
+from llmlab.tokenizer import ByteTokenizer
 from llmlab.train.mixture import MixtureSchedule, Shuffle
 from llmlab.train.prepare import prepare
 from llmlab.train.resumable import ResumableSampler

@@ -1,4 +1,4 @@
-"""The GPU benchmark's own code paths, run at toy sizes through the interpreter (``--dry-run``).
+"""The GPU benchmark's own code paths, run at toy sizes through the interpreter (``--smoke``).
 
 It cannot measure anything here; it checks that every case builds its inputs, runs llmlab's op
 and the references, and produces one row per comparison with finite positive rates.
@@ -14,9 +14,9 @@ from benchmarks import kernels as bench
 
 
 def test_benchmark_dry_run_covers_every_case(tmp_path, monkeypatch):
-    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
-    assert bench.main(["--dry-run"]) == 0
-    rows = json.loads((tmp_path / "kernels_dry_run.json").read_text())["rows"]
+    monkeypatch.setenv(common.RESULTS_ENV, str(tmp_path))
+    assert bench.main(["--smoke"]) == 0
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     names = " | ".join(r["name"] for r in rows)
     for case in (
         "matmul",

@@ -56,6 +56,11 @@ def test_strategy_checks_batch_size_and_schedule_arguments():
         PipelineStrategy(stages=4, microbatches=6, schedule="interleaved")
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
         PipelineStrategy(stages=2, schedule="pipedream")
+    # the split-backward schedules run on the engine; the strategy refuses rather than cut
+    # loop-placed chunks for a V or recompute checkpointed blocks once per weight group
+    for name in ("zb1", "zbv", "dualpipev"):
+        with pytest.raises(ValueError, match=f"the '{name}' schedule .* runs on PipelineEngine"):
+            PipelineStrategy(stages=2, microbatches=4, schedule=name, virtual_stages=2)
     from llmlab.parallel.parallelize import Layout, check_layout
 
     layout = Layout(ParallelDims(data=2, pipeline=2), microbatches=4)

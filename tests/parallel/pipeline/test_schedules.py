@@ -7,11 +7,13 @@ import pytest
 from llmlab.parallel.pipeline.schedules import (
     Instruction,
     Op,
+    ScheduleError,
     all_schedules,
     schedule,
     theoretical_bubble,
 )
-from llmlab.parallel.pipeline.simulator import DeadlockError, check_programs, simulate
+from llmlab.parallel.pipeline.simulator import DeadlockError, simulate
+from llmlab.parallel.pipeline.validate import check_programs
 
 FLAT_CASES = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 INTERLEAVED_CASES = [(p, v, m) for p in range(1, 9) for v in range(2, 5) for m in range(p, 17, p)]
@@ -86,7 +88,7 @@ def test_check_programs_catches_a_dropped_backward():
     programs[1] = [
         i for i in programs[1] if not (i.op in (Op.BACKWARD, Op.SEND_GRAD) and i.microbatch == 1)
     ]
-    with pytest.raises(AssertionError, match="forwards without backward"):
+    with pytest.raises(ScheduleError, match="forwards without backward"):
         check_programs(programs, 2)
 
 
@@ -103,7 +105,7 @@ def test_simulator_uses_unequal_costs():
         (("gpipe", 0, 4, 0), "num_stages must be a positive integer"),
         (("gpipe", 2, 4, 2), r"stage must be in \[0, 2\)"),
         (("interleaved", 4, 6, 0, 2), r"num_microbatches \(6\) to be a multiple of num_stages"),
-        (("1f1b", 2, 4, 0, 2), "only applies to the 'interleaved'"),
+        (("1f1b", 2, 4, 0, 2), "only applies to the .interleaved."),
     ],
 )
 def test_bad_schedule_arguments_are_named(args, match):

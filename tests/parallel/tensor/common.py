@@ -13,23 +13,41 @@ CFG = tiny_gpt_config(n_head=4, dropout=0.0)
 B, T = 2, 8  # rows and sequence length of one batch
 
 
-def expected_comm(tp: int, sp: bool, rows: int = B) -> dict[str, int]:
-    """Payload bytes of one forward + backward (fp32), derived from Megatron-LM's layout.
+def tp_step_bytes(
+    *,
+    rows: int,
+    seq: int,
+    width: int,
+    layers: int,
+    sp: bool,
+    microbatches: int = 1,
+    embedding: bool = True,
+    head: bool = True,
+) -> dict[str, int]:
+    """Payload bytes (fp32) one tensor-parallel rank moves in one step for a model piece of
+    ``layers`` blocks that may hold the embedding (``e``) and the head (``h``): the README's
+    formula for every stage shape (first: e; middle: neither; last: h; one stage: both).
 
-    Without SP: all-reduces of B×T×d: per layer 2 forward (attention out, MLP down) and 2 backward
-    (attention in, MLP up), plus the embedding (forward) and the LM head's input (backward).
-    With SP each becomes an all-gather + a reduce-scatter of the same B×T×d; the position
-    table's chunk costs a T×d all-gather (backward); the replicated LayerNorm weights/biases and
-    row-parallel biases (6d per layer + 2d for ln_f) have their gradients all-reduced.
-    Either way the loss all-reduces three B×T numbers (max, target logit, sum of exps).
+    Without SP, all-reduces of ``a = rows×seq×width`` values: per block 2 forward (attention
+    out, MLP down) and 2 backward (attention in, MLP up); the embedding's output (forward, e)
+    and the LM head's input (backward, h). With SP each becomes an all-gather plus a
+    reduce-scatter of the same ``a``; per micro-batch the replicated LayerNorm weights/biases
+    and row-parallel biases (6·width per block, 2·width for ln_f: h) have their gradients
+    all-reduced, and the position table's chunk costs a seq×width all-gather (e). The
+    vocab-parallel loss (h) all-reduces three rows×seq numbers (max, target logit, sum of exps).
     """
-    L, d = CFG["n_layer"], CFG["n_embd"]
-    act = rows * T * d * 4
-    loss = 3 * rows * T * 4
+    a = rows * seq * width * 4
+    ends = int(embedding) + int(head)
+    loss = 3 * rows * seq * 4 if head else 0
     if not sp:
-        return {"all_reduce": (4 * L + 2) * act + loss, "all_gather": 0, "reduce_scatter": 0}
+        return {"all_reduce": (4 * layers + ends) * a + loss, "all_gather": 0, "reduce_scatter": 0}
     return {
-        "all_reduce": (6 * L + 2) * d * 4 + loss,
-        "all_gather": (4 * L + 2) * act + T * d * 4,
-        "reduce_scatter": (4 * L + 2) * act,
+        "all_reduce": microbatches * (6 * layers + 2 * int(head)) * width * 4 + loss,
+        "all_gather": (4 * layers + ends) * a + int(embedding) * microbatches * seq * width * 4,
+        "reduce_scatter": (4 * layers + ends) * a,
     }
+
+
+def expected_comm(tp: int, sp: bool, rows: int = B) -> dict[str, int]:
+    """``tp_step_bytes`` of the whole ``CFG`` model on one stage (it holds both ends)."""
+    return tp_step_bytes(rows=rows, seq=T, width=CFG["n_embd"], layers=CFG["n_layer"], sp=sp)

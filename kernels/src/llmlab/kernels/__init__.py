@@ -1,4 +1,5 @@
-"""llmlab.kernels: Triton kernels, each with a plain-PyTorch reference (DESIGN §3).
+"""llmlab.kernels: Triton kernels, each with a plain-PyTorch reference
+(docs/architecture.md#kernels-three-faces).
 
 Every op module has three faces: ``reference`` (plain torch, the oracle), the Triton kernel
 (``llmlab.kernels._jit.<op>``, imported only when a kernel actually runs, so this package
@@ -14,6 +15,7 @@ from llmlab.kernels.elementwise import add3
 from llmlab.kernels.gelu import bias_gelu, gelu
 from llmlab.kernels.layer_norm import add_layer_norm, layer_norm
 from llmlab.kernels.matmul import matmul
+from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.kernels.rms_norm import rms_norm
 from llmlab.kernels.rope import rope
 from llmlab.kernels.softmax import softmax
@@ -23,6 +25,8 @@ from llmlab.kernels.swiglu import swiglu
 __all__ = [
     "CSRMatrix",
     "ELLMatrix",
+    "PagedLayout",
+    "Scratch",
     "add3",
     "add_layer_norm",
     "attention",
@@ -33,6 +37,7 @@ __all__ = [
     "interpreter_requested",
     "layer_norm",
     "matmul",
+    "paged_attention",
     "rms_norm",
     "rope",
     "softmax",

@@ -1,7 +1,7 @@
 """Where an op runs: the Triton kernel, the Triton interpreter, or the PyTorch reference.
 
-DESIGN §3 gives every op three faces (reference, Triton kernel, public op). The public op asks
-:func:`use_triton` which face to run:
+docs/architecture.md#kernels-three-faces gives every op three faces (reference, Triton kernel,
+public op). The public op asks :func:`use_triton` which face to run:
 
 * CUDA tensors and triton installed: the compiled Triton kernel.
 * CPU tensors with ``TRITON_INTERPRET=1``: the *same* Triton kernel, run by Triton's interpreter

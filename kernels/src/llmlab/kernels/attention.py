@@ -1,13 +1,14 @@
 """Flash-style attention with autograd, usable as the GPT's attention.
 
-Faces (DESIGN §3): :func:`reference` (the textbook ``softmax(q k^T * scale + mask) v``, which
-materialises the T x T matrix), :func:`triton_forward` / :func:`triton_backward` (the kernels in
-``_jit/attention.py``: online softmax forward saving log-sum-exp, FlashAttention-2 backward that
-recomputes probabilities), and the public :func:`attention`, whose semantics are those of
-``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)`` for
-q (B, H, L, D) and k, v (B, H_kv, S, D), where ``H_kv`` divides ``H``: grouped-query attention
-(Llama, Mistral) reads each KV head for ``H / H_kv`` query heads by index, without repeating K
-and V in memory (``H_kv == H`` is ordinary multi-head attention).
+Faces (docs/architecture.md#kernels-three-faces): :func:`reference` (the textbook ``softmax(q k^T *
+scale + mask) v``, which materialises the T x T matrix), :func:`triton_forward` /
+:func:`triton_backward` (the kernels in ``_jit/attention.py``: online softmax forward saving
+log-sum-exp, FlashAttention-2 backward that recomputes probabilities), and the public
+:func:`attention`, whose semantics are those of ``F.scaled_dot_product_attention(q, k, v,
+is_causal=causal, scale=scale, enable_gqa=True)`` for q (B, H, L, D) and k, v (B, H_kv, S, D), where
+``H_kv`` divides ``H``: grouped-query attention (Llama, Mistral) reads each KV head for ``H / H_kv``
+query heads by index, without repeating K and V in memory (``H_kv == H`` is ordinary multi-head
+attention).
 
 Document masking: ``document_ids`` (B, T), non-decreasing along each row, restricts a query to
 the keys of its own document (causal inside it): block-diagonal attention over a packed row, as

@@ -1,10 +1,10 @@
 """GELU (tanh form, GPT-2's ``gelu_new``) and the fused ``gelu(x + bias)``, with autograd.
 
-Faces (DESIGN §3): :func:`reference` (``F.gelu(x + bias, approximate="tanh")``), the Triton
-launchers :func:`triton_bias_gelu_forward` / :func:`triton_bias_gelu_backward`, and the public
-ops :func:`gelu` and :func:`bias_gelu`. The bias gradient is the column sum of ``dx``, done by
-torch in fp32 after the kernel (a reduction over rows, not the part fusion speeds up).
-"""
+Faces (docs/architecture.md#kernels-three-faces): :func:`reference` (``F.gelu(x + bias,
+approximate="tanh")``), the Triton launchers :func:`triton_bias_gelu_forward` /
+:func:`triton_bias_gelu_backward`, and the public ops :func:`gelu` and :func:`bias_gelu`. The bias
+gradient is the column sum of ``dx``, done by torch in fp32 after the kernel (a reduction over rows,
+not the part fusion speeds up)."""
 
 from __future__ import annotations
 

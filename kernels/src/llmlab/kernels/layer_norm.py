@@ -1,13 +1,12 @@
 """LayerNorm over the last dimension, optionally fused with the residual add before it.
 
-Faces (DESIGN §3): :func:`reference` (``F.layer_norm`` of ``x + residual``), the Triton
-launchers :func:`triton_forward` / :func:`triton_backward`, and the public ops
-:func:`layer_norm` (same semantics as ``F.layer_norm(x, (C,), weight, bias, eps)``) and
+Faces (docs/architecture.md#kernels-three-faces): :func:`reference` (``F.layer_norm`` of ``x +
+residual``), the Triton launchers :func:`triton_forward` / :func:`triton_backward`, and the public
+ops :func:`layer_norm` (same semantics as ``F.layer_norm(x, (C,), weight, bias, eps)``) and
 :func:`add_layer_norm` (returns ``(layer_norm(x + residual), x + residual)``, the pre-norm
-transformer's "add & norm"). The forward saves per-row ``mean`` and ``rstd``; the backward
-computes the input gradient in one pass and the weight/bias gradients as per-program partial
-sums that torch adds up.
-"""
+transformer's "add & norm"). The forward saves per-row ``mean`` and ``rstd``; the backward computes
+the input gradient in one pass and the weight/bias gradients as per-program partial sums that torch
+adds up."""
 
 from __future__ import annotations
 

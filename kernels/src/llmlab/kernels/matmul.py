@@ -1,10 +1,10 @@
 """Tiled matmul with an optional fused ``bias + activation`` epilogue.
 
-Three faces (DESIGN §3): :func:`reference` (plain torch), :func:`triton_matmul` (launches
-``_jit/matmul.py``) and :func:`matmul` (validates, then dispatches). Inputs may be fp32, fp16,
-bf16 (or fp64); products are accumulated in fp32 (fp64 for fp64) and the result has the input
-dtype, as cuBLAS does. No autograd: this op is the forward building block and benchmark subject.
-"""
+Three faces (docs/architecture.md#kernels-three-faces): :func:`reference` (plain torch),
+:func:`triton_matmul` (launches ``_jit/matmul.py``) and :func:`matmul` (validates, then dispatches).
+Inputs may be fp32, fp16, bf16 (or fp64); products are accumulated in fp32 (fp64 for fp64) and the
+result has the input dtype, as cuBLAS does. No autograd: this op is the forward building block and
+benchmark subject."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """RMSNorm over the last dimension (Llama's norm: no mean subtraction, no bias), with autograd.
 
-Faces (DESIGN §3): :func:`reference` (HF ``LlamaRMSNorm``'s arithmetic: normalise in fp32,
-round to the input dtype, then scale by the weight), the Triton launchers
-:func:`triton_forward` / :func:`triton_backward` (``_jit/rms_norm.py``), and the public op
-:func:`rms_norm`. The forward saves one ``rstd`` per row; the backward computes the input
-gradient in one pass and the weight gradient as per-program partial sums that torch adds up.
-"""
+Faces (docs/architecture.md#kernels-three-faces): :func:`reference` (HF ``LlamaRMSNorm``'s
+arithmetic: normalise in fp32, round to the input dtype, then scale by the weight), the Triton
+launchers :func:`triton_forward` / :func:`triton_backward` (``_jit/rms_norm.py``), and the public op
+:func:`rms_norm`. The forward saves one ``rstd`` per row; the backward computes the input gradient
+in one pass and the weight gradient as per-program partial sums that torch adds up."""
 
 from __future__ import annotations
 

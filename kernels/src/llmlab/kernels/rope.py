@@ -5,9 +5,9 @@ the angle ``position · θ^(-2i/D)``: ``(x1 cos - x2 sin, x2 cos + x1 sin)``. Th
 ``transformers``' Llama (``rotate_half``), whose checkpoints permute q/k rows so that it equals
 Meta's interleaved pairs ``(x_2i, x_2i+1)``; keeping HF's layout makes loading a renaming.
 
-Faces (DESIGN §3): :func:`reference` (torch ops, the same arithmetic as HF's
-``apply_rotary_pos_emb``), the Triton launcher :func:`triton_rope` (``_jit/rope.py``: q and k in
-one launch, one program per token), and the public op :func:`rope`. The backward is the inverse
+Faces (docs/architecture.md#kernels-three-faces): :func:`reference` (torch ops, the same arithmetic
+as HF's ``apply_rotary_pos_emb``), the Triton launcher :func:`triton_rope` (``_jit/rope.py``: q and
+k in one launch, one program per token), and the public op :func:`rope`. The backward is the inverse
 rotation (the same kernel with ``sin`` negated); cos and sin get no gradient (they come from
 positions).
 

@@ -1,9 +1,9 @@
 """Row softmax over the last dimension, with an optional causal mask, and its backward.
 
-Faces (DESIGN §3): :func:`reference` (``torch.softmax`` after filling masked scores with
-``-inf``), :func:`triton_forward` / :func:`triton_backward`, and the public :func:`softmax`.
-With ``causal=True`` the last two dims are an (L, S) score matrix and row ``i`` keeps columns
-``j <= i`` (top-left aligned, like ``scaled_dot_product_attention(is_causal=True)``).
+Faces (docs/architecture.md#kernels-three-faces): :func:`reference` (``torch.softmax`` after filling
+masked scores with ``-inf``), :func:`triton_forward` / :func:`triton_backward`, and the public
+:func:`softmax`. With ``causal=True`` the last two dims are an (L, S) score matrix and row ``i``
+keeps columns ``j <= i`` (top-left aligned, like ``scaled_dot_product_attention(is_causal=True)``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """SwiGLU, the gated MLP activation ``silu(a) * b`` (Llama: ``down(silu(gate(x)) * up(x))``).
 
-Faces (DESIGN §3): :func:`reference` (``F.silu(a) * b``), the Triton launchers
-:func:`triton_forward` / :func:`triton_backward` (``_jit/swiglu.py``: one pass over memory each
-way, ``sigmoid(a)`` recomputed in the backward rather than saved), and the public op
-:func:`swiglu` with autograd for both inputs.
-"""
+Faces (docs/architecture.md#kernels-three-faces): :func:`reference` (``F.silu(a) * b``), the Triton
+launchers :func:`triton_forward` / :func:`triton_backward` (``_jit/swiglu.py``: one pass over memory
+each way, ``sigmoid(a)`` recomputed in the backward rather than saved), and the public op
+:func:`swiglu` with autograd for both inputs."""
 
 from __future__ import annotations
 

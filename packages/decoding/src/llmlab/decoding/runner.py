@@ -1,9 +1,9 @@
 """``ModelRunner``: feeds new tokens to a decodable model, with or without its KV cache.
 
-The decoding contract (DESIGN §3) is ``model(input_ids, cache=, positions=, attention_mask=)``
-plus ``model.new_cache(batch_size, max_len)``; the cache has ``length``, ``reorder(indices)`` and
-``crop(length)``. Every strategy talks to the model only through this class, so each works on
-any model honouring the contract, cached or not:
+The decoding contract (docs/architecture.md#contracts) is ``model(input_ids, cache=, positions=,
+attention_mask=)`` plus ``model.new_cache(batch_size, max_len)``; the cache has ``length``,
+``reorder(indices)`` and ``crop(length)``. Every strategy talks to the model only through this
+class, so each works on any model honouring the contract, cached or not:
 
 * cached: the prompt is prefilled once, then only the new tokens go through the model;
 * uncached: the whole sequence is recomputed at every call (the reference the cache is tested

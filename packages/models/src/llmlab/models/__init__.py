@@ -1,11 +1,20 @@
-"""llmlab.models: plain ``nn.Module`` models that follow the pipeline, tensor-parallel and
-decoding contracts of DESIGN §3 (no Lightning here). ``build_model({"arch": ...})`` builds any
-registered language model from its config dict."""
+"""llmlab.models: plain ``nn.Module`` models that follow the pipeline, tensor-parallel and decoding
+contracts of docs/architecture.md#contracts (no Lightning here). ``build_model({"arch": ...})``
+builds any registered language model from its config dict; ``from_pretrained(folder)`` and
+``save_pretrained(model, folder)`` read and write Hugging Face-format folders (config.json +
+safetensors) without ``transformers``."""
 
 from llmlab.models.gpt import GPT, GPTConfig
+from llmlab.models.hf import from_pretrained, save_pretrained
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama import Llama, LlamaConfig
-from llmlab.models.registry import ARCHITECTURES, build_model, model_config, register
+from llmlab.models.registry import (
+    ARCHITECTURES,
+    build_model,
+    from_state_dict,
+    model_config,
+    register,
+)
 from llmlab.models.resnet import ResNet50
 
 __all__ = [
@@ -17,6 +26,9 @@ __all__ = [
     "LlamaConfig",
     "ResNet50",
     "build_model",
+    "from_pretrained",
+    "from_state_dict",
     "model_config",
     "register",
+    "save_pretrained",
 ]

@@ -1,6 +1,6 @@
 """A GPT (decoder-only transformer) that is plain PyTorch and ready to be split and sharded.
 
-Three contracts from DESIGN §3 shape this module:
+Three contracts from docs/architecture.md#contracts shape this module:
 
 * **Pipeline**: ``GPT.pipeline_layers()`` is ``[embed, *blocks, head]``; each maps one tensor to
   one tensor (ids -> hidden -> hidden -> logits), and their composition is ``GPT.forward``.
@@ -19,64 +19,20 @@ reordering above) and logits match ``transformers.GPT2LMHeadModel``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llmlab.models.gpt_config import GPTConfig
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.masks import attention_bias, resolve_positions
 from llmlab.models.ops import Ops, get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
     from transformers import GPT2LMHeadModel
-
-KERNEL_BACKENDS = ("torch", "triton")
-
-
-@dataclass
-class GPTConfig:
-    """Hyper-parameters of the GPT. ``validate()`` is called on construction of a ``GPT``."""
-
-    vocab_size: int = 256
-    block_size: int = 256  # the longest sequence the position table covers
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    tie_embeddings: bool = True
-    layer_norm_eps: float = 1e-5
-    kernels: str = "torch"  # "torch" (PyTorch ops) or "triton" (llmlab.kernels)
-
-    def validate(self) -> None:
-        """Fail early, naming the bad value and what would be valid."""
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
-            near = sorted(divisors, key=lambda h: abs(h - self.n_head))[:4]
-            raise ValueError(
-                f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"valid n_head values near it: {sorted(near)}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.kernels not in KERNEL_BACKENDS:
-            raise ValueError(
-                f"GPTConfig.kernels={self.kernels!r} is not one of {list(KERNEL_BACKENDS)}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class LayerNorm(nn.Module):
@@ -180,12 +136,19 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor | None = None, last_position: int | None = None
+    ) -> Tensor:
+        """``last_position``: the largest of ``positions`` when the caller knows it on the host;
+        the check against ``block_size`` then needs no device read (one per step otherwise)."""
         if positions is None:  # (1, T): batch-major like the ids, as sequence sharding expects
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        if int(positions.max()) >= self.block_size:
+            last_position = input_ids.shape[1] - 1
+        if last_position is None:
+            last_position = int(positions.max())
+        if last_position >= self.block_size:
             raise ValueError(
-                f"position {int(positions.max())} is beyond the model's block_size "
+                f"position {last_position} is beyond the model's block_size "
                 f"{self.block_size}; sequences may hold at most {self.block_size} tokens"
             )
         return self.drop(self.wte(input_ids) + self.wpe(positions))
@@ -252,7 +215,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         positions: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | Tensor = 0,
         document_ids: Tensor | None = None,
     ) -> Tensor:
         """Logits for ``input_ids`` (B, T).
@@ -260,12 +223,16 @@ class GPT(nn.Module):
         ``cache``: a ``KVCache`` from ``new_cache``; the new tokens are appended to it.
         ``attention_mask``: (B, past + T) with 1 for real tokens and 0 for (left) padding.
         ``positions``: (B, T) position ids; by default derived from the mask (or the cache).
-        ``logits_to_keep``: if > 0, only the last that many positions go through the LM head.
+        ``logits_to_keep``: if > 0, only the last that many positions go through the LM head; a
+        LongTensor of positions keeps exactly those (HF's convention).
         ``document_ids``: (B, T) ids of the packed documents, non-decreasing per row (training):
         attention stays inside each document and positions restart at each document's start.
         """
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
+        last_position = None  # without padding it is past + T - 1, known here
+        if positions is None and document_ids is None and attention_mask is None:
+            last_position = past + T - 1
         positions = resolve_positions(
             input_ids, positions, past, attention_mask, document_ids, cache is not None
         )
@@ -275,13 +242,15 @@ class GPT(nn.Module):
         if attention_mask is not None or (past > 0 and T > 1):
             attn_mask = attention_bias(input_ids, past, attention_mask)
         causal = past == 0
-        x = self.embed(input_ids, positions)
+        x = self.embed(input_ids, positions, last_position)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         for block in self.blocks:
             x = block(x, cache, attn_mask, causal, **docs)
         if cache is not None:
             cache.advance(T)
-        if logits_to_keep > 0:
+        if isinstance(logits_to_keep, Tensor):  # HF's meaning: the positions to keep
+            x = x[:, logits_to_keep]
+        elif logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.head(x)
 
@@ -373,57 +342,12 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------- conversions
     @classmethod
     def from_hf_gpt2(cls, hf_model: GPT2LMHeadModel, kernels: str = "torch") -> GPT:
-        """An llmlab GPT with the config and weights of a HF ``GPT2LMHeadModel``."""
-        hf_cfg = hf_model.config
-        activation = getattr(hf_cfg, "activation_function", "gelu_new")
-        if activation not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(
-                f"GPT.from_hf_gpt2 supports the tanh GELU (gelu_new), not {activation!r}"
-            )
-        if getattr(hf_cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(
-            hf_cfg, "reorder_and_upcast_attn", False
-        ):
-            raise ValueError("GPT.from_hf_gpt2 does not support GPT-2's attention variants")
-        config = GPTConfig(
-            vocab_size=hf_cfg.vocab_size,
-            block_size=hf_cfg.n_positions,
-            n_layer=hf_cfg.n_layer,
-            n_head=hf_cfg.n_head,
-            n_embd=hf_cfg.n_embd,
-            dropout=0.0,
-            bias=True,
-            tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", True)),
-            layer_norm_eps=hf_cfg.layer_norm_epsilon,
-            kernels=kernels,
+        """An llmlab GPT with the config and weights of an in-memory HF ``GPT2LMHeadModel``,
+        through the same conversion as ``llmlab.models.from_pretrained`` (which reads a folder):
+        GPT-2's Conv1D weights transposed, its fused qkv reordered head by head, and every
+        config field it cannot reproduce exactly refused by name."""
+        from llmlab.models.hf.convert import model_from_hf_state
+
+        return model_from_hf_state(
+            cls, GPTConfig, hf_model.config.to_dict(), hf_model.state_dict(), {"kernels": kernels}
         )
-        model = cls(config)
-        sd = hf_model.state_dict()
-        C, H, D = config.n_embd, config.n_head, config.head_dim
-
-        def qkv_rows(t: Tensor) -> Tensor:
-            # HF orders qkv outputs [q(all heads), k(...), v(...)]; ours is per head [q_h,k_h,v_h].
-            return t.reshape(3, H, D, *t.shape[1:]).transpose(0, 1).reshape(3 * C, *t.shape[1:])
-
-        ours: dict[str, Tensor] = {
-            "embed.wte.weight": sd["transformer.wte.weight"],
-            "embed.wpe.weight": sd["transformer.wpe.weight"],
-            "head.ln_f.weight": sd["transformer.ln_f.weight"],
-            "head.ln_f.bias": sd["transformer.ln_f.bias"],
-            "head.lm_head.weight": sd["lm_head.weight"],
-        }
-        for i in range(config.n_layer):
-            src, dst = f"transformer.h.{i}.", f"blocks.{i}."
-            for ln in ("ln_1", "ln_2"):
-                ours[f"{dst}{ln}.weight"] = sd[f"{src}{ln}.weight"]
-                ours[f"{dst}{ln}.bias"] = sd[f"{src}{ln}.bias"]
-            # HF's Conv1D stores (in, out); nn.Linear wants (out, in).
-            ours[f"{dst}attn.qkv.weight"] = qkv_rows(sd[f"{src}attn.c_attn.weight"].t())
-            ours[f"{dst}attn.qkv.bias"] = qkv_rows(sd[f"{src}attn.c_attn.bias"])
-            ours[f"{dst}attn.proj.weight"] = sd[f"{src}attn.c_proj.weight"].t()
-            ours[f"{dst}attn.proj.bias"] = sd[f"{src}attn.c_proj.bias"]
-            ours[f"{dst}mlp.fc.weight"] = sd[f"{src}mlp.c_fc.weight"].t()
-            ours[f"{dst}mlp.fc.bias"] = sd[f"{src}mlp.c_fc.bias"]
-            ours[f"{dst}mlp.proj.weight"] = sd[f"{src}mlp.c_proj.weight"].t()
-            ours[f"{dst}mlp.proj.bias"] = sd[f"{src}mlp.c_proj.bias"]
-        model.load_state_dict({k: v.detach().clone() for k, v in ours.items()})
-        return model.to(dtype=next(hf_model.parameters()).dtype)

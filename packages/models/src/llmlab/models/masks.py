@@ -25,14 +25,21 @@ def default_positions(input_ids: Tensor, past: int, attention_mask: Tensor | Non
     return positions.clamp_(min=0)[:, past : past + T]
 
 
-def attention_bias(input_ids: Tensor, past: int, attention_mask: Tensor | None) -> Tensor:
-    """Boolean (B, 1, T, past + T) mask: causal, padded keys hidden, never an empty row."""
+def attention_bias(
+    input_ids: Tensor, past: int, attention_mask: Tensor | None, window: int | None = None
+) -> Tensor:
+    """Boolean (B, 1, T, past + T) mask: causal, padded keys hidden, never an empty row; with a
+    ``window`` a query at position ``i`` sees only keys ``(i - window, i]`` (as HF's sliding
+    window mask)."""
     T = input_ids.shape[1]
     S = past + T
     device = input_ids.device
     query_pos = torch.arange(past, S, device=device).unsqueeze(1)
     key_pos = torch.arange(S, device=device).unsqueeze(0)
-    allowed = (key_pos <= query_pos).unsqueeze(0)  # (1, T, S)
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed = allowed & (key_pos > query_pos - window)
+    allowed = allowed.unsqueeze(0)  # (1, T, S)
     if attention_mask is not None:
         allowed = allowed & attention_mask[:, None, :S].bool()
     # A padding query sees no key at all; let it see itself so softmax has no empty row (its

@@ -1,5 +1,5 @@
 """ResNet-50 (He et al. 2015, "Deep Residual Learning"), the bottleneck variant, as a plain
-``nn.Module`` that follows the pipeline contract (DESIGN §3).
+``nn.Module`` that follows the pipeline contract (docs/architecture.md#contracts).
 
 ``pipeline_layers()`` is ``[stem, layer1, layer2, layer3, layer4, head]``: the stem
 (7×7 conv, BN, ReLU, max-pool), the four groups of bottleneck blocks (3, 4, 6, 3 blocks) and the

@@ -1,4 +1,7 @@
-"""llmlab.parallel: Lightning strategies and the mechanisms under them (DESIGN §1)."""
+"""llmlab.parallel: Lightning strategies and the mechanisms under them.
+
+One module or subpackage per mechanism: docs/architecture.md#layout.
+"""
 
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
 

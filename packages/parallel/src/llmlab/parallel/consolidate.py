@@ -2,7 +2,7 @@
 
 A checkpoint written by any layout holds the *unsplit* model: every tensor under the plain
 model's state-dict key, at its full shape. So it loads into a plain ``GPT`` for decoding and into
-any other layout to resume (DESIGN §4). Two primitives do all of it:
+any other layout to resume (docs/architecture.md#where-state-lives). Two primitives do all of it:
 
 * :func:`gather_full` -- this rank's tensors (``name -> (tensor, tensor-parallel shard dim)``)
   all-gathered along their shard dimension over the tensor group, then merged over the pipeline

@@ -19,7 +19,8 @@ still pipelines, and a clear error names the missing method when a layout needs 
   ``fn`` by ``wrap(fn)`` (same signature as ``torch.nn.functional.scaled_dot_product_attention``
   restricted to ``(q, k, v, causal, dropout_p)``, plus ``document_ids`` by keyword when the
   batch packs several documents per row); returns how many modules changed. Recompute
-  attention and tensor parallelism's per-rank dropout stream go through it.
+  attention, tensor parallelism's per-rank dropout stream and context parallelism's ring
+  attention go through it.
 * :class:`HasFlops` -- ``flops_per_token()``: training FLOPs per token of the *whole* model (read
   before any sharding, for MFU).
 """

@@ -36,6 +36,7 @@ def _worker(
     args: tuple,
     results: mp.Queue,
     threads: int,
+    backend: str,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -50,7 +51,9 @@ def _worker(
     # Several ranks share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank, as NCCL requires
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         # Plain pickle (not torch's shared-memory reduction): a tensor result must outlive the
         # rank that made it.
         out = pickle.dumps(fn(rank, world_size, *args))
@@ -68,19 +71,21 @@ def run_distributed(
     *args: Any,
     timeout: float = 300.0,
     threads: int = 1,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     ``fn`` and ``args`` must be picklable (``fn`` defined at module level); so must the results
-    (CPU tensors are fine: they are copied by value).
+    (CPU tensors are fine: they are copied by value). ``backend="nccl"`` puts rank r on GPU r
+    (GPU tests); the default is gloo on the CPU.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not supported; valid: 'gloo', 'nccl'")
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, threads))
-        for r in range(world_size)
-    ]
+    worker_args = (world_size, port, args, results, threads, backend)
+    procs = [ctx.Process(target=_worker, args=(fn, r, *worker_args)) for r in range(world_size)]
     for p in procs:
         p.start()
     collected: dict[int, Any] = {}

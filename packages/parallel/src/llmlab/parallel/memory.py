@@ -90,22 +90,105 @@ def _sum_groups(t: Tensor, kv_heads: int) -> Tensor:
     return t if kv_heads == H else t.view(B, kv_heads, H // kv_heads, T, D).sum(dim=2)
 
 
-def _accumulation_dtype(t: Tensor) -> torch.dtype:
-    """fp32 for fp32 and narrower inputs (as FlashAttention's accumulators); fp64 stays fp64."""
-    return torch.promote_types(t.dtype, torch.float32)
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32 and narrower inputs (as FlashAttention's accumulators); fp64 stays fp64:
+    where partial outputs, log-sum-exps and gradients are summed."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def attention_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    block_size: int = 128,
+    document_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Exact attention and its per-row log-sum-exp ``L = m + log Σ exp(s - m)``, walking the
+    queries in blocks of ``block_size`` rows (the transient scores are ``block_size × T``).
+
+    Returns ``(out, lse)`` in the accumulation dtype (fp32, fp64 for fp64 inputs). ``lse`` is
+    what lets partial results over different key sets be merged exactly (ring attention) and
+    probabilities be rebuilt in backward (:func:`attention_backward_with_lse`).
+    ``document_ids`` (B, T), for self-attention over a packed row: scores between different
+    documents are masked (block-diagonal attention).
+    """
+    T, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+    acc = accumulation_dtype(q.dtype)
+    B, H, _, D = q.shape
+    # (B, T, H, D) memory seen as (B, H, T, D), like SDPA's output: the caller's
+    # ``transpose(1, 2).reshape(B, T, H·D)`` is then a view, not a second copy to save.
+    out = torch.empty(B, T, H, D, dtype=acc, device=q.device).transpose(1, 2)
+    lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+    kf, vf = _repeat_kv(k.to(acc), H), _repeat_kv(v.to(acc), H)
+    for i0 in range(0, T, block_size):
+        i1 = min(i0 + block_size, T)
+        s = (q[..., i0:i1, :].to(acc) @ kf.transpose(-2, -1)) * scale
+        if causal:
+            s = s.masked_fill(_causal_mask(i1 - i0, k.shape[-2], i0, q.device), -math.inf)
+        if document_ids is not None:
+            s = s.masked_fill(_other_documents(document_ids, i0, i1), -math.inf)
+        m = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        out[..., i0:i1, :] = (p @ vf) / denom
+        lse[..., i0:i1] = (m + torch.log(denom)).squeeze(-1)
+    return out, lse
+
+
+def attention_backward_with_lse(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    block_size: int = 128,
+    document_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in the accumulation dtype, probabilities rebuilt from ``lse``.
+
+    For a block of rows with ``P = exp(S − L)`` and ``Δ = rowsum(dO ∘ O)``:
+    ``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − Δ)``, ``dQ = dS K / √d``,
+    ``dK += dSᵀ Q / √d``. ``out`` and ``lse`` may be those of attention over a *larger* key set
+    than ``k`` (ring attention passes the merged ones): the result is then exactly this key
+    block's share of the gradients, and the shares over all blocks sum to the full gradients.
+    """
+    scale, T = 1.0 / math.sqrt(q.shape[-1]), q.shape[-2]
+    acc = accumulation_dtype(q.dtype)
+    H, kv_heads = q.shape[1], k.shape[1]
+    qf, do = q.to(acc), grad_out.to(acc)
+    kf, vf = _repeat_kv(k.to(acc), H), _repeat_kv(v.to(acc), H)
+    delta = (do * out.to(acc)).sum(dim=-1)  # (B, H, T)
+    dq = torch.empty_like(qf)
+    dk = torch.zeros_like(kf)
+    dv = torch.zeros_like(vf)
+    for i0 in range(0, T, block_size):
+        i1 = min(i0 + block_size, T)
+        qi, doi = qf[..., i0:i1, :], do[..., i0:i1, :]
+        s = (qi @ kf.transpose(-2, -1)) * scale
+        if causal:
+            s = s.masked_fill(_causal_mask(i1 - i0, k.shape[-2], i0, q.device), -math.inf)
+        if document_ids is not None:
+            s = s.masked_fill(_other_documents(document_ids, i0, i1), -math.inf)
+        p = torch.exp(s - lse[..., i0:i1].unsqueeze(-1).to(acc))
+        dv += p.transpose(-2, -1) @ doi
+        dp = doi @ vf.transpose(-2, -1)
+        ds = p * (dp - delta[..., i0:i1].unsqueeze(-1))
+        dq[..., i0:i1, :] = (ds @ kf) * scale
+        dk += (ds.transpose(-2, -1) @ qi) * scale
+    return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
 
 
 class MemoryEfficientAttention(torch.autograd.Function):
     """Exact attention that saves ``q, k, v, out, lse`` and recomputes probabilities in backward.
 
-    Forward and backward both walk the queries in blocks of ``block_size`` rows, so even the
-    transient score matrix is ``block_size × T``. Math in fp32 (fp64 for fp64 inputs).
-    Grouped-query attention (k, v with ``H_kv`` heads dividing q's ``H``): k and v are saved
-    with their own heads and repeated only inside each pass; their gradients sum over groups.
-
-    Backward, for a block of rows with ``P = exp(S − L)`` and ``Δ = rowsum(dO ∘ O)``:
-    ``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − Δ)``, ``dQ = dS K / √d``,
-    ``dK += dSᵀ Q / √d``.
+    Forward and backward both walk the queries in blocks of ``block_size`` rows
+    (:func:`attention_with_lse`, :func:`attention_backward_with_lse`), so even the transient
+    score matrix is ``block_size × T``. Math in fp32 (fp64 for fp64 inputs). Grouped-query
+    attention (k, v with ``H_kv`` heads dividing q's ``H``): k and v are saved with their own
+    heads and repeated only inside each pass; their gradients sum over groups.
     """
 
     @staticmethod
@@ -118,60 +201,19 @@ class MemoryEfficientAttention(torch.autograd.Function):
         block_size: int,
         document_ids: Tensor | None = None,
     ) -> Tensor:
-        T, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
-        acc = _accumulation_dtype(q)
-        B, H, _, D = q.shape
-        # (B, T, H, D) memory seen as (B, H, T, D), like SDPA's output: the caller's
-        # ``transpose(1, 2).reshape(B, T, H·D)`` is then a view, not a second copy to save.
-        out = torch.empty(B, T, H, D, dtype=acc, device=q.device).transpose(1, 2)
-        lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
-        kf, vf = _repeat_kv(k.to(acc), H), _repeat_kv(v.to(acc), H)
-        for i0 in range(0, T, block_size):
-            i1 = min(i0 + block_size, T)
-            s = (q[..., i0:i1, :].to(acc) @ kf.transpose(-2, -1)) * scale
-            if causal:
-                s = s.masked_fill(_causal_mask(i1 - i0, k.shape[-2], i0, q.device), -math.inf)
-            if document_ids is not None:
-                s = s.masked_fill(_other_documents(document_ids, i0, i1), -math.inf)
-            m = s.amax(dim=-1, keepdim=True)
-            p = torch.exp(s - m)
-            denom = p.sum(dim=-1, keepdim=True)
-            out[..., i0:i1, :] = (p @ vf) / denom
-            lse[..., i0:i1] = (m + torch.log(denom)).squeeze(-1)
+        out, lse = attention_with_lse(q, k, v, causal, block_size, document_ids)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.block_size, ctx.scale = causal, block_size, scale
+        ctx.causal, ctx.block_size = causal, block_size
         ctx.document_ids = document_ids  # integer ids, no gradient: kept beside the tensors
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        document_ids = ctx.document_ids
-        scale, T = ctx.scale, q.shape[-2]
-        acc = _accumulation_dtype(q)
-        H, kv_heads = q.shape[1], k.shape[1]
-        qf, do = q.to(acc), grad_out.to(acc)
-        kf, vf = _repeat_kv(k.to(acc), H), _repeat_kv(v.to(acc), H)
-        delta = (do * out.to(acc)).sum(dim=-1)  # (B, H, T)
-        dq = torch.empty_like(qf)
-        dk = torch.zeros_like(kf)
-        dv = torch.zeros_like(vf)
-        for i0 in range(0, T, ctx.block_size):
-            i1 = min(i0 + ctx.block_size, T)
-            qi, doi = qf[..., i0:i1, :], do[..., i0:i1, :]
-            s = (qi @ kf.transpose(-2, -1)) * scale
-            if ctx.causal:
-                s = s.masked_fill(_causal_mask(i1 - i0, k.shape[-2], i0, q.device), -math.inf)
-            if document_ids is not None:
-                s = s.masked_fill(_other_documents(document_ids, i0, i1), -math.inf)
-            p = torch.exp(s - lse[..., i0:i1].unsqueeze(-1))
-            dv += p.transpose(-2, -1) @ doi
-            dp = doi @ vf.transpose(-2, -1)
-            ds = p * (dp - delta[..., i0:i1].unsqueeze(-1))
-            dq[..., i0:i1, :] = (ds @ kf) * scale
-            dk += (ds.transpose(-2, -1) @ qi) * scale
-        dk, dv = _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+        dq, dk, dv = attention_backward_with_lse(
+            grad_out, q, k, v, out, lse, ctx.causal, ctx.block_size, ctx.document_ids
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -220,7 +262,7 @@ def memory_efficient_attention(
 # ------------------------------------------------------------- applying to a model
 
 
-def _swap_attention(model: nn.Module, attention: Callable[..., Tensor], what: str) -> int:
+def swap_model_attention(model: nn.Module, attention: Callable[..., Tensor], what: str) -> int:
     """Route every attention of ``model`` through ``attention`` (the ``swap_attention``
     contract); returns how many modules changed, and refuses a model where that is none."""
     swap = require(model, AttentionSwappable, what).swap_attention
@@ -245,12 +287,12 @@ def use_recompute_attention(model: nn.Module, block_size: int = 128) -> int:
     ) -> Tensor:
         return memory_efficient_attention(q, k, v, causal, dropout_p, block_size, document_ids)
 
-    return _swap_attention(model, attention, "recompute attention")
+    return swap_model_attention(model, attention, "recompute attention")
 
 
 def use_math_attention(model: nn.Module) -> int:
     """Route the model's attention through :func:`math_attention` (the quadratic baseline)."""
-    return _swap_attention(model, math_attention, "math attention")
+    return swap_model_attention(model, math_attention, "math attention")
 
 
 def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> list[int]:

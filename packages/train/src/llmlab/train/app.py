@@ -425,11 +425,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import torch
 
     from llmlab.train.checkpoints import AtomicCheckpointIO
+    from llmlab.train.pretrained import check_tokenizer_fits, start_from_folder
 
     OmegaConf.set_struct(cfg, False)
+    start_from_folder(cfg)  # model.init_from: the model fields from the folder's config.json
     if cfg.get("tokenizer") is not None:
         log.info("Instantiating tokenizer <%s>", cfg.tokenizer._target_)
     tokenizer = build_tokenizer(cfg)
+    check_tokenizer_fits(cfg, tokenizer)
     if cfg.get("model") is not None and cfg.model.get("vocab_size", 0) is None:
         cfg.model.vocab_size = int(tokenizer.vocab_size)  # null: the tokenizer's vocabulary
     log.info("Checking the config: model, layout, batch split, data, checkpoint")
@@ -517,13 +520,14 @@ def main(argv: list[str] | None = None) -> int:
         print("experiments:", ", ".join(available_experiments()))
         return 0
     from llmlab.parallel.deepspeed import DeepSpeedConfigError
+    from llmlab.train.pretrained import InitFromError
 
     setup_logging()
     try:
         cfg = compose_config(args)
         log.info("Experiment %s: config composed, every key accepted", cfg.experiment)
         metrics = train(cfg)
-    except (ConfigError, DeepSpeedConfigError) as err:
+    except (ConfigError, DeepSpeedConfigError, InitFromError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if metrics.get("val/loss") is not None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from llmlab.train.byte_tokenizer import ByteTokenizer
+from llmlab.tokenizer import ByteTokenizer  # checkpoints and byte.yaml name it from here
 from llmlab.train.corpora import CORPORA, corpus_files
 from llmlab.train.global_batch import GlobalBatchDataModule
 

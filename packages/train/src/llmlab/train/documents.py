@@ -144,7 +144,7 @@ def prepare_tokenizer(spec: str, eos: str | None = None) -> PrepareTokenizer:
     """``bytes`` or a tokenizer file; ``eos`` names the end-of-document special token (default:
     the file's only special token, or the first of ``EOS_CANDIDATES`` it has)."""
     if spec == "bytes":
-        from llmlab.train.byte_tokenizer import ByteTokenizer
+        from llmlab.tokenizer import ByteTokenizer
 
         if eos is not None:
             raise ValueError(

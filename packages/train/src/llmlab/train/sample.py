@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from llmlab.decoding import GenerationConfig, TextStreamer, generate
-from llmlab.models import build_model
+from llmlab.models import from_state_dict
 
 USAGE = 'usage: python -m llmlab.train.sample ckpt=PATH prompt="TEXT" [field=value ...]'
 DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 50, "max_new_tokens": 256}
@@ -61,7 +61,7 @@ def parse_args(args: list[str]) -> tuple[str, str, dict[str, Any]]:
 def build_tokenizer(spec: dict[str, Any] | None) -> Any:
     """The tokenizer described by the checkpoint (``_target_`` + options), bytes if none."""
     if not spec:
-        from llmlab.train.data import ByteTokenizer
+        from llmlab.tokenizer import ByteTokenizer
 
         return ByteTokenizer()
     from hydra.utils import instantiate
@@ -74,17 +74,14 @@ def load_checkpoint(path: str) -> tuple[torch.nn.Module, Any]:
     from llmlab.parallel.checkpoint import consolidate, is_sharded, read_extra
 
     if is_sharded(path):  # each rank's shards (strategy.sharded_checkpoints): assembled here
-        ckpt, state = read_extra(path) or {}, consolidate(path)
+        ckpt, state, prefix = read_extra(path) or {}, consolidate(path), ""
     else:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        state = ckpt.get("state_dict", {})
-        state = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+        state, prefix = ckpt.get("state_dict", {}), "model."
     hp = ckpt.get("hyper_parameters", {})
     if "model" not in hp:
         raise ValueError(f"{path} has no hyper_parameters['model']: not an llmlab.train checkpoint")
-    model = build_model(hp["model"])
-    model.load_state_dict(state)
-    return model.eval(), build_tokenizer(hp.get("tokenizer"))
+    return from_state_dict(hp["model"], state, prefix), build_tokenizer(hp.get("tokenizer"))
 
 
 def main(argv: list[str] | None = None) -> int:

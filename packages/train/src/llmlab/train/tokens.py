@@ -66,7 +66,7 @@ def prepared_tokenizer(dir: str, mix: Mapping[str, Any] | None = None) -> Any:
                 f"({entry['fingerprint']} vs {e['fingerprint']}); prepare them with the same one"
             )
     if entry["kind"] == "bytes":
-        from llmlab.train.byte_tokenizer import ByteTokenizer
+        from llmlab.tokenizer import ByteTokenizer
 
         return ByteTokenizer(eos=True)
     from llmlab.tokenizer import load

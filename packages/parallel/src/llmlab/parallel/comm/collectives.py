@@ -4,6 +4,8 @@ Each works for any tensor size (chunks may be uneven or empty) and any group siz
 included, and counts the bytes this rank sends into an optional ``CommStats``. Results are
 identical on every rank (each element is reduced once, in a fixed order, then copied), so they
 can replace ``torch.distributed`` collectives in data-parallel training without ranks drifting.
+Every buffer they allocate takes the input's device and dtype (``new_empty``/``empty_like``), so
+they run on CUDA tensors over NCCL as on CPU tensors over gloo.
 
     ring all-reduce         reduce-scatter then all-gather around a ring: 2(p-1) steps, each rank
                             sends 2(p-1)/p·n elements (bandwidth-optimal, latency ∝ p)
@@ -65,7 +67,7 @@ def _ring_reduce_scatter_(
     p, r = peer.size, peer.rank
     right, left = (r + 1) % p, (r - 1) % p
     largest = max(stop - start for start, stop in bounds)
-    scratch = torch.empty(largest, dtype=flat.dtype)
+    scratch = flat.new_empty(largest)  # the input's device and dtype: CUDA stays on CUDA
     for s in range(p - 1):
         send_i, recv_i = (r - s - 1) % p, (r - s - 2) % p
         s0, s1 = bounds[send_i]
@@ -267,7 +269,7 @@ def all_gather(
     """Ring all-gather: returns a new tensor of shape (p, *tensor.shape), row i from rank i."""
     peer = Peer(group, stats, "all_gather")
     m = tensor.numel()
-    out = torch.empty((peer.size, *tensor.shape), dtype=tensor.dtype)
+    out = tensor.new_empty((peer.size, *tensor.shape))
     flat = out.view(-1)
     r = peer.rank
     flat[r * m : (r + 1) * m].copy_(tensor.reshape(-1))

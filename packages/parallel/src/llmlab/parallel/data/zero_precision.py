@@ -69,8 +69,9 @@ class ZeroMasterWeights:
         return loss if self.scaler is None else loss.float() * self.scaler.scale
 
     @torch.no_grad()
-    def unscale(self) -> bool:
-        """Divide the reduced gradient shards by the scale; whether any rank saw inf/nan."""
+    def unscale(self) -> Tensor | bool:
+        """Divide the reduced gradient shards by the scale; whether any rank saw inf/nan (a
+        device flag, not read here)."""
         if self.scaler is not None and self.loss_scale != 1.0:
             self.engine.scale_grads_(1.0 / self.loss_scale)
         if self.scaler is None and not self.skip_nonfinite:
@@ -78,8 +79,10 @@ class ZeroMasterWeights:
         return DynamicLossScaler.found_inf(self.engine.optimizer_grads(), self.group)
 
     @torch.no_grad()
-    def step(self, optimizer: Optimizer, found_inf: bool, **step_kwargs: Any) -> bool:
-        """Step the shards unless ``found_inf`` (then nothing but the scaler changes)."""
+    def step(self, optimizer: Optimizer, found_inf: Tensor | bool, **step_kwargs: Any) -> bool:
+        """Step the shards unless ``found_inf`` (then nothing but the scaler changes); the
+        device flag is read here, the one host sync of the step."""
+        found_inf = bool(found_inf)
         self.last_step_skipped = found_inf
         if found_inf:
             self.skipped_steps += 1

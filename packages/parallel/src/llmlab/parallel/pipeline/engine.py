@@ -1,9 +1,9 @@
 """Execute one stage's instruction list: a dispatch table over ``Op``.
 
-The engine holds this rank's model chunks and, during a step, four small maps keyed by
-(chunk, micro-batch): received inputs, produced outputs, received output-gradients and the
-input-gradients to send. An entry is dropped as soon as its backward has run, so the memory a
-schedule keeps alive is exactly what the simulator counts.
+The engine holds this rank's model chunks and, during a step, small maps keyed by
+(chunk, micro-batch): inputs, produced outputs, received output-gradients, the input-gradients to
+send, and what a split backward's B left for its W. An entry is dropped as soon as its backward
+(or W) has run, so the memory a schedule keeps alive is exactly what the simulator counts.
 
 Transfers go through :class:`~llmlab.parallel.pipeline.transport.Transport` (tags, shape
 headers, posted receives). Sends are not waited for until the end of the step (so a stage never
@@ -23,6 +23,7 @@ receive would hold back this rank's sends to that peer until it completes.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,9 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from llmlab.parallel.pipeline.schedules import Instruction, Op, schedule
+from llmlab.parallel.pipeline.recompute import uses_shared_recompute
+from llmlab.parallel.pipeline.schedules import COMPUTE_OPS, Instruction, Op
 from llmlab.parallel.pipeline.simulator import TimelineEvent
+from llmlab.parallel.pipeline.split_backward import (
+    WeightGradients,
+    backward_input,
+    backward_weight,
+)
 from llmlab.parallel.pipeline.transport import Tag, Transport
+from llmlab.parallel.pipeline.validate import validated_schedules
 
 
 @dataclass
@@ -125,7 +133,8 @@ class PipelineEngine:
         self.group = group
         self.reduce_grads = reduce_grads
         self.optimizer_step = optimizer_step
-        params = [p for c in self.chunks for p in c.parameters()]
+        self._chunk_params = [list(c.parameters()) for c in self.chunks]
+        params = [p for ps in self._chunk_params for p in ps]
         self.device = (
             torch.device(device)
             if device is not None
@@ -146,6 +155,8 @@ class PipelineEngine:
             Op.SEND_ACTIVATION: self._send_activation,
             Op.RECV_GRAD: self._recv_grad,
             Op.BACKWARD: self._backward,
+            Op.BACKWARD_INPUT: self._backward_input,
+            Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.SEND_GRAD: self._send_grad,
             Op.REDUCE_GRADS: self._reduce_grads,
             Op.OPTIMIZER_STEP: self._optimizer_step,
@@ -164,11 +175,14 @@ class PipelineEngine:
         self, inputs: Tensor, targets: Tensor, num_microbatches: int, schedule_name: str = "1f1b"
     ) -> StepResult:
         """Forward and backward of one batch under ``schedule_name``; gradients accumulate into
-        the chunks' ``.grad`` as for ``(mean loss over micro-batches).backward()``."""
-        program = schedule(
-            schedule_name, self.num_stages, num_microbatches, self.stage, self.virtual_stages
+        the chunks' ``.grad`` as for ``(mean loss over micro-batches).backward()``.
+
+        Every stage's program is validated (each micro-batch forwarded and backwarded once per
+        virtual stage, W after its B, transfers matched, no deadlock) before anything runs."""
+        programs = validated_schedules(
+            schedule_name, self.num_stages, num_microbatches, self.virtual_stages
         )
-        return self.execute(program, inputs, targets, num_microbatches, train=True)
+        return self.execute(programs[self.stage], inputs, targets, num_microbatches, train=True)
 
     @torch.no_grad()
     def eval_step(
@@ -180,15 +194,10 @@ class PipelineEngine:
     ) -> StepResult:
         """Forward only (validation), no graph kept: the mean loss on the last stage, or with
         ``targets=None`` the last stage's outputs concatenated over micro-batches."""
-        program = schedule(
-            schedule_name,
-            self.num_stages,
-            num_microbatches,
-            self.stage,
-            self.virtual_stages,
-            forward_only=True,
+        programs = validated_schedules(
+            schedule_name, self.num_stages, num_microbatches, self.virtual_stages, True
         )
-        return self.execute(program, inputs, targets, num_microbatches, train=False)
+        return self.execute(programs[self.stage], inputs, targets, num_microbatches, train=False)
 
     def execute(
         self,
@@ -201,6 +210,8 @@ class PipelineEngine:
         """Run ``program``. Every stage passes the same ``inputs``/``targets`` (the first stage
         uses the inputs, the last the targets, all use the batch shape to key the shape cache)."""
         m = num_microbatches
+        if train and any(ins.op is Op.BACKWARD_INPUT for ins in program):
+            self._check_split_backward()
         if inputs.shape[0] % m != 0:
             raise ValueError(
                 f"the batch of {inputs.shape[0]} samples cannot be split into {m} equal "
@@ -216,6 +227,7 @@ class PipelineEngine:
         self._outputs: dict[tuple[int, int], Tensor] = {}
         self._grads_in: dict[tuple[int, int], Tensor] = {}
         self._grads_out: dict[tuple[int, int], Tensor | None] = {}
+        self._deferred: dict[tuple[int, int], WeightGradients] = {}  # B done, W not yet
         self._losses: list[Tensor] = []
         self._collected: list[Tensor] = []
         self.transport.begin_step(self._last_vs() + 1, m, self._signature)
@@ -249,7 +261,7 @@ class PipelineEngine:
                     )
                 )
         self.transport.end_step()
-        leftover = set(self._outputs) | set(self._inputs) if train else set()
+        leftover = set(self._outputs) | set(self._inputs) | set(self._deferred) if train else set()
         if leftover:
             raise RuntimeError(f"stage {self.stage}: activations never released: {leftover}")
         loss = torch.stack(self._losses).sum() / m if self._losses else None
@@ -298,6 +310,8 @@ class PipelineEngine:
                 self._outputs[key] = out
             return
         self._outputs[key] = out
+        if ins.virtual_stage == 0 and x is not None and x.requires_grad:
+            self._inputs[key] = x  # a differentiable first input: B computes its gradient
         self._in_flight += 1
         self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
 
@@ -313,6 +327,47 @@ class PipelineEngine:
             self._grads_out[key] = x.grad if x is not None else None
         self._in_flight -= 1
 
+    def _backward_input(self, ins: Instruction) -> None:
+        """B: the input's gradient now; the weight gradients wait in ``_deferred`` for W."""
+        key = (ins.chunk, ins.microbatch)
+        out = self._outputs.pop(key)
+        grad = None if ins.virtual_stage == self._last_vs() else self._grads_in.pop(key)
+        x = self._inputs.pop(key, None)
+        grad_x, self._deferred[key] = backward_input(out, grad, x, self._chunk_params[ins.chunk])
+        if ins.virtual_stage > 0:
+            self._grads_out[key] = grad_x
+
+    def _backward_weight(self, ins: Instruction) -> None:
+        backward_weight(self._deferred.pop((ins.chunk, ins.microbatch)))
+        self._in_flight -= 1
+
+    def _check_split_backward(self) -> None:
+        """Refuse what a split backward would run wrong or twice, before anything runs."""
+        # torch.compile(module) wraps it in an OptimizedModule, module.compile() sets
+        # _compiled_call_impl; without torch._dynamo imported (seconds) neither can exist.
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        wrapper = getattr(eval_frame, "OptimizedModule", ())
+        for chunk in self.chunks:
+            compiled = [
+                name
+                for name, m in chunk.named_modules()
+                if isinstance(m, wrapper) or getattr(m, "_compiled_call_impl", None) is not None
+            ]
+            if compiled:
+                raise ValueError(
+                    f"a split-backward schedule (B and W) cannot run compiled modules "
+                    f"({compiled[:3]}): a compiled region's backward is one autograd node that "
+                    "computes input and weight gradients together, so W would run it again; "
+                    "use an unsplit schedule (1f1b, interleaved) with torch.compile"
+                )
+            if not uses_shared_recompute(chunk):
+                raise ValueError(
+                    "a split-backward schedule (B and W) needs checkpointed blocks that "
+                    "recompute once for both: call llmlab.parallel.pipeline.recompute."
+                    "share_recompute(chunk) on this stage's chunks first (PyTorch's "
+                    "checkpoint would recompute each block once per weight group)"
+                )
+
     # ------------------------------------------------------------------ transfers
     def _prefetch_plan(self, program: Sequence[Instruction]) -> dict[int, list[Instruction]]:
         """Program index of each forward/backward -> the receives of the compute after it.
@@ -324,7 +379,7 @@ class PipelineEngine:
         plan: dict[int, list[Instruction]] = {}
         current: int | None = None
         for index, ins in enumerate(program):
-            if ins.op in (Op.FORWARD, Op.BACKWARD):
+            if ins.op in COMPUTE_OPS:
                 current = index
             elif (
                 ins.op in (Op.RECV_ACTIVATION, Op.RECV_GRAD)

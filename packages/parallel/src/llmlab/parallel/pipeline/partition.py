@@ -6,7 +6,8 @@ parts that minimises the largest part, found exactly by dynamic programming (the
 Explicit ``boundaries`` override it: the index of the first layer of every stage but the first.
 
 With ``v`` virtual stages per rank there are ``p·v`` parts; part ``k`` lives on rank ``k mod p`` as
-its local chunk ``k // p`` (Megatron-LM's interleaved layout).
+its local chunk ``k // p`` (Megatron-LM's interleaved layout), or, for the V-shaped schedules,
+rank ``r`` holds parts ``r`` and ``2p−1−r`` (:func:`chunk_owner`).
 """
 
 from __future__ import annotations
@@ -84,11 +85,36 @@ def split_ranges(
     return [range(edges[k], edges[k + 1]) for k in range(parts)]
 
 
-def chunk_owner(virtual_stage: int, num_stages: int) -> tuple[int, int]:
-    """(rank within the pipeline, local chunk index) of ``virtual_stage``."""
-    return virtual_stage % num_stages, virtual_stage // num_stages
+PLACEMENTS = ("loop", "v")
 
 
-def local_virtual_stages(stage: int, num_stages: int, virtual_stages: int) -> list[int]:
+def chunk_owner(virtual_stage: int, num_stages: int, placement: str = "loop") -> tuple[int, int]:
+    """(rank within the pipeline, local chunk index) of ``virtual_stage``.
+
+    ``loop`` (Megatron-LM's interleaving): chunk ``k`` of rank ``r`` is virtual stage
+    ``k·p + r``, so a micro-batch loops over the ranks ``v`` times. ``v`` (ZB-V, DualPipeV; two
+    chunks): rank ``r`` holds virtual stages ``r`` and ``2p−1−r``, so a micro-batch goes down the
+    ranks and back up, and the turn at the bottom (``p−1 → p``) stays on rank ``p−1``.
+    """
+    if placement == "loop":
+        return virtual_stage % num_stages, virtual_stage // num_stages
+    if placement == "v":
+        if virtual_stage < num_stages:
+            return virtual_stage, 0
+        return 2 * num_stages - 1 - virtual_stage, 1
+    raise ValueError(f"unknown chunk placement {placement!r}; valid: {list(PLACEMENTS)}")
+
+
+def local_virtual_stages(
+    stage: int, num_stages: int, virtual_stages: int, placement: str = "loop"
+) -> list[int]:
     """The virtual stages held by ``stage``, in local chunk order."""
+    if placement == "v":
+        if virtual_stages != 2:
+            raise ValueError(
+                f"the V placement holds exactly 2 chunks per rank, got virtual_stages="
+                f"{virtual_stages}"
+            )
+        return [stage, 2 * num_stages - 1 - stage]
+    chunk_owner(0, num_stages, placement)  # names a bad placement
     return [chunk * num_stages + stage for chunk in range(virtual_stages)]

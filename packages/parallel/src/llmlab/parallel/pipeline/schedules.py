@@ -7,9 +7,15 @@ one forward and one backward per micro-batch, matched sends and receives, no dea
 and the activation memory -- are checked here without processes, and one small engine executes
 every schedule.
 
-Virtual stages (interleaved schedule): the model is cut into ``p·v`` chunks; chunk ``k`` lives on
-rank ``k mod p`` as local chunk ``k // p`` (Megatron-LM's layout), so a micro-batch visits every
-rank ``v`` times. For the other schedules ``v = 1`` and the virtual stage is the stage.
+Virtual stages: the model is cut into ``p·v`` chunks. Interleaved: chunk ``k`` lives on rank
+``k mod p`` as local chunk ``k // p`` (Megatron-LM's layout), so a micro-batch visits every rank
+``v`` times. ZB-V and DualPipeV (``v = 2``): rank ``r`` holds chunks ``r`` and ``2p−1−r``, a V
+(:func:`~llmlab.parallel.pipeline.partition.chunk_owner`). For the other schedules ``v = 1`` and
+the virtual stage is the stage.
+
+Split backward (ZB-H1, ZB-V, DualPipeV): ``BACKWARD_INPUT`` computes the gradient of the stage's
+input (what the previous stage waits for) and ``BACKWARD_WEIGHT``, later, its weight gradients;
+``BACKWARD`` does both at once (:mod:`~llmlab.parallel.pipeline.split_backward`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+from llmlab.parallel.pipeline.partition import chunk_owner, local_virtual_stages
+from llmlab.parallel.pipeline.zero_bubble import dualpipev_order, zb1_order, zbv_order
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed in a V
+SPLIT_BACKWARD = ("zb1", "zbv", "dualpipev")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run as written; the message names the offending instruction."""
 
 
 class Op(str, Enum):
@@ -26,21 +41,24 @@ class Op(str, Enum):
     FORWARD = "forward"
     SEND_ACTIVATION = "send_act"
     RECV_GRAD = "recv_grad"
-    BACKWARD = "backward"
+    BACKWARD = "backward"  # input and weight gradients together
+    BACKWARD_INPUT = "backward_input"  # B: the input gradient only, keeping what W needs
+    BACKWARD_WEIGHT = "backward_weight"  # W: the weight gradients B left behind
     SEND_GRAD = "send_grad"
     REDUCE_GRADS = "reduce_grads"  # data-parallel and tied-weight gradient reduction
     OPTIMIZER_STEP = "optimizer_step"
 
 
-COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD)
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+KIND_OPS = {"F": Op.FORWARD, "B": Op.BACKWARD, "I": Op.BACKWARD_INPUT, "W": Op.BACKWARD_WEIGHT}
 
 
 @dataclass(frozen=True)
 class Instruction:
     """One step of a stage's program.
 
-    ``chunk`` is the local model chunk (0 unless interleaved), ``virtual_stage`` its position in
-    the whole pipeline, ``peer`` the pipeline rank on the other end of a send or receive.
+    ``chunk`` is the local model chunk (0 unless the rank holds several), ``virtual_stage`` its
+    position in the whole pipeline, ``peer`` the pipeline rank at the other end of a transfer.
     """
 
     op: Op
@@ -60,11 +78,27 @@ class Instruction:
 
 
 def validate_schedule_args(
-    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    allow_split_backward: bool = False,
 ) -> None:
-    """Fail early, naming the bad value and what would be valid."""
+    """Fail early, naming the bad value and what would be valid.
+
+    ``allow_split_backward``: whether the caller runs the split-backward schedules (the engine
+    does; the N-D strategy does not cut V-placed stages or switch checkpointed blocks to shared
+    recompute yet, so it refuses them rather than run them wrong).
+    """
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {list(SCHEDULES)}")
+    if name in SPLIT_BACKWARD and not allow_split_backward:
+        raise ValueError(
+            f"the {name!r} schedule (split backward) runs on PipelineEngine directly; the "
+            "pipeline strategy does not run split-backward schedules yet (its stage cut has no "
+            "V placement and its checkpointed blocks would recompute once per weight group); "
+            "use 'naive', 'gpipe', '1f1b' or 'interleaved' here"
+        )
     for label, value in (
         ("num_stages", num_stages),
         ("num_microbatches", num_microbatches),
@@ -72,10 +106,21 @@ def validate_schedule_args(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
-    if name != "interleaved" and virtual_stages != 1:
+    if name in V_SHAPED and virtual_stages != 2:
         raise ValueError(
-            f"virtual_stages={virtual_stages} only applies to the 'interleaved' schedule, "
-            f"not {name!r}; use virtual_stages=1"
+            f"the {name!r} schedule places exactly 2 chunks per rank in a V (rank r holds "
+            f"stages r and 2p-1-r), got virtual_stages={virtual_stages}; use virtual_stages=2"
+        )
+    if name not in V_SHAPED and name != "interleaved" and virtual_stages != 1:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} only applies to the 'interleaved' schedule "
+            f"(and 2 to {' and '.join(repr(n) for n in V_SHAPED)}), not {name!r}; use "
+            "virtual_stages=1"
+        )
+    if name == "dualpipev" and num_microbatches < 2 * num_stages:
+        raise ValueError(
+            f"the dualpipev schedule needs num_microbatches ({num_microbatches}) >= 2 × "
+            f"num_stages ({2 * num_stages}: one per virtual stage of the V)"
         )
     if name == "interleaved" and num_microbatches % num_stages != 0:
         raise ValueError(
@@ -85,8 +130,19 @@ def validate_schedule_args(
         )
 
 
+def placement(name: str) -> str:
+    """Where a schedule puts its chunks: "v" for the V-shaped ones, "loop" otherwise."""
+    return "v" if name in V_SHAPED else "loop"
+
+
 def _compute_order(name: str, p: int, m: int, stage: int, v: int) -> list[tuple[str, int, int]]:
-    """The order of ("F" | "B", micro-batch, local chunk) on ``stage``."""
+    """The order of (kind, micro-batch, local chunk) on ``stage``; kinds as in ``KIND_OPS``."""
+    if name == "zb1":
+        return zb1_order(p, m, stage)
+    if name == "zbv":
+        return zbv_order(p, m, stage)
+    if name == "dualpipev":
+        return dualpipev_order(p, m, stage)
     if name == "gpipe":
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
     if name in ("naive", "1f1b"):
@@ -131,7 +187,9 @@ def schedule(
     ``forward_only`` (validation): the forwards in schedule order, with their transfers, and no
     backward, gradient reduction or optimizer step.
     """
-    validate_schedule_args(name, num_stages, num_microbatches, virtual_stages)
+    validate_schedule_args(
+        name, num_stages, num_microbatches, virtual_stages, allow_split_backward=True
+    )
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage!r}")
     p, v = num_stages, virtual_stages
@@ -139,11 +197,16 @@ def schedule(
     order = _compute_order(name, p, num_microbatches, stage, v)
     if forward_only:
         order = sorted((x for x in order if x[0] == "F"), key=lambda x: (x[2], x[1]))
+    where = placement(name)
+    chunk_vs = local_virtual_stages(stage, p, v, where)
     program: list[Instruction] = []
     for kind, mb, chunk in order:
-        vs = chunk * p + stage
-        prev_rank, next_rank = (vs - 1) % p, (vs + 1) % p
-        if kind == "F":
+        vs = chunk_vs[chunk]
+        prev_rank = chunk_owner(vs - 1, p, where)[0] if vs > 0 else None
+        next_rank = chunk_owner(vs + 1, p, where)[0] if vs < last else None
+        if kind == "W":  # no transfer: the weight gradients stay on this stage
+            program.append(Instruction(Op.BACKWARD_WEIGHT, mb, chunk, vs))
+        elif kind == "F":
             if vs == 0 or vs == last:
                 program.append(Instruction(Op.LOAD_MICROBATCH, mb, chunk, vs))
             if vs > 0:
@@ -154,7 +217,7 @@ def schedule(
         else:
             if vs < last:
                 program.append(Instruction(Op.RECV_GRAD, mb, chunk, vs, next_rank))
-            program.append(Instruction(Op.BACKWARD, mb, chunk, vs))
+            program.append(Instruction(KIND_OPS[kind], mb, chunk, vs))
             if vs > 0:
                 program.append(Instruction(Op.SEND_GRAD, mb, chunk, vs, prev_rank))
     if not forward_only:
@@ -177,16 +240,30 @@ def all_schedules(
 
 
 def theoretical_bubble(name: str, num_stages: int, num_microbatches: int, v: int = 1) -> float:
-    """Idle fraction with equal forward/backward costs and free communication.
+    """Idle fraction with equal compute costs and free communication.
 
-    GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v·m+p-1) (each rank's warm-up and
-    cool-down shrink to 1/v of a stage); naive: (p-1)/p (only one stage ever works).
+    GPipe and 1F1B: (p-1)/(m+p-1), whatever the forward/backward ratio; interleaved:
+    (p-1)/(v·m+p-1) (each rank's warm-up and cool-down shrink to 1/v of a stage); naive: (p-1)/p
+    (only one stage ever works). Split backward, at T_F = T_B = T_W (per chunk): ZB-H1 idles
+    (p-1)·T per stage against 1F1B's 3(p-1)·T, so (p-1)/(3m+p-1) for m >= p; ZB-V and DualPipeV
+    idle only while the first forward travels down (p-1 chunk times) among 6m per rank, so
+    (p-1)/(6m+p-1), for m >= floor(3p/2) (ZB-V; DualPipeV needs m >= 2p anyway). Below those
+    micro-batch counts the warm-up is not filled and the closed form does not hold: ``simulate``
+    gives the exact figure.
     """
     p, m = num_stages, num_microbatches
     if name == "naive":
         return (p - 1) / p
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
+    if name in ("zb1", "zbv", "dualpipev"):
+        least = {"zb1": p, "zbv": (3 * p) // 2, "dualpipev": 2 * p}[name]
+        if m < least:
+            raise ValueError(
+                f"the {name} bubble formula holds for num_microbatches >= {least} at "
+                f"{p} stages, got {m}; use simulate() for the exact figure"
+            )
+        return (p - 1) / ((3 if name == "zb1" else 6) * m + p - 1)
     return (p - 1) / (m + p - 1)
 
 

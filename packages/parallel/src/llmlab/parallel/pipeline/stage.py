@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from llmlab.parallel.pipeline.grad_sync import find_tied_parameters
-from llmlab.parallel.pipeline.partition import local_virtual_stages, split_ranges
+from llmlab.parallel.pipeline.partition import chunk_owner, local_virtual_stages, split_ranges
 
 
 def pipeline_layers_of(model: nn.Module) -> list[nn.Module]:
@@ -24,7 +24,8 @@ def pipeline_layers_of(model: nn.Module) -> list[nn.Module]:
     if not callable(fn):
         raise TypeError(
             f"{type(model).__name__} has no pipeline_layers() method; a pipelined model must "
-            "return its ordered list of one-tensor-to-one-tensor layers (DESIGN §3)"
+            "return its ordered list of one-tensor-to-one-tensor layers "
+            "(docs/architecture.md#contracts)"
         )
     layers = list(fn())
     if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
@@ -50,13 +51,18 @@ def cut_stage(
     stage: int,
     virtual_stages: int = 1,
     boundaries: Sequence[int] | None = None,
+    placement: str = "loop",
 ) -> StageModules:
-    """Cut ``layers`` into ``num_stages × virtual_stages`` parts and take ``stage``'s chunks."""
+    """Cut ``layers`` into ``num_stages × virtual_stages`` parts and take ``stage``'s chunks;
+    ``placement`` says which parts a rank holds ("loop", or "v" for ZB-V and DualPipeV:
+    :func:`~llmlab.parallel.pipeline.partition.chunk_owner`)."""
     ranges = split_ranges(layers, num_stages * virtual_stages, boundaries)
-    mine = local_virtual_stages(stage, num_stages, virtual_stages)
+    mine = local_virtual_stages(stage, num_stages, virtual_stages, placement)
     chunks = [nn.Sequential(*(layers[i] for i in ranges[vs])) for vs in mine]
     local = [i for vs in mine for i in ranges[vs]]
-    stage_of_layer = {i: vs % num_stages for vs, r in enumerate(ranges) for i in r}
+    stage_of_layer = {
+        i: chunk_owner(vs, num_stages, placement)[0] for vs, r in enumerate(ranges) for i in r
+    }
     tie_stages: list[list[int]] = []
     tied_local: list[tuple[nn.Parameter, int]] = []
     duplicates: list[nn.Parameter] = []

@@ -14,7 +14,20 @@ import torch.distributed as dist
 
 from llmlab.parallel.pipeline.simulator import TimelineEvent
 
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
+# (first chunk, second chunk) per kind; the legend names them as the papers do
+COLOURS = {
+    "forward": ("#4C72B0", "#8FB3E0"),
+    "backward": ("#55A868", "#9AD3A6"),
+    "backward_input": ("#DD8452", "#F2BE9A"),
+    "backward_weight": ("#8172B3", "#BDB4DC"),
+}
+LEGEND = {
+    "forward": "F (forward)",
+    "backward": "B+W (whole backward)",
+    "backward_input": "B (input gradient)",
+    "backward_weight": "W (weight gradients)",
+}
 
 
 def measured_bubble(events: Sequence[TimelineEvent], num_stages: int) -> float:
@@ -45,8 +58,9 @@ def plot_timeline(
     path: str | Path,
     title: str = "",
 ) -> Path:
-    """A Gantt chart: one row per stage (stage 0 on top), forwards blue, backwards green, the
-    micro-batch number written in each box (``mb.chunk`` for interleaved chunks)."""
+    """A Gantt chart: one row per stage (stage 0 on top), forwards blue, whole backwards green,
+    B (input gradient) orange, W (weight gradients) purple, a lighter shade for a rank's second
+    chunk; the micro-batch number written in each box (``mb.chunk`` with several chunks)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,14 +68,13 @@ def plot_timeline(
 
     compute = [e for e in events if e.op in COMPUTE]
     chunks = max((e.chunk for e in compute), default=0) + 1
-    colours = {"forward": ("#4C72B0", "#8FB3E0"), "backward": ("#55A868", "#9AD3A6")}
     fig, ax = plt.subplots(
         figsize=(max(6.0, 0.35 * len(compute) / max(1, num_stages)), 0.6 + 0.5 * num_stages),
         layout="constrained",  # makes room for the legend outside the axes
     )
     t0 = min((e.start for e in events), default=0.0)
     for e in compute:
-        colour = colours[e.op][e.chunk % 2]
+        colour = COLOURS[e.op][e.chunk % 2]
         width = e.end - e.start
         ax.barh(
             num_stages - 1 - e.stage,
@@ -87,9 +100,10 @@ def plot_timeline(
     ax.set_xlabel("time (s)")
     bubble = measured_bubble(events, num_stages)
     ax.set_title(f"{title}  bubble {bubble:.1%}".strip())
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k][0]) for k in COMPUTE]
+    kinds = [k for k in COMPUTE if any(e.op == k for e in compute)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k][0]) for k in kinds]
     # Outside the axes: inside, it covered stage 0's last backward boxes.
-    fig.legend(handles, list(COMPUTE), loc="outside right upper", fontsize=7)
+    fig.legend(handles, [LEGEND[k] for k in kinds], loc="outside right upper", fontsize=7)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

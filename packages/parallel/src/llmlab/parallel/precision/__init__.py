@@ -1,4 +1,5 @@
-"""Precision plugins for Lightning (DESIGN §3): loss scaling, fp32 master weights, bf16, fp8.
+"""Precision plugins for Lightning: loss scaling, fp32 master weights, bf16, fp8 (the precision
+contract: docs/architecture.md#precision).
 
 * :class:`DynamicLossScaler`: the loss-scale policy (growth window, backoff, hysteresis, floor).
 * :class:`MasterWeights`: fp32 masters behind a low-precision model, plain PyTorch.

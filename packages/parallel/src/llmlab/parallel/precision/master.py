@@ -98,8 +98,9 @@ class MasterWeights:
         return loss.float() * self.scaler.scale
 
     @torch.no_grad()
-    def unscale(self) -> bool:
-        """Move the model's grads into the masters as fp32 ``g / S``; return ``found_inf``."""
+    def unscale(self) -> Tensor | bool:
+        """Move the model's grads into the masters as fp32 ``g / S``; return ``found_inf`` (a
+        device flag, not read here)."""
         inv = 1.0 / self.loss_scale
         for p, m in zip(self.model_params, self.masters, strict=True):
             if p.grad is None:
@@ -115,11 +116,13 @@ class MasterWeights:
         return DynamicLossScaler.found_inf((m.grad for m in self.masters), self.group)
 
     @torch.no_grad()
-    def step(self, optimizer: Optimizer, found_inf: bool, **step_kwargs: Any) -> bool:
+    def step(self, optimizer: Optimizer, found_inf: Tensor | bool, **step_kwargs: Any) -> bool:
         """Step on the masters unless ``found_inf``; copy them back; update the scale.
 
         Returns whether the optimizer stepped. On overflow nothing but the scaler changes.
+        ``found_inf`` (``unscale``'s device flag) is read here, the one host sync of the step.
         """
+        found_inf = bool(found_inf)
         self.last_step_skipped = found_inf
         if found_inf:
             self.skipped_steps += 1

@@ -7,7 +7,9 @@ inf, so the scale is *dynamic*: an overflow skips the step and backs the scale o
 clean steps grows it again ("ride the edge").
 
 Policy, one call of :meth:`DynamicLossScaler.update` per optimizer step (``found_inf`` says
-whether any gradient was inf/nan; across ranks when a process group is given):
+whether any gradient was inf/nan; across ranks when a process group is given). The overflow
+flag itself (:meth:`DynamicLossScaler.found_inf`) stays on the device; the host reads it once
+per optimizer step, where the step is taken or skipped:
 
 * clean step: ``growth_tracker += 1``; with ``consecutive_hysteresis`` the hysteresis budget is
   refilled; when ``growth_tracker == growth_interval`` the scale is multiplied by
@@ -148,19 +150,29 @@ class DynamicLossScaler:
 
     # --------------------------------------------------------------- overflow
     @staticmethod
-    def found_inf(grads: Iterable[Tensor | None], group: dist.ProcessGroup | None = None) -> bool:
-        """Whether any gradient holds inf or nan, on this rank or (in a distributed run) any rank.
+    def found_inf(grads: Iterable[Tensor | None], group: dist.ProcessGroup | None = None) -> Tensor:
+        """Whether any gradient holds inf or nan, on this rank or (in a distributed run) any rank:
+        a 0-dim bool tensor on the gradients' device, never read here.
 
-        Every rank must agree on skipping, otherwise replicas drift apart: the flag is
-        all-reduced with MAX over ``group`` whenever torch.distributed is initialised.
+        Reading a device value stalls the host until the device has caught up, so the flag
+        stays on the device until the one place that must decide: the master weights' ``step``
+        reads it once per optimizer step (after clipping has been queued), and passes a plain
+        bool to :meth:`update`. Every rank must agree on skipping, otherwise replicas drift
+        apart: the flag is all-reduced with MAX over ``group`` whenever torch.distributed is
+        initialised (a device collective, no host read).
         """
-        flags = [torch.logical_not(torch.isfinite(g).all()) for g in grads if g is not None]
-        local = torch.stack(flags).any() if flags else torch.tensor(False)
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            local = torch.zeros((), dtype=torch.bool)
+        else:  # gradients may sit on several devices (naive model parallel): gather the flags
+            device = grads[0].device
+            flags = [torch.logical_not(torch.isfinite(g).all()).to(device) for g in grads]
+            local = torch.stack(flags).any()
         if dist.is_available() and dist.is_initialized():
             flag = local.to(torch.float32).reshape(1)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            return bool(flag.item() > 0)
-        return bool(local.item())
+            return flag[0] > 0
+        return local
 
     # ------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

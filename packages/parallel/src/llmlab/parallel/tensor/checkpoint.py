@@ -1,6 +1,6 @@
 """Consolidated checkpoints: sharded parameters (and their optimizer state) are gathered on save
 and sliced on load, so a checkpoint from any tensor-parallel degree loads into a plain model or
-into any other degree (DESIGN §4).
+into any other degree (docs/architecture.md#where-state-lives).
 
 A sharded parameter carries ``tp_shard_dim`` (set by ``shard_parameter``); that is all that is
 needed, so the plan is not consulted here. Collectives here are not recorded in the ledger: they

@@ -1,0 +1,147 @@
+"""``LlamaConfig``: the hyper-parameters of the Llama family, and the checks that name bad values.
+
+One config covers the family members that differ only in a few switches, each named after what
+it changes rather than after the model that introduced it:
+
+* ``head_dim``: an explicit per-head width (Qwen3, Mistral v0.3, Llama 3.2 write it); ``None``
+  is ``n_embd / n_head``. The projections are ``n_embd -> n_head · head_dim``, so the attention
+  width may differ from the residual width.
+* ``rope_scaling``: how the RoPE frequencies are rescaled for long contexts (``None``, or
+  ``{"rope_type": "linear", "factor": f}`` or Llama 3.1's ``{"rope_type": "llama3", ...}``);
+  see :mod:`llmlab.models.rope`.
+* ``sliding_window`` with ``window_layers``: Mistral's (every layer) or Qwen2's (some layers)
+  attention window of ``W`` keys: a query at position ``i`` sees keys ``(i - W, i]``.
+* ``attention_bias`` (q, k, v: Qwen2) and ``attention_out_bias`` (o: HF Llama's bias).
+* ``qk_norm``: an RMSNorm over each head of q and k before RoPE (Qwen3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from llmlab.models.config_checks import (
+    check_dropout_and_kernels,
+    check_heads_divide,
+    check_positive_ints,
+)
+
+ROPE_TYPES = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclass
+class LlamaConfig:
+    """Hyper-parameters of the Llama. ``validate()`` is called on construction of a ``Llama``."""
+
+    vocab_size: int = 256
+    block_size: int = 256  # the longest sequence (prompt + generated) the model is used for
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 2  # key/value heads; == n_head is multi-head attention, 1 is multi-query
+    n_embd: int = 128
+    intermediate_size: int = 384  # the gated MLP's width (Llama: about 8/3 · n_embd)
+    head_dim: int | None = None  # per-head width; None: n_embd / n_head
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "llama3", ...}
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    attention_out_bias: bool = False  # bias on the output projection (HF Llama's attention_bias)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # attention window in keys; None: full causal attention
+    window_layers: list[int] | None = None  # the windowed layers; None: all (with a window)
+    dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
+    kernels: str = "torch"  # "torch" (PyTorch ops) or "triton" (llmlab.kernels)
+
+    @property
+    def head_size(self) -> int:
+        """The per-head width: ``head_dim`` if given, else ``n_embd / n_head``."""
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (``None``: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.window_layers is not None and layer not in self.window_layers:
+            return None
+        return self.sliding_window
+
+    def validate(self) -> None:
+        """Fail early, naming the bad value and what would be valid."""
+        check_positive_ints(self, (
+            "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+            "intermediate_size",
+        ))  # fmt: skip
+        if self.head_dim is None:
+            check_heads_divide(self, " (or give head_dim explicitly)")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 2):
+            raise ValueError(f"LlamaConfig.head_dim must be an integer >= 2, got {self.head_dim!r}")
+        if self.n_head % self.n_kv_head != 0:
+            valid = [h for h in range(1, self.n_head + 1) if self.n_head % h == 0]
+            raise ValueError(
+                f"LlamaConfig.n_head={self.n_head} is not divisible by n_kv_head="
+                f"{self.n_kv_head} (each KV head serves a whole group of query heads); "
+                f"valid n_kv_head: {valid}"
+            )
+        if self.head_size % 2:  # RoPE rotates dimensions in pairs
+            where = (
+                f"head_dim={self.head_dim}"
+                if self.head_dim is not None
+                else f"n_embd={self.n_embd} / n_head={self.n_head} = {self.head_size}, the "
+                "head dim,"
+            )
+            raise ValueError(f"LlamaConfig.{where} must be even (RoPE rotates dimensions in pairs)")
+        if not self.rope_theta > 0:
+            raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        self._validate_rope_scaling()
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"LlamaConfig.sliding_window must be a positive integer or None, got "
+                f"{self.sliding_window!r}"
+            )
+        if self.window_layers is not None:
+            bad = [i for i in self.window_layers if not 0 <= i < self.n_layer]
+            if self.sliding_window is None or bad:
+                raise ValueError(
+                    f"LlamaConfig.window_layers={self.window_layers} needs a sliding_window and "
+                    f"layer indices in [0, {self.n_layer})"
+                )
+        check_dropout_and_kernels(self)
+
+    def _validate_rope_scaling(self) -> None:
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        kind = scaling.get("rope_type")
+        if kind not in ROPE_TYPES:
+            raise ValueError(
+                f"LlamaConfig.rope_scaling rope_type={kind!r} is not implemented; "
+                f"valid: {sorted(ROPE_TYPES)}"
+            )
+        expected = {"rope_type", *ROPE_TYPES[kind]}
+        if set(scaling) != expected:
+            raise ValueError(
+                f"LlamaConfig.rope_scaling for rope_type={kind!r} needs exactly the keys "
+                f"{sorted(expected)}, got {sorted(scaling)}"
+            )
+        for key in ROPE_TYPES[kind]:
+            if not isinstance(scaling[key], int | float) or not scaling[key] > 0:
+                raise ValueError(
+                    f"LlamaConfig.rope_scaling[{key!r}] must be > 0, got {scaling[key]!r}"
+                )
+        if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+            raise ValueError(
+                "LlamaConfig.rope_scaling: llama3 needs high_freq_factor > low_freq_factor, got "
+                f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

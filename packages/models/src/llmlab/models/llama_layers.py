@@ -1,0 +1,175 @@
+"""The Llama's layers: RMSNorm, grouped-query attention with RoPE, the gated MLP, the block,
+the embedding and the head. Their names and shapes mirror ``transformers``' ``LlamaForCausalLM``
+(``q_proj``, ``gate_proj``, ...), so converting a checkpoint is a renaming."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llmlab.models.kv_cache import KVCache
+from llmlab.models.llama_config import LlamaConfig
+from llmlab.models.ops import Ops
+from llmlab.models.rope import Rotary
+
+
+class RMSNorm(nn.Module):
+    """``w · x / sqrt(mean(x²) + eps)``, computed by the configured op backend."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE; separate q, k, v projections (head-major rows).
+
+    With ``qk_norm`` each head of q and k goes through an RMSNorm of width ``head_dim`` before
+    RoPE (Qwen3). A layer with a sliding window receives its windowed mask from the model.
+    """
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, ops: Ops) -> None:
+        super().__init__()
+        C, D = config.n_embd, config.head_size
+        self.head_dim = D
+        self.layer_idx = layer_idx
+        self.window = config.layer_window(layer_idx)
+        self.q_proj = nn.Linear(C, config.n_head * D, bias=config.attention_bias)
+        self.k_proj = nn.Linear(C, config.n_kv_head * D, bias=config.attention_bias)
+        self.v_proj = nn.Linear(C, config.n_kv_head * D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.n_head * D, C, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps, ops)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = Rotary(D, config.rope_theta, config.rope_scaling)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.ops = ops
+
+    @property
+    def local_heads(self) -> int:
+        """Query heads held here: all of them, or this rank's share once q_proj is sharded."""
+        return self.q_proj.weight.shape[0] // self.head_dim
+
+    @property
+    def local_kv_heads(self) -> int:
+        """Key/value heads held here (what the KV cache stores)."""
+        return self.k_proj.weight.shape[0] // self.head_dim
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        attn_mask: Tensor | None = None,
+        causal: bool = True,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        D = self.head_dim
+        # (B, T, heads, D): token-major, as the projections produce them; RoPE works there, then
+        # the heads move forward for attention. The head counts are whatever the (possibly
+        # sharded) projections return -- a plain, Megatron-sharded or DTensor-sharded q_proj.
+        q = self.q_proj(x).view(B, T, -1, D)
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if positions is None:  # a block run on its own (a pipeline stage): a fresh sequence
+            positions = torch.arange(T, device=x.device).unsqueeze(0)
+        if attn_mask is None and causal and self.window is not None and self.window < T:
+            attn_mask = _window_mask(T, self.window, x.device)  # a stage sees no model mask
+        cos, sin = self.rotary(positions, q.dtype)
+        q, k = self.ops.rope(q, k, cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, D)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        dropout_p = self.dropout if self.training else 0.0
+        if attn_mask is None and causal:
+            docs = {} if document_ids is None else {"document_ids": document_ids}
+            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
+        else:  # decoding, padding or a window: an explicit mask (or one token seeing every key)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, enable_gqa=True
+            )
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.o_proj(y))
+
+
+def _window_mask(T: int, window: int, device: torch.device) -> Tensor:
+    """(1, 1, T, T) boolean mask: query ``i`` sees keys ``(i - window, i]``."""
+    i = torch.arange(T, device=device)
+    offset = i[:, None] - i[None, :]
+    return ((offset >= 0) & (offset < window))[None, None]
+
+
+class MLP(nn.Module):
+    """The gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig, ops: Ops) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+        self.ops = ops
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, ops: Ops) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, config.rms_norm_eps, ops)
+        self.attn = Attention(config, layer_idx, ops)
+        self.mlp_norm = RMSNorm(config.n_embd, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        attn_mask: Tensor | None = None,
+        causal: bool = True,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        # ids by keyword: sequence parallelism gathers only the first positional input
+        h = self.attn_norm(x)
+        x = x + self.attn(h, positions, cache, attn_mask, causal, document_ids=document_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    """Token embeddings only: positions enter through RoPE inside attention."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.drop(self.tokens(input_ids))
+
+
+class Head(nn.Module):
+    """Final RMSNorm and the LM head (the last pipeline layer: hidden -> logits)."""
+
+    def __init__(self, config: LlamaConfig, ops: Ops) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.n_embd, config.rms_norm_eps, ops)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,108 @@
+"""``python -m llmlab.serving MODEL [--host 127.0.0.1] [--port 8000] [engine options]``.
+
+MODEL is a training checkpoint, a sharded checkpoint folder or an HF-format folder (see
+``llmlab.serving.loading``). Every option is checked before the model is loaded, and the model
+and engine before the port is opened; a bad value exits with status 2 and a message naming it.
+``make serve CKPT=path ARGS="--port 8001"`` runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from llmlab.serving.config import ATTENTION_BACKENDS, EngineConfig
+
+log = logging.getLogger("llmlab.serving")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m llmlab.serving", description=__doc__.split("\n")[0])
+    p.add_argument("model", help="training checkpoint file, sharded folder or HF-format folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the name clients send (default: from MODEL)")
+    p.add_argument("--tokenizer", help="a tokenizer file (llmlab JSON, HF tokenizer.json, ...)")
+    p.add_argument("--chat-template", help="a Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, help="KV blocks in the pool")
+    p.add_argument("--kv-cache-tokens", type=int, help="or: token slots in the pool")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: context)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port} is not a TCP port (0..65535)")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.chat_template and not Path(args.chat_template).is_file():
+        p.error(f"--chat-template {args.chat_template!r} is not a file")
+    return args
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        attention_backend=args.attention_backend,
+    )
+    config.validate()
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+        import torch
+        import uvicorn
+
+        from llmlab.serving.chat_template import PLAIN_TEMPLATE, ChatTemplate
+        from llmlab.serving.engine import LLMEngine
+        from llmlab.serving.loading import load
+        from llmlab.serving.server import ServerState, create_app
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        loaded = load(args.model, tokenizer=args.tokenizer)
+        engine = LLMEngine(loaded.model, loaded.tokenizer, config)
+        if args.chat_template:
+            template, source = Path(args.chat_template).read_text(), args.chat_template
+        elif loaded.chat_template:
+            template, source = loaded.chat_template, "the tokenizer's"
+        else:
+            template, source = PLAIN_TEMPLATE, "plain 'role: content' lines (none shipped)"
+        chat = ChatTemplate(template, **loaded.template_tokens)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    c = engine.config
+    name = args.served_model_name or loaded.name
+    params = sum(p.numel() for p in loaded.model.parameters())
+    log.info(
+        "model %r: %s, %.2fM parameters, context %d; KV pool %d blocks x %d tokens (%.1f MiB); "
+        "chat template: %s",
+        name, type(loaded.model).__name__, params / 1e6, c.max_model_len, c.num_blocks,
+        c.block_size, engine.runner.pool.nbytes / 2**20, source,
+    )  # fmt: skip
+    state = ServerState(engine, name, chat, loaded.eos_token_ids)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

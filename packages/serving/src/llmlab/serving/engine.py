@@ -1,0 +1,224 @@
+"""``LLMEngine``: requests in, tokens out, one scheduler step at a time.
+
+``step()`` is the whole engine:
+
+1. the scheduler picks this step's chunks (and preempts if blocks run out);
+2. the model runner computes them in one forward over the paged KV pool;
+3. every sequence whose chunk reached its end gets its next token (a request that was still
+   one sequence forks into its ``num_return_sequences`` here, sharing the prompt's blocks);
+4. sequences that hit eos, a stop string or their length are retired at once -- their blocks
+   are free for the very next step -- and each request that changed reports its new tokens
+   and text.
+
+The engine is synchronous and single-threaded; the offline ``LLM`` loops over ``step()`` and
+the HTTP server runs it in a background thread (``llmlab.serving.async_engine``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmlab.decoding import GenerationConfig
+from llmlab.serving.config import EngineConfig
+from llmlab.serving.detokenize import IncrementalText
+from llmlab.serving.metrics import EngineStats
+from llmlab.serving.model_runner import ModelRunner
+from llmlab.serving.sampler import Rules, next_tokens, stop_reason
+from llmlab.serving.scheduler import Scheduler
+from llmlab.serving.sequence import Request, Sequence, Status
+
+SUPPORTED_STRATEGIES = ("greedy", "sample")
+
+
+@dataclass
+class SequenceOutput:
+    index: int
+    token_ids: list[int]  # every generated token so far
+    text: str  # the text released so far (see llmlab.serving.detokenize)
+    new_token_ids: list[int]  # since this sequence's previous output
+    new_text: str
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    outputs: list[SequenceOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """The engine's per-request extras: decoding rules, texts, what was reported."""
+
+    request: Request
+    rules: Rules
+    texts: dict[int, IncrementalText] = field(default_factory=dict)
+    reported: dict[int, int] = field(default_factory=dict)  # tokens already reported
+
+
+class LLMEngine:
+    def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None):
+        self.config = (config or EngineConfig()).resolved(model.config.block_size)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, self.config)
+        self.scheduler = Scheduler(self.config)
+        self.stats = EngineStats(num_blocks=self.config.num_blocks)
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------------------ requests
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], config: GenerationConfig | None = None
+    ) -> Request:
+        """Queue a request; every bad value is refused here, before any work starts."""
+        config = config or GenerationConfig()
+        self.check_request(request_id, prompt_ids, config)
+        request = Request(request_id, list(prompt_ids), config, next(self._arrivals))
+        rules = Rules.of(config, len(prompt_ids), self.tokenizer)
+        request.new_sequence(0, request.prompt_ids, self.runner.device)
+        self._tracked[request_id] = _Tracked(request, rules)
+        self.scheduler.add(request.sequences[0])
+        return request
+
+    def check_request(self, request_id: str, prompt_ids: list[int], config: GenerationConfig):
+        """Raise ``ValueError`` naming what is wrong with a request (the server's 400s)."""
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        config.validate()
+        strategy = config.resolved_strategy()
+        if strategy not in SUPPORTED_STRATEGIES:
+            raise ValueError(
+                f"strategy {strategy!r} (num_beams={config.num_beams}) is not served; the "
+                f"engine decodes {list(SUPPORTED_STRATEGIES)} (use llmlab.decoding.generate)"
+            )
+        if config.sliding_window is not None or not config.use_cache:
+            raise ValueError(
+                "sliding_window and use_cache=False do not apply to the serving engine "
+                "(it always caches, within max_model_len)"
+            )
+        vocab = self.model.config.vocab_size
+        if not prompt_ids or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(
+                f"the prompt must be a non-empty list of token ids in [0, {vocab}), got "
+                f"{list(prompt_ids)[:8]}{'...' if len(prompt_ids) > 8 else ''}"
+            )
+        limit = self.config.max_model_len
+        if len(prompt_ids) + config.max_new_tokens > limit:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
+                f"({config.max_new_tokens}) exceed the model's context of {limit} tokens"
+            )
+        if config.num_return_sequences > self.config.max_num_seqs:
+            raise ValueError(
+                f"num_return_sequences={config.num_return_sequences} exceeds max_num_seqs="
+                f"{self.config.max_num_seqs}"
+            )
+        if config.stop_string_list and self.tokenizer is None:
+            raise ValueError("stop strings need the engine to have a tokenizer")
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its sequences stop and their blocks return to the pool now."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        request = tracked.request
+        request.forked = True
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self.stats.finished(request, "abort")
+        self.stats.observe_queues(self.scheduler)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    # ----------------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        logits = self.runner.execute(out.chunks, out.copies)
+        self.scheduler.after_forward(out)
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for row, chunk in enumerate(c for c in out.chunks if c.completes):
+            family = self._fork(chunk.seq)
+            seqs += family
+            rows += [row] * len(family)
+        rules = [self._tracked[s.request.request_id].rules for s in seqs]
+        tokens = next_tokens(seqs, rules, logits[rows])
+        now = time.perf_counter()
+        changed: dict[str, _Tracked] = {}
+        for seq, token in zip(seqs, tokens):
+            tracked = self._tracked[seq.request.request_id]
+            seq.token_ids.append(token)
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+                self.stats.first_token(now - seq.request.arrival_time)
+            reason = stop_reason(seq, tracked.rules, self.config.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            changed[seq.request.request_id] = tracked
+        self.stats.step(out, len(tokens), self.scheduler)
+        outputs = [self._report(t) for t in changed.values()]
+        for output in outputs:
+            if output.finished:
+                finished = self._tracked.pop(output.request_id)
+                self.stats.finished(finished.request, None)
+        return outputs
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """``seq`` and, at a request's first token, its new siblings sharing its blocks."""
+        request = seq.request
+        if request.forked:
+            return [seq]
+        request.forked = True
+        family = [seq]
+        for index in range(1, request.config.num_return_sequences):
+            child = request.new_sequence(index, seq.token_ids, self.runner.device)
+            self.scheduler.blocks.fork(seq, child)
+            self.scheduler.add_running(child)
+            family.append(child)
+        return family
+
+    def _report(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        outputs = []
+        for seq in request.sequences:
+            seen = tracked.reported.get(seq.index, 0)
+            generated = seq.output_ids
+            new = generated[seen:]
+            tracked.reported[seq.index] = len(generated)
+            text, delta = self._text(tracked, seq, new)
+            outputs.append(SequenceOutput(seq.index, list(generated), text, new, delta,
+                                          seq.finish_reason))  # fmt: skip
+        return RequestOutput(request.request_id, request.prompt_ids, outputs,
+                             request.is_finished, self._request_metrics(request))  # fmt: skip
+
+    def _text(self, tracked: _Tracked, seq: Sequence, new: list[int]) -> tuple[str, str]:
+        if self.tokenizer is None:
+            return "", ""
+        text = tracked.texts.get(seq.index)
+        if text is None:
+            stops = tracked.request.config.stop_string_list
+            text = tracked.texts[seq.index] = IncrementalText(self.tokenizer, stops)
+        final = seq.status is Status.FINISHED
+        if final and new and new[-1] in tracked.rules.eos:
+            new = new[:-1]  # the eos token is special: not rendered
+        delta = text.add(new, final=final)
+        return text.text, delta
+
+    @staticmethod
+    def _request_metrics(request: Request) -> dict[str, float]:
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
+        return metrics

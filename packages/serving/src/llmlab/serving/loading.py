@@ -1,0 +1,137 @@
+"""``load(path)``: a model, its tokenizer and its chat template from what training left on disk.
+
+Three forms of ``MODEL`` are told apart by what the path holds:
+
+* **a training checkpoint** (a file): what ``llmlab.train`` saves -- ``hyper_parameters``
+  with the model's config (``arch`` included) and the tokenizer's, and the weights under
+  ``model.`` in ``state_dict``. ``llmlab.models.from_state_dict`` rebuilds the model; the
+  byte tokenizer is rebuilt from the config, any other needs ``tokenizer=`` (a file
+  ``llmlab.tokenizer.load`` reads: llmlab JSON, HF ``tokenizer.json``, ...), because the
+  config only says how to *train* it again.
+* **a sharded checkpoint folder** (DCP, with a ``.metadata`` index): refused with the command
+  that turns it into a servable HF folder (``make export``) -- reading shards is the job of
+  ``llmlab.train`` and ``llmlab.parallel``, and the serving engine imports neither.
+* **an HF-format folder** (``config.json`` + weights): built by ``llmlab.models.from_pretrained``;
+  the tokenizer from its ``tokenizer.json``, the chat template and eos from its
+  ``tokenizer_config.json`` / ``chat_template.jinja`` / ``generation_config.json``.
+
+Checkpoints are read with ``torch.load(weights_only=False)`` (they hold config objects):
+serve only files you trust.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmlab.models import from_pretrained, from_state_dict
+from llmlab.tokenizer import ByteTokenizer
+from llmlab.tokenizer import load as load_tokenizer
+
+BYTE_TOKENIZERS = {"llmlab.train.data.ByteTokenizer", "llmlab.tokenizer.ByteTokenizer"}
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: Any
+    chat_template: str | None  # None: the tokenizer ships none
+    eos_token_ids: list[int]
+    name: str  # what /v1/models calls it
+    template_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token text
+
+
+def load(path: str | PathLike, tokenizer: Any = None) -> Loaded:
+    """The model at ``path`` on CPU, in eval mode, with its tokenizer (see the module
+    docstring). ``tokenizer``: a tokenizer object, or a path for ``llmlab.tokenizer.load``."""
+    path = Path(path)
+    if isinstance(tokenizer, (str, PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    if path.is_file():
+        return _training_checkpoint(path, tokenizer)
+    if (path / ".metadata").is_file():
+        raise ValueError(
+            f"{path} is a sharded (DCP) checkpoint folder, a format only llmlab.train and "
+            f"llmlab.parallel read (the serving engine imports neither): export it as an "
+            f"HF-format folder with `make export CKPT={path} OUT=<folder>` (python -m "
+            f"llmlab.train.export) and serve that folder"
+        )
+    if (path / "config.json").is_file():
+        return _hf_folder(path, tokenizer)
+    raise ValueError(
+        f"MODEL {str(path)!r} is neither a training checkpoint file, a sharded checkpoint "
+        f"folder (.metadata) nor an HF-format folder (config.json)"
+    )
+
+
+def _training_checkpoint(path: Path, tokenizer: Any) -> Loaded:
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    hp = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
+    if "model" not in hp or "state_dict" not in ckpt:
+        raise ValueError(
+            f"{path} is not an llmlab.train checkpoint: it needs hyper_parameters['model'] "
+            f"(the model config) and a state_dict with the weights under 'model.'"
+        )
+    model = from_state_dict(hp["model"], ckpt["state_dict"], prefix="model.")
+    if tokenizer is None:
+        tokenizer = _tokenizer_from_spec(hp.get("tokenizer"), path)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return Loaded(model, tokenizer, None, [eos] if eos is not None else [], path.stem)
+
+
+def _tokenizer_from_spec(spec: dict[str, Any] | None, path: Path) -> Any:
+    target = (spec or {}).get("_target_")
+    if spec is None or target in BYTE_TOKENIZERS:
+        return ByteTokenizer()
+    raise ValueError(
+        f"{path} was trained with the tokenizer {target!r}, which its config cannot rebuild "
+        f"without training it again; pass the saved tokenizer file (--tokenizer PATH, e.g. "
+        f"the tokenizers/bpe-*.json cached under the run's cache dir), or serve the HF folder "
+        f"`make export CKPT={path} OUT=<folder>` writes (it carries the tokenizer)"
+    )
+
+
+def _hf_folder(path: Path, tokenizer: Any) -> Loaded:
+    model = from_pretrained(path).eval()
+    if tokenizer is None:
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json; pass --tokenizer PATH")
+        tokenizer = load_tokenizer(path / "tokenizer.json")
+    config = _json(path / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    eos = _json(path / "generation_config.json").get("eos_token_id")
+    if eos is None:
+        eos = _json(path / "config.json").get("eos_token_id")
+    if eos is None and isinstance(config.get("eos_token"), str):
+        eos = getattr(tokenizer, "token_to_id", lambda _: None)(config["eos_token"])
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    texts = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+    return Loaded(model, tokenizer, template, eos_ids, path.name, texts)
+
+
+def _token_text(entry: Any) -> str:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(entry, dict):
+        return str(entry.get("content", ""))
+    return entry if isinstance(entry, str) else ""
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s ids, with special-token text (e.g. a chat template's ``<|im_start|>``) read as
+    the special token, as HF tokenizers do by default."""
+    if getattr(tokenizer, "special_tokens", None):
+        return list(tokenizer.encode(text, allowed_special="all"))
+    return list(tokenizer.encode(text))

@@ -1,0 +1,190 @@
+"""The model runner: the KV pool's tensors, and one forward over a packed batch of chunks.
+
+A step's chunks (sequence, first new position, token count) become one row of ``N`` tokens:
+``input_ids`` and ``positions`` (1, N), each token's *slot* in the pool (``slot_mapping``),
+each sequence's block table and context length, and the offsets of its queries
+(``query_start``). While the forward runs, every attention layer of the model (wrapped once
+through the model's ``swap_attention``, see ``llmlab.serving.contracts``) writes its new keys
+and values into their slots, then attends through the block tables with
+``llmlab.kernels.paged_attention``. Only the rows whose chunk reaches its sequence's end go
+through the LM head (``logits_to_keep``).
+
+The pool is one pair of tensors per layer, ``(num_blocks, block_size, H_kv, D)``, zeroed at
+start so a masked slot never holds NaN. Its shapes come from a probe: one single-token forward
+through the model's own attention records each layer's ``k`` heads, head dim and dtype (the
+device is the model's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
+from llmlab.serving.config import EngineConfig
+from llmlab.serving.contracts import AttentionFn, check_paged_model
+from llmlab.serving.scheduler import Chunk
+
+
+@dataclass
+class PagedBatch:
+    """The tensors one forward reads (see the module docstring)."""
+
+    input_ids: Tensor  # (1, N)
+    positions: Tensor  # (1, N)
+    slot_mapping: Tensor  # (N,) pool slot of each new token
+    layout: PagedLayout  # block tables (padded with block 0, never read), query offsets, lengths
+    logits_indices: Tensor  # rows of the packed batch whose logits are wanted
+
+
+class KVPool:
+    """Per-layer key and value blocks, shared by every sequence through block tables."""
+
+    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype,
+                 device) -> None:  # fmt: skip
+        self.block_size = block_size
+        self.keys = [
+            torch.zeros(num_blocks, block_size, h, d, dtype=dtype, device=device) for h, d in shapes
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` receives block ``src``'s keys and values, every layer."""
+        src = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
+        dst = torch.tensor([d for _, d in copies], device=self.keys[0].device)
+        for t in (*self.keys, *self.values):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+
+class _PagedLayer:
+    """The attention function of layer ``layer`` while the runner is active."""
+
+    def __init__(self, runner: ModelRunner, layer: int, fallback: AttentionFn) -> None:
+        self.runner, self.layer, self.fallback = runner, layer, fallback
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
+    ) -> Tensor:
+        runner = self.runner
+        if runner.probe is not None:  # learning the pool's shapes
+            runner.probe.append((k.shape[1], k.shape[3], k.dtype))
+            return self.fallback(q, k, v, causal=causal, dropout_p=dropout_p)
+        batch = runner.batch
+        if batch is None:  # not the engine's forward: the model's own attention
+            return self.fallback(q, k, v, causal=causal, dropout_p=dropout_p)
+        keys, values = runner.pool.keys[self.layer], runner.pool.values[self.layer]
+        heads, dim = keys.shape[2], keys.shape[3]
+        # (1, H_kv, N, D) -> (N, H_kv, D) rows written at their slots
+        keys.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, k[0].transpose(0, 1))
+        values.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, v[0].transpose(0, 1))
+        out = paged_attention(q[0].transpose(0, 1), keys, values, batch.layout,
+                              backend=runner.backend)  # fmt: skip
+        return out.transpose(0, 1)[None]  # (1, H, N, D), as the model's attention returns
+
+
+class ModelRunner:
+    def __init__(self, model: Any, config: EngineConfig) -> None:
+        check_paged_model(model)
+        self.model = model
+        self.config = config
+        self.device = next(iter(model.parameters())).device
+        self.backend = config.attention_backend
+        if self.backend == "auto":
+            self.backend = "triton" if self.device.type == "cuda" else "torch"
+        self.batch: PagedBatch | None = None
+        self.scratch = Scratch()  # gather buffers reused by every forward
+        self.probe: list[tuple[int, int, torch.dtype]] | None = None
+        self._num_layers = 0
+        self.num_layers = model.swap_attention(self._wrap)
+        shapes, dtype = self._probe_shapes()
+        self.pool = KVPool(shapes, config.num_blocks, config.block_size, dtype, self.device)
+
+    def _wrap(self, fn: AttentionFn) -> AttentionFn:
+        layer = _PagedLayer(self, self._num_layers, fn)
+        self._num_layers += 1
+        return layer
+
+    @torch.inference_mode()
+    def _probe_shapes(self) -> tuple[list[tuple[int, int]], torch.dtype]:
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.probe = []
+        try:
+            self.model(one, positions=one, logits_to_keep=one[0])
+        finally:
+            probe, self.probe = self.probe, None
+        if len(probe) != self.num_layers:
+            raise TypeError(
+                f"{type(self.model).__name__}.swap_attention wrapped {self.num_layers} layers but "
+                f"a forward called {len(probe)} of them: llmlab.serving needs every attention "
+                f"layer to go through its attention function"
+            )
+        dtypes = {p[2] for p in probe}
+        if len(dtypes) != 1:
+            raise TypeError(
+                f"attention layers disagree on the KV dtype: {sorted(map(str, dtypes))}"
+            )
+        return [(h, d) for h, d, _ in probe], dtypes.pop()
+
+    # --------------------------------------------------------------------------- a step
+    def prepare(self, chunks: list[Chunk]) -> PagedBatch:
+        """The packed tensors of ``chunks`` (see the module docstring)."""
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        lens: list[int] = []
+        keep: list[int] = []
+        for chunk in chunks:
+            seq, s = chunk.seq, chunk.start
+            e = s + chunk.num_tokens
+            table = seq.block_table
+            ids += seq.token_ids[s:e]
+            positions += range(s, e)
+            slots += [table[p // bs] * bs + p % bs for p in range(s, e)]
+            starts.append(starts[-1] + chunk.num_tokens)
+            lens.append(e)
+            if chunk.completes:
+                keep.append(starts[-1] - 1)
+        width = max(len(c.seq.block_table) for c in chunks)
+        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
+
+        def tensor(values: Any, dtype: torch.dtype = torch.long) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return PagedBatch(
+            input_ids=tensor([ids]),
+            positions=tensor([positions]),
+            slot_mapping=tensor(slots),
+            layout=PagedLayout(
+                tensor(tables, torch.int32),
+                tensor(starts, torch.int32),
+                tensor(lens, torch.int32),
+                bs,
+                self.scratch,
+            ),
+            logits_indices=tensor(keep),
+        )
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[Chunk], copies: list[tuple[int, int]] = ()) -> Tensor:
+        """Run one forward; float32 logits (K, V) for the chunks that complete their sequence,
+        in order."""
+        if copies:
+            self.pool.copy_blocks(copies)
+        batch = self.prepare(chunks)
+        self.batch = batch
+        try:
+            logits = self.model(
+                batch.input_ids, positions=batch.positions, logits_to_keep=batch.logits_indices
+            )
+        finally:
+            self.batch = None
+        return logits[0].float()

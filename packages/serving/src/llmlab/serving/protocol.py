@@ -1,0 +1,174 @@
+"""The OpenAI request bodies, checked field by field, and their translation to GenerationConfig.
+
+Field names, defaults and meanings are OpenAI's (``max_tokens`` 16 for completions, none for
+chat; ``temperature`` 1; ``temperature: 0`` means greedy). vLLM's extensions that map onto
+``llmlab.decoding`` are accepted too (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``no_repeat_ngram_size``, ``ignore_eos``). OpenAI options the engine cannot
+honour (log-probabilities, echo, penalties by frequency, logit bias, tools...) are refused with
+a 400 naming the field when they are set to anything but their default, and unknown fields are
+refused: an option that would silently change nothing is an error, not a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmlab.decoding import GenerationConfig
+
+# field -> its "off" value: anything else is refused as unsupported
+UNSUPPORTED: dict[str, Any] = {
+    "echo": False,
+    "logprobs": None,
+    "top_logprobs": None,
+    "best_of": None,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields completions and chat share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    no_repeat_ngram_size: int | None = Field(None, ge=0)
+    min_tokens: int = Field(0, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and unused, as OpenAI's own (an end-user id for abuse logs)
+    # unsupported unless left at their defaults (UNSUPPORTED)
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> SamplingFields:
+        for name, off in UNSUPPORTED.items():
+            value = getattr(self, name, off)
+            harmless = (name == "logprobs" and value is False) or (
+                name == "best_of" and value == self.n
+            )
+            if value not in (off, None) and not harmless:  # best_of = n: plain sampling
+                raise ValueError(f"{name}={value!r} is not supported by llmlab.serving")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise ValueError(f"stop holds at most 4 strings, got {len(self.stop)}")
+        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+    def generation_config(self, max_new_tokens: int, eos_token_ids: list[int]) -> GenerationConfig:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else 1.0,
+            top_k=max(self.top_k or 0, 0),
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            no_repeat_ngram_size=self.no_repeat_ngram_size or 0,
+            num_return_sequences=self.n,
+            eos_token_id=None if self.ignore_eos or not eos_token_ids else list(eos_token_ids),
+            stop_strings=self.stop,
+            seed=self.seed,
+        )
+        config.validate()
+        return config
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _prompts_not_empty(self) -> CompletionRequest:
+        if self.prompt in ("", []) or (isinstance(self.prompt, list) and "" in self.prompt):
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. "name": passed to the template as given
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {**self.model_dump(exclude_none=True), "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": code,
+        }
+    }

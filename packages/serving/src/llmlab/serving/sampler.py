@@ -1,0 +1,84 @@
+"""Choosing each sequence's next token, and deciding whether it stops, with llmlab.decoding's rules.
+
+Nothing here is new arithmetic: a request's logits processors are
+``llmlab.decoding.build_processors`` of its ``GenerationConfig`` (penalties, then temperature,
+top-k, top-p, min-p when sampling) and stop strings are ``llmlab.decoding``'s byte-level
+matcher, so a sequence decodes exactly as ``llmlab.decoding.generate`` would decode it alone.
+What changes is the batching: every sequence brings its own config and its own random stream
+(``torch.multinomial(probs, 1, generator=seq.generator)``, the call ``generate`` makes for a
+batch of one), so a seeded request draws the same tokens whatever else runs in the step.
+Sequences that only need the argmax (greedy, no processor) are served by one batched argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llmlab.decoding import GenerationConfig, build_processors
+from llmlab.decoding.processors import ProcessorList
+from llmlab.decoding.stopping import StopStrings
+from llmlab.serving.sequence import Sequence
+
+
+@dataclass
+class Rules:
+    """What a request's ``GenerationConfig`` means for each of its sequences' steps."""
+
+    processors: ProcessorList
+    sample: bool
+    eos: frozenset[int]
+    stop_strings: StopStrings | None
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, config: GenerationConfig, prompt_len: int, tokenizer: Any) -> Rules:
+        sample = config.resolved_strategy() == "sample"
+        stops = config.stop_string_list
+        return cls(
+            processors=build_processors(config, prompt_len, None, sampling=sample),
+            sample=sample,
+            eos=frozenset(config.eos_token_ids),
+            stop_strings=StopStrings(tokenizer, stops) if stops else None,
+            max_new_tokens=config.max_new_tokens,
+        )
+
+
+def next_tokens(seqs: list[Sequence], rules: list[Rules], logits: Tensor) -> list[int]:
+    """One token per sequence from its row of ``logits`` (K, V)."""
+    out: list[int] = [0] * len(seqs)
+    plain = [i for i, r in enumerate(rules) if not r.sample and not r.processors]
+    if plain:
+        picks = logits[plain].argmax(dim=-1).tolist()
+        for i, token in zip(plain, picks):
+            out[i] = token
+    for i, (seq, r) in enumerate(zip(seqs, rules)):
+        if not r.sample and not r.processors:
+            continue
+        scores = logits[i : i + 1]
+        if r.processors:
+            context = torch.tensor([seq.token_ids], device=logits.device)
+            scores = r.processors(context, scores)
+        if r.sample:
+            probs = torch.softmax(scores, dim=-1)
+            out[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+        else:
+            out[i] = int(scores.argmax(dim=-1))
+    return out
+
+
+def stop_reason(seq: Sequence, rules: Rules, max_model_len: int) -> str | None:
+    """Why ``seq`` stops after its last token, or None: ``"stop"`` for an eos id or a stop
+    string (the token that completes it is kept, as in HF), ``"length"`` for
+    ``max_new_tokens`` or the model's context."""
+    token = seq.token_ids[-1]
+    if token in rules.eos:
+        return "stop"
+    if rules.stop_strings is not None and rules.stop_strings.row_hits(seq.output_ids):
+        return "stop"
+    if len(seq.output_ids) >= rules.max_new_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None

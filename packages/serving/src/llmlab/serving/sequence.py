@@ -1,0 +1,98 @@
+"""Requests and sequences: what the scheduler schedules and the block manager books.
+
+A :class:`Request` is what a user sent: a prompt and a ``GenerationConfig``. It decodes as
+``num_return_sequences`` :class:`Sequence` s. Until its prompt is computed it has one sequence;
+when the first token is due, that sequence forks into the others (sharing every KV block), and
+from then on each sequence is scheduled, preempted and finished on its own.
+
+A sequence's state is three numbers and a list: ``token_ids`` (prompt, then generated),
+``num_computed`` (tokens whose keys and values are in the KV pool), and ``block_table`` (the
+pool blocks holding them). One step computes some of the ``len(token_ids) - num_computed``
+tokens not yet in the pool; when none is left, the last one's logits give the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmlab.decoding import GenerationConfig
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int  # which of the request's num_return_sequences
+    token_ids: list[int]
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" (eos or stop string), "length" or "abort"
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Arrival order, for FIFO admission and newest-first preemption."""
+        return (self.request.order, self.index)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    config: GenerationConfig
+    order: int  # arrival counter
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    sequences: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # whether the num_return_sequences sequences exist yet
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.forked and all(s.is_finished for s in self.sequences)
+
+    def new_sequence(
+        self, index: int, token_ids: list[int], device: torch.device | str = "cpu"
+    ) -> Sequence:
+        """A sequence of this request, with its own random stream when a seed is set.
+
+        Sequence ``i`` draws from ``torch.Generator(device).manual_seed(seed + i)``: its samples
+        depend only on its own tokens, never on what else shares the batch or the step.
+        """
+        generator = None
+        if self.config.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(self.config.seed + index)
+        seq = Sequence(self, index, list(token_ids), generator=generator)
+        self.sequences.append(seq)
+        return seq
