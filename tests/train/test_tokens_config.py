@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmlab.train.app import ConfigError, build, build_tokenizer, compose_config, validate_config
 from llmlab.tokenizer import ByteTokenizer
+from llmlab.train.app import ConfigError, build, build_tokenizer, compose_config, validate_config
 from llmlab.train.prepare import prepare
 
 
