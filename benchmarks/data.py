@@ -33,8 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-import benchmarks.common as common
-from benchmarks.common import Row, best_of, report
+from benchmarks.common import Row, best_of, parse_args, report
 
 NAME = "data"
 T, BATCH = 128, 32  # the default experiment's context and global batch
@@ -64,13 +63,15 @@ def hf_bpe(files: list[Path], out: Path, vocab_size: int):
     return tok
 
 
-def preparation_rows(files: list[Path], work: Path, repeats: int, val: float) -> list[Row]:
+def preparation_rows(
+    files: list[Path], work: Path, repeats: int, val: float, warmup: int = 1
+) -> list[Row]:
     from llmlab.train.prepare import prepare
 
     texts = [f.read_text(encoding="utf-8") for f in files]
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     hf = hf_bpe(files, work / "bpe.json", 4096)
-    hf_s = best_of(lambda: hf.encode_batch(texts), repeats=repeats, warmup=1)
+    hf_s = best_of(lambda: hf.encode_batch(texts), repeats=repeats, warmup=warmup)
     rows = []
     for tokenizer, label in ((str(work / "bpe.json"), "BPE 4096"), ("bytes", "bytes")):
         for procs in (1, 2):
@@ -80,7 +81,7 @@ def preparation_rows(files: list[Path], work: Path, repeats: int, val: float) ->
                 prepare(inputs, work / "out", tokenizer=tokenizer, num_proc=procs,
                         val_fraction=val, force=True, progress=False)  # fmt: skip
 
-            seconds = best_of(run, repeats=repeats, warmup=1)
+            seconds = best_of(run, repeats=repeats, warmup=warmup)
             rows.append(
                 Row(
                     f"prepare {label}, num_proc={procs} (MB/s)",
@@ -243,22 +244,18 @@ def memory_rows(work: Path, small_tokens: int, batches: int, control: bool) -> l
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), argv)
     repeats = 1 if args.smoke else 2
     files = shakespeare()[:3] if args.smoke else shakespeare()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if args.smoke:  # the committed figures stay as they are
-            common.RESULTS_DIR = work / "results"
         val = 0.3 if args.smoke else 0.01  # a held-out document from 3 files, or from 78
-        rows = preparation_rows(files, work, repeats, val)
+        rows = preparation_rows(files, work, repeats, val, warmup=0 if args.smoke else 1)
         from llmlab.train.prepare import prepare
 
         prepare([str(f) for f in files], work / "bytes", val_fraction=val, progress=False)
-        train = training_tokens_per_second(2 if args.smoke else 10)
+        train = training_tokens_per_second(1 if args.smoke else 10)
         batches = 20 if args.smoke else 500
         load = max(loader_tokens_per_second(work / "bytes", batches) for _ in range(repeats))
         rows.append(

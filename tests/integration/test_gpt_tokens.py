@@ -1,13 +1,16 @@
 """``experiments/gpt_tokens.yaml`` end to end, as a user runs it: prepare a corpus this test
-writes, train on it as data × pipeline × tensor = 2 × 1 × 2 (4 processes, document masking on),
-then resume the checkpoint in one process -- another data-parallel degree.
+writes, then train on it through the real app.
 
-Done-when 2 through the real app: the global batches the four ranks trained on (recorded by a
-Lightning callback on every rank) are the single-process loader's, batch by batch, tensor-parallel
+The default suite trains in one process and checks what ``test_experiments.py`` checks for every
+other experiment (one W&B run, a checkpoint, the recipe logged once; it cannot run this one
+without a prepared dataset) plus that the batches trained on are the loader's, document ids
+included. The slow test is Done-when 2 through the app: data × pipeline × tensor = 2 × 1 × 2
+(4 processes, document masking on), then the checkpoint resumed in one process -- another
+data-parallel degree. The global batches the four ranks trained on (recorded by a Lightning
+callback on every rank) are the single-process loader's, batch by batch, tensor-parallel
 partners saw identical rows, and the resumed run continues with exactly the batches an
-uninterrupted run would see next. This test also stands in for ``gpt_tokens`` in
-``test_experiments.py`` (one W&B run, a checkpoint, the recipe logged once), which cannot run it
-without a prepared dataset.
+uninterrupted run would see next. The same property at the data-module level, for DP 1, 2 and 4
+and several stopping points, runs in the default suite (``tests/train/test_tokens_data.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,30 @@ def rank_records(run_dir):
     return [torch.load(p, weights_only=False) for p in sorted((run_dir / "batches").glob("*.pt"))]
 
 
+def loader_batches(prepared, n: int) -> list[tuple[torch.Tensor, ...]]:
+    """The first ``n`` global batches one uninterrupted process sees."""
+    data = TokenDataModule(str(prepared), block_size=32, batch_size=8, seed=1337,
+                           document_mask=True)  # fmt: skip
+    data.setup()
+    loader = iter(data.loader("train"))
+    return [next(loader) for _ in range(n)]
+
+
+def test_gpt_tokens_trains_in_one_process_on_the_loader_batches(prepared, tmp_path):
+    result = run_train([*TINY, f"data.dir={prepared}", "trainer.max_steps=2"], tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("Instantiating trainer <lightning.pytorch.Trainer>") == 1
+    (run_dir,) = [p for p in (tmp_path / "gpt_tokens").iterdir() if p.is_dir()]
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+    (record,) = rank_records(run_dir)
+    assert record["steps"] == [0, 1] and record["data_replicas"] == 1
+    for step, batch in enumerate(loader_batches(prepared, 2)):
+        assert torch.equal(record["inputs"][step], batch[0])
+        assert torch.equal(record["documents"][step], batch[2])
+
+
+@pytest.mark.slow  # four processes then one on 2 cores: ~2-5 minutes
 @pytest.mark.distributed
 def test_gpt_tokens_at_2x1x2_then_resumed_in_one_process_sees_one_process_batches(
     prepared, tmp_path
@@ -69,11 +96,7 @@ def test_gpt_tokens_at_2x1x2_then_resumed_in_one_process_sees_one_process_batche
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # one W&B run id, resumed
 
-    data = TokenDataModule(str(prepared), block_size=32, batch_size=8, seed=1337,
-                           document_mask=True)  # fmt: skip
-    data.setup()
-    loader = iter(data.loader("train"))
-    expected = [next(loader) for _ in range(6)]  # what one uninterrupted process sees
+    expected = loader_batches(prepared, 6)
 
     records = rank_records(run_dir)
     parallel = [r for r in records if r["data_replicas"] == 2]
