@@ -203,20 +203,11 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             f"task.optimizer_impl={impl!r} is not one of ['default', 'foreach', 'fused']"
         )
     check_layout(cfg, model)
-    check_data(cfg, model, tokenizer_vocab)
-    checkpoint_to_resume(cfg)
+    from llmlab.train.tokens import data_config_problems  # vocabulary, document_mask
 
-
-def check_data(cfg: DictConfig, model: dict[str, Any], tokenizer_vocab: int | None) -> None:
-    """The model's vocabulary against the tokenizer's; ``data.document_mask`` against the layout
-    and the model (:func:`llmlab.train.tokens.data_config_problems`)."""
-    from llmlab.train.tokens import data_config_problems
-
-    data, strategy = (OmegaConf.to_container(n, resolve=True) for n in (cfg.data, cfg.strategy))
-    devices, nodes = cfg.trainer.devices, cfg.trainer.get("num_nodes", 1)
-    problems = data_config_problems(data, model, strategy, devices, nodes, tokenizer_vocab)
-    if problems:
+    if problems := data_config_problems(cfg, model, tokenizer_vocab):
         raise ConfigError("; ".join(problems))
+    checkpoint_to_resume(cfg)
 
 
 def check_layout(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> None:

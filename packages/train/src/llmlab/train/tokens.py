@@ -338,18 +338,18 @@ class TokenDataModule(GlobalBatchDataModule):
 
 
 def data_config_problems(
-    data: Mapping[str, Any],
-    model: Mapping[str, Any] | None,
-    strategy: Mapping[str, Any],
-    devices: int,
-    num_nodes: int = 1,
-    tokenizer_vocab: int | None = None,
+    cfg: Any, model: Mapping[str, Any] | None, tokenizer_vocab: int | None = None
 ) -> list[str]:
     """What the app refuses before any process starts, for ``data=tokens`` runs: document
     masking where the document ids cannot reach attention, and a model vocabulary smaller than
-    the ids the data holds."""
+    the ids the data holds. ``cfg`` is the app's whole (Hydra) config."""
+    from omegaconf import OmegaConf
+
     from llmlab.models.registry import ARCHITECTURES
     from llmlab.train.layout import layout_from_config
+
+    data, strategy = (OmegaConf.to_container(cfg[k], resolve=True) for k in ("data", "strategy"))
+    devices, num_nodes = cfg.trainer.devices, cfg.trainer.get("num_nodes", 1)
 
     problems = []
     vocab = (model or {}).get("vocab_size")
