@@ -80,7 +80,8 @@ def test_the_scan_sees_deferred_and_from_imports(tmp_path):
     ]
 
 
-# docs/architecture.md#who-may-import-whom: which llmlab packages each package may import (its own always).
+# Which llmlab packages each package may import (its own always):
+# docs/architecture.md#who-may-import-whom.
 ALLOWED = {
     "tokenizer": set(),
     "kernels": set(),

@@ -18,12 +18,13 @@ That bookkeeping -- which slots each sequence's keys occupy, where each query si
 same for every layer of a forward, so it is computed once into a :class:`PagedLayout` and
 handed to every layer's call.
 
-Faces (docs/architecture.md#contracts): :func:`reference` gathers each sequence's keys through its block table and
-runs ``F.scaled_dot_product_attention`` (single-query sequences batched together, since decode
-steps are the common case); the Triton kernel (``_jit/paged_attention.py``) runs one program per
-(query, head) that walks the query's blocks with an online softmax and never gathers; and
-:func:`paged_attention` dispatches between them. Grouped-query attention: the pool stores
-``H_kv`` heads and query head ``h`` reads KV head ``h // (H / H_kv)``.
+Faces (docs/architecture.md#contracts): :func:`reference` gathers each sequence's keys through
+its block table and runs ``F.scaled_dot_product_attention`` (single-query sequences batched
+together, since decode steps are the common case); the Triton kernel
+(``_jit/paged_attention.py``) runs one program per (query, head) that walks the query's blocks
+with an online softmax and never gathers; and :func:`paged_attention` dispatches between them.
+Grouped-query attention: the pool stores ``H_kv`` heads and query head ``h`` reads KV head
+``h // (H / H_kv)``.
 """
 
 from __future__ import annotations

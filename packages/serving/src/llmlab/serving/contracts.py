@@ -1,4 +1,6 @@
-"""What the serving engine needs from a model: the paged-attention contract (docs/architecture.md#contracts).
+"""What the serving engine needs from a model: the paged-attention contract.
+
+See docs/architecture.md#contracts.
 
 The consumer owns the contract; a model meets it structurally, without importing this package.
 ``llmlab.models.GPT`` and ``llmlab.models.Llama`` do, through doors they already have:
