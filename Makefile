@@ -19,7 +19,7 @@ INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
 EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
 	-e packages/serving -e packages/parallel -e packages/train -e ".[dev]"
 
-.PHONY: install test test-all lint format train compare bench sample serve export eval gpu-check clean
+.PHONY: install test test-all lint format data train compare bench sample serve export eval gpu-check clean
 
 install: $(STAMP) $(WHEELHOUSE)
 
@@ -57,6 +57,13 @@ lint: install
 format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# make data  (Shakespeare -> data/shakespeare)   or
+# make data INPUT="'corpus/*.jsonl' more.parquet" OUTPUT=data/web ARGS="--tokenizer tok.json --num-proc 2"
+INPUT ?=
+OUTPUT ?= data/shakespeare
+data: install
+	$(PY) -m llmlab.train.prepare $(if $(INPUT),--input $(INPUT),--corpus shakespeare) --output $(OUTPUT) $(ARGS)
 
 # make train EXP=gpt_ddp ARGS="trainer.max_steps=20"   (ARGS are Hydra overrides)
 train: install

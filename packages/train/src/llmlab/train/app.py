@@ -203,6 +203,10 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> None
             f"task.optimizer_impl={impl!r} is not one of ['default', 'foreach', 'fused']"
         )
     check_layout(cfg, model)
+    from llmlab.train.tokens import data_config_problems  # vocabulary, document_mask
+
+    if problems := data_config_problems(cfg, model, tokenizer_vocab):
+        raise ConfigError("; ".join(problems))
     checkpoint_to_resume(cfg)
 
 
@@ -422,8 +426,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_tokenizer_fits(cfg, tokenizer)
     if cfg.get("model") is not None and cfg.model.get("vocab_size", 0) is None:
         cfg.model.vocab_size = int(tokenizer.vocab_size)  # null: the tokenizer's vocabulary
-    log.info("Checking the config: model, layout, batch split, checkpoint")
-    validate_config(cfg)
+    log.info("Checking the config: model, layout, batch split, data, checkpoint")
+    validate_config(cfg, getattr(tokenizer, "vocab_size", None))
     log.info("Instantiating strategy <%s>", cfg.strategy.get("_target_", cfg.strategy.get("name")))
     strategy = build_strategy(cfg)
     if cfg.precision.get("plugin"):
