@@ -89,8 +89,9 @@ def explain_tokenizer_error(cfg: DictConfig, message: str) -> str:
     if model.get("type") == "BPE" and (model.get("byte_fallback") or "\u2581" in text):
         return (
             f"{message} -- {path} is a SentencePiece-style BPE tokenizer (Llama 2 / Mistral: "
-            "'\u2581' word marks, byte fallback), which this llmlab.tokenizer cannot load; "
-            "train with tokenizer=byte or tokenizer=bpe if its vocabulary fits the model's"
+            "'\u2581' word marks, byte fallback) in a form llmlab.tokenizer does not read (the "
+            "reason above); train with tokenizer=byte or tokenizer=bpe if its vocabulary fits the "
+            "model's"
         )
     return message
 
