@@ -58,7 +58,7 @@ def fit(strategy, devices: int, max_steps=MAX_STEPS, ckpt_path=None, save=None) 
     )  # fmt: skip
     # no biases: the attention key bias's gradient is pure rounding noise that AdamW turns into
     # lr-sized steps under any change of summation order (docs/zero.md, "How it is verified")
-    task = tiny_task(model=tiny_gpt_config(bias=False), max_steps=max_steps * ACCUMULATE)
+    task = tiny_task(model=tiny_gpt_config(bias=False), max_steps=MAX_STEPS * ACCUMULATE)
     trainer.fit(task, datamodule=tiny_tokens(BATCHES, batch=8), ckpt_path=ckpt_path)
     if save is not None:
         trainer.save_checkpoint(save)

@@ -262,6 +262,8 @@ class LayoutCheckpointer:
             self.masters.copy_to_model()
 
     def _layout_state(self) -> LayoutState:
+        if isinstance(self.zero, FSDP2Engine):  # zero=2 keeps units gathered after a no-grad
+            self.zero.refresh_params()  # forward (validation): the shards are what is saved
         masters = {}
         if self.masters is not None:
             pairs = zip(self.masters.model_params, self.masters.masters, strict=True)
