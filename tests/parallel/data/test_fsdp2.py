@@ -128,18 +128,20 @@ def check_layout(results: dict, single: dict, stages: tuple[int, ...]) -> None:
         print(f"llmlab zero={stage} vs one process: weights differ by {gap:.2e}")
         same_weights(ours["weights"], single["weights"], f"fsdp2 zero={stage} vs one process",
                      max(WEIGHTS, gap + 1e-6))  # fmt: skip
-        for key in ("comm/dp_bytes", "memory/optim_bytes", "memory/params_bytes"):
-            assert ours["comm"][key] > 0, key  # logged as llmlab's engine logs them
-        # the same collectives move the same payload: one reduce-scatter per unit and step,
-        # all-gathers per forward (and per backward at stage 3); padding aside
-        dp = ours["comm"]["comm/dp_bytes"], theirs["comm"]["comm/dp_bytes"]
-        print(f"zero={stage} comm/dp_bytes per step: fsdp2 {dp[0]:.0f}, llmlab {dp[1]:.0f}")
-        assert abs(dp[0] - dp[1]) <= 0.1 * dp[1], dp
     for name, r in results.items():
         if name.startswith("resume"):  # on the uninterrupted curve, from the other's shards
             close(r["losses"], single["losses"], REL, name)
             close(r["norms"], single["norms"], REL, name)
             same_weights(r["weights"], results[f"llmlab zero={r['stage']}"]["weights"], name)
+    for stage in stages:
+        ours, theirs = results[f"fsdp2 zero={stage}"], results[f"llmlab zero={stage}"]
+        for key in ("comm/dp_bytes", "memory/optim_bytes", "memory/params_bytes"):
+            assert ours["comm"][key] > 0, key  # logged as llmlab's engine logs them
+        # stage 2: one reduce-scatter and one all-gather of every parameter per step, as
+        # llmlab's; stage 3 gathers per forward and backward of units cut differently
+        dp = ours["comm"]["comm/dp_bytes"], theirs["comm"]["comm/dp_bytes"]
+        print(f"zero={stage} comm/dp_bytes per step: fsdp2 {dp[0]:.0f}, llmlab {dp[1]:.0f}")
+        assert abs(dp[0] - dp[1]) <= (0.01 if stage == 2 else 0.25) * dp[1], dp
 
 
 def _cases(stages: tuple[int, ...], resume_stage: int) -> list[tuple[str, dict]]:

@@ -226,13 +226,22 @@ class FSDP2Engine:
     # ================================================================ gradients
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: full gradients accumulate, nothing is reduce-scattered."""
+        """Gradient accumulation: full gradients accumulate, nothing is reduce-scattered. At
+        stage 2 the full parameters also stay until the boundary micro-batch (as llmlab's
+        ZeRO-2 keeps them), instead of FSDP2's default of resharding after every backward and
+        gathering again for the next micro-batch's forward: one all-gather per step, not one
+        per micro-batch."""
         root = self.units[-1]
         root.set_requires_gradient_sync(False)
+        keep = self.stage == 2
+        if keep:
+            root.set_reshard_after_backward(False)
         try:
             yield
         finally:
             root.set_requires_gradient_sync(True)
+            if keep:
+                root.set_reshard_after_backward(True)
 
     @contextmanager
     def counting(self) -> Generator[None, None, None]:
