@@ -54,7 +54,10 @@ def fit(strategy, devices: int, max_steps=MAX_STEPS, ckpt_path=None, save=None) 
 
     trainer = rank_trainer(
         strategy, devices, max_steps, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0,
-        limit_val_batches=0, callbacks=[Record()],
+        # validation at each epoch's end, as test_zero_nd: the epoch-end checkpoint then resumes
+        # at the next epoch's first batch (without it Lightning skipped one)
+        limit_val_batches=1, val_check_interval=BATCHES, check_val_every_n_epoch=None,
+        callbacks=[Record()],
     )  # fmt: skip
     # no biases: the attention key bias's gradient is pure rounding noise that AdamW turns into
     # lr-sized steps under any change of summation order (docs/zero.md, "How it is verified")
