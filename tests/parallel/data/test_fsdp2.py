@@ -87,7 +87,13 @@ def _runs(rank: int, world: int, root: str, tensor: int, cases: list[tuple[str, 
             path = os.path.join(root, name.replace(" ", "_"))
             head = fit(strategy(**first, sharded_checkpoints=True), world, MAX_STEPS // 2,
                        save=path)  # fmt: skip
-            tail = fit(strategy(**second, sharded_checkpoints=True), world, ckpt_path=path)
+            end = f"{path}_end"
+            tail = fit(strategy(**second, sharded_checkpoints=True), world, ckpt_path=path,
+                       save=end)  # fmt: skip
+            if rank == 0:  # a sharded run's weights: its final checkpoint, consolidated
+                from llmlab.parallel.checkpoint.layout_state import consolidate
+
+                tail["weights"] = {f"model.{k}": v for k, v in consolidate(end).items()}
             out[name] = {**tail, "stage": first["zero"], "losses": head["losses"] + tail["losses"],
                          "norms": head["norms"] + tail["norms"]}  # fmt: skip
         else:
