@@ -26,8 +26,11 @@ DISTRIBUTIONS = {
     "llmlab-models": REPO / "packages/models",
     "llmlab-decoding": REPO / "packages/decoding",
     "llmlab-parallel": REPO / "packages/parallel",
+    "llmlab-serving": REPO / "packages/serving",
     "llmlab-train": REPO / "packages/train",
 }
+#: every distribution declares one floor (FSDP2's fully_shard sets it): a user installs one torch
+PROJECT_FLOOR = (2, 6)
 
 #: code pattern -> (torch release that brought it, what it is)
 LATE_APIS: dict[str, tuple[tuple[int, int], str]] = {
@@ -78,3 +81,10 @@ def test_the_late_api_table_sees_the_calls_it_names() -> None:
     assert (2, 5) in _needed(REPO / "kernels/src")  # enable_gqa in the attention reference
     assert (2, 5) in _needed(REPO / "packages/parallel/src")  # torch._scaled_mm in fp8
     assert (2, 2) in _needed(REPO / "packages/parallel/src")  # sharded checkpoints
+    assert (2, 6) in _needed(REPO / "packages/parallel/src")  # zero_impl=fsdp2
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTIONS))
+def test_every_distribution_declares_the_project_floor(name: str) -> None:
+    floor, _ = _declared_floor(DISTRIBUTIONS[name] / "pyproject.toml")
+    assert floor == PROJECT_FLOOR, f"{name} declares torch>={floor}, the project {PROJECT_FLOOR}"

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
 
@@ -59,10 +60,13 @@ def global_grad_norm(
 
     ``grads[i]`` is this rank's piece with weight ``weights[i]`` (``None``: no gradient, skipped);
     ``groups``: the groups whose ranks hold different pieces (tensor, pipeline, data under ZeRO),
-    each summed once. Every rank gets the same value.
+    each summed once. Every rank gets the same value. A ``DTensor`` gradient (FSDP2) counts by
+    its local shard, as a ZeRO piece does.
     """
     groups = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
-    present = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None and w > 0]
+    present = [
+        (local_tensor(g), w) for g, w in zip(grads, weights, strict=True) if g is not None and w > 0
+    ]
     device = present[0][0].device if present else _device_of(grads)
     if norm_type == float("inf"):
         local = torch.zeros((), device=device, dtype=torch.float32)
@@ -84,7 +88,12 @@ def clip_by_total_norm_(grads: Iterable[Tensor | None], total: Tensor, max_norm:
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         if g is not None:
-            g.detach().mul_(coef.to(g.device, g.dtype))
+            local_tensor(g).detach().mul_(coef.to(g.device, g.dtype))
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """What this rank holds of ``t``: a ``DTensor``'s local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _device_of(grads: Sequence[Tensor | None]) -> torch.device:

@@ -13,24 +13,30 @@ Counts are per rank and per optimizer step (payload bytes, not what the wire car
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 from llmlab.parallel.tensor.accounting import CommLedger, record_into
 
 
 class StepComm:
-    """Accumulates one step's byte counts; :meth:`metrics` reports and resets them."""
+    """Accumulates one step's byte counts; :meth:`metrics` reports and resets them.
 
-    def __init__(self) -> None:
+    ``counting``: a data-sharding engine's own counter of the collectives it launches (FSDP2's:
+    they run inside torch, not through llmlab's code), entered with :meth:`recording`.
+    """
+
+    def __init__(self, counting: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         self.ledger = CommLedger()
         self.pp_bytes = 0
         self.dp_bytes = 0
+        self.counting = counting or nullcontext
 
     @contextmanager
     def recording(self) -> Generator[None, None, None]:
-        """Tensor-parallel collectives run inside are counted."""
-        with record_into(self.ledger):
+        """Tensor-parallel collectives (and the engine's, with ``counting``) inside are counted."""
+        with record_into(self.ledger), self.counting():
             yield
 
     def metrics(self) -> dict[str, float]:

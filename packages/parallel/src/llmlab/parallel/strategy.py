@@ -44,6 +44,8 @@ from torch.optim import Optimizer
 from llmlab.parallel.checkpoint.checkpointer import LayoutCheckpointer
 from llmlab.parallel.checkpoint.pretrained import take_pretrained_weights
 from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_refusal
+from llmlab.parallel.data.fsdp2 import FSDP2Engine
+from llmlab.parallel.data.sharding import build_data_sharding, check_zero_impl
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
@@ -84,8 +86,9 @@ class NDParallelStrategy(DDPStrategy):
     count). ``transforms``: memory options and compile (``ModelTransforms`` or its config
     mapping), applied by ``parallelize_model``. ``timeline_every_n_steps``: how often a pipeline
     records its timeline, logs ``pipeline/bubble`` and (rank 0) draws the Gantt chart; 0 turns
-    it off. ``zero``: ZeRO stage of the data dimension. ``sharded_checkpoints``: each rank writes
-    its own shards (a DCP folder) instead of gathering the model on rank 0.
+    it off. ``zero``: ZeRO stage of the data dimension, by ``zero_impl`` "llmlab" or "fsdp2"
+    (:mod:`~llmlab.parallel.data.sharding`). ``sharded_checkpoints``: each rank writes its own
+    shards (a DCP folder) instead of gathering the model on rank 0.
     """
 
     strategy_name = "nd"
@@ -108,6 +111,7 @@ class NDParallelStrategy(DDPStrategy):
         timeline_dir: str | None = None,
         zero: int = 0,
         sharded_checkpoints: bool = False,
+        zero_impl: str = "llmlab",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -133,7 +137,8 @@ class NDParallelStrategy(DDPStrategy):
         self.transforms = ModelTransforms.from_config(transforms)
         if self.transforms.compile and tensor > 1:
             raise ValueError(COMPILE_WITH_TENSOR)
-        self.zero = zero
+        check_zero_impl(zero_impl, zero, pipeline, self.transforms)
+        self.zero, self.zero_impl = zero, zero_impl
         self.sharded_checkpoints = bool(sharded_checkpoints)
         self.model_attribute = model_attribute
         self.timeline_every_n_steps = timeline_every_n_steps
@@ -141,7 +146,7 @@ class NDParallelStrategy(DDPStrategy):
         self._groups: ProcessGroups | None = None
         self.parallel: ParallelModel | None = None
         self.pipeline_step: PipelinedStep | None = None
-        self.zero_engine: ZeroEngine | None = None
+        self.zero_engine: ZeroEngine | FSDP2Engine | None = None
         self.checkpointer: LayoutCheckpointer | None = None
         self.comm = StepComm()
         self.last_comm: dict[str, float] = {}
@@ -156,7 +161,9 @@ class NDParallelStrategy(DDPStrategy):
         model (built on the ``meta`` device only when tensor or pipeline > 1)."""
         if run.transforms.compile and not cls.compile_checked:
             raise ValueError(compile_refusal(cls.__name__))
-        dims = cls(**options, transforms=run.transforms).requested
+        s = cls(**options, transforms=run.transforms)
+        dims = s.requested
+        check_zero_impl(s.zero_impl, s.zero, dims.pipeline, None, run.plugin, run.precision)
         model = run.model() if dims.tensor > 1 or dims.pipeline > 1 else None
         check_layout(dims, world_size=run.world_size, model=model, global_batch=run.global_batch)
 
@@ -250,26 +257,28 @@ class NDParallelStrategy(DDPStrategy):
                 self.timeline_every_n_steps, self.timeline_dir,
             )  # fmt: skip
         if self.zero >= 1 and self.zero_engine is None:
-            self.zero_engine = ZeroEngine.for_held(
-                model, self.zero, self.groups.data, parallel.params,
-                initial=self._plugin_fp32_values(),
+            self.zero_engine = build_data_sharding(
+                self.zero_impl, model, self.zero, self.groups, parallel.params,
+                self.precision_plugin, self.root_device.type, self._plugin_fp32_values(),
                 # a pipeline sums tied weights across stages first: it reduces once per step
                 reduce_in_backward=self.pipeline_step is None,
             )  # fmt: skip
+            self.comm = StepComm(getattr(self.zero_engine, "counting", None))
         log.info(
             "nd layout %s: rank %d at %s holds %d parameters; applied %s",
             dims, self.global_rank, self.groups.coords, self.local_param_count, parallel.applied,
         )  # fmt: skip
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            held = {id(p) for p in parallel.params}
+            engine_held = self.zero_engine.named_params() if self.zero_engine else ()
+            held = {id(p) for p in parallel.params} | {id(p) for _, p in engine_held}
             for optimizer in self.optimizers:  # other stages' placeholders are not ours
                 for group in optimizer.param_groups:
                     group["params"] = [p for p in group["params"] if id(p) in held]
                 if self.zero_engine is not None:
                     self.zero_engine.rewire(optimizer)
         plugin = self.precision_plugin
-        if self.zero_engine is not None and isinstance(plugin, MasterWeightPrecision):
+        if isinstance(self.zero_engine, ZeroEngine) and isinstance(plugin, MasterWeightPrecision):
             plugin.use_masters(  # the engine's fp32 shards are the masters
                 ZeroMasterWeights(self.zero_engine, plugin.scaler, plugin.skip_nonfinite)
             )
@@ -293,7 +302,7 @@ class NDParallelStrategy(DDPStrategy):
         self.checkpointer = LayoutCheckpointer(
             self.lightning_module, self.model_attribute, groups, parallel.duplicates, zero,
             masters, self.sharded_checkpoints,
-            layout={**self.dims.sizes(), "zero": self.zero,
+            layout={**self.dims.sizes(), "zero": self.zero, "zero_impl": self.zero_impl,
                     "sequence_parallel": self.dims.sequence_parallel},
         )  # fmt: skip
         norm_groups = (groups.tensor, groups.pipeline, *((groups.data,) if zero else ()))

@@ -26,6 +26,12 @@ from torch.optim import Optimizer
 
 from llmlab.parallel.checkpoint import consolidated as C
 from llmlab.parallel.checkpoint.files import is_sharded
+from llmlab.parallel.checkpoint.fsdp2_state import (
+    fsdp2_full_optimizer_state,
+    fsdp2_full_params,
+    load_fsdp2_full_optimizer_state,
+    load_fsdp2_full_params,
+)
 from llmlab.parallel.checkpoint.layout_state import LayoutState, read_extra
 from llmlab.parallel.checkpoint.zero_state import (
     load_zero_full_optimizer_state,
@@ -33,6 +39,7 @@ from llmlab.parallel.checkpoint.zero_state import (
     zero_full_optimizer_state,
     zero_full_params,
 )
+from llmlab.parallel.data.fsdp2 import FSDP2Engine
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.mesh import ProcessGroups
 from llmlab.parallel.precision.master import MasterWeights
@@ -47,7 +54,8 @@ class LayoutCheckpointer:
         module: the LightningModule; its ``<model_attribute>`` is the split model.
         groups: this rank's process groups (their ``dims`` is the layout).
         duplicates: tied copies held here that another stage owns (written there).
-        zero: the ZeRO engine, whose fp32 pieces stand for the parameters it manages.
+        zero: the ZeRO engine (llmlab's, or FSDP2's), whose pieces stand for the parameters
+            it manages.
         masters: a precision plugin's fp32 masters (without ZeRO: with it, the engine's pieces
             are the masters).
         sharded: write a DCP folder per checkpoint instead of one gathered file.
@@ -60,7 +68,7 @@ class LayoutCheckpointer:
         model_attribute: str,
         groups: ProcessGroups,
         duplicates: Sequence[Tensor] = (),
-        zero: ZeroEngine | None = None,
+        zero: ZeroEngine | FSDP2Engine | None = None,
         masters: MasterWeights | None = None,
         sharded: bool = False,
         layout: Mapping[str, Any] | None = None,
@@ -83,7 +91,8 @@ class LayoutCheckpointer:
             return {k: v for k, v in self.module.state_dict().items() if not k.startswith(prefix)}
         named = C.named_state(self.module)
         if self.zero is not None:  # the fp32 masters, assembled from the data shards
-            full = zero_full_params(self.zero)
+            fsdp2 = isinstance(self.zero, FSDP2Engine)
+            full = (fsdp2_full_params if fsdp2 else zero_full_params)(self.zero)
             value = {id(p): full[n] for n, p in self.zero.named_params()}
             named = {k: (value.get(id(t), t), dim) for k, (t, dim) in named.items()}
         return C.gather_full(named, self.groups.tensor, self.groups.pipeline)
@@ -103,7 +112,10 @@ class LayoutCheckpointer:
         if self.zero is not None:
             name_of = {id(p): n for n, p in self.zero.named_params()}
             ours = {k for k in slices if id(named[k][0]) in name_of}
-            load_zero_full_params(self.zero, {name_of[id(named[k][0])]: slices[k] for k in ours})
+            load = load_fsdp2_full_params if isinstance(self.zero, FSDP2Engine) else None
+            (load or load_zero_full_params)(
+                self.zero, {name_of[id(named[k][0])]: slices[k] for k in ours}
+            )
             slices = {k: v for k, v in slices.items() if k not in ours}
         C.load_local_(named, slices)
 
@@ -119,7 +131,10 @@ class LayoutCheckpointer:
             )
         info = self._param_info()
         by_name = dict(self.zero.named_params())
-        full = zero_full_optimizer_state(self.zero, optimizer)
+        fsdp2 = isinstance(self.zero, FSDP2Engine)
+        full = (fsdp2_full_optimizer_state if fsdp2 else zero_full_optimizer_state)(
+            self.zero, optimizer
+        )
         tensors, scalars = C.split_state(((by_name[n], e) for n, e in full.items()), info)
         groups = [
             {**{k: v for k, v in g.items() if k != "params"},
@@ -168,7 +183,10 @@ class LayoutCheckpointer:
             }
             for ename, p in zero.named_params()
         }
-        load_zero_full_optimizer_state(zero, optimizer, state)
+        fsdp2 = isinstance(zero, FSDP2Engine)
+        (load_fsdp2_full_optimizer_state if fsdp2 else load_zero_full_optimizer_state)(
+            zero, optimizer, state
+        )
         for group, sg in zip(optimizer.param_groups, saved["param_groups"], strict=True):
             group.update({k: v for k, v in sg.items() if k != "params"})
 
@@ -244,6 +262,8 @@ class LayoutCheckpointer:
             self.masters.copy_to_model()
 
     def _layout_state(self) -> LayoutState:
+        if isinstance(self.zero, FSDP2Engine):  # zero=2 keeps units gathered after a no-grad
+            self.zero.refresh_params()  # forward (validation): the shards are what is saved
         masters = {}
         if self.masters is not None:
             pairs = zip(self.masters.model_params, self.masters.masters, strict=True)

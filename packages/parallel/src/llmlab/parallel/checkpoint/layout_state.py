@@ -36,12 +36,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from llmlab.parallel.checkpoint import files
 from llmlab.parallel.checkpoint.boxes import ShardedView
+from llmlab.parallel.data.fsdp2 import FSDP2Engine, as_dtensor_like
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.mesh import Coords
+from llmlab.parallel.norm import local_tensor
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
 
 FORMAT = 1
@@ -105,7 +108,7 @@ class LayoutState:
         tensor_size: int,
         data_size: int = 1,
         duplicates: Iterable[Tensor] = (),
-        zero: ZeroEngine | None = None,
+        zero: ZeroEngine | FSDP2Engine | None = None,
         masters: Mapping[int, Tensor] | None = None,
         layout: Mapping[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
@@ -187,6 +190,7 @@ class LayoutState:
                 continue
             entry = {}
             for key, value in opt.state.get(h.optimizer_param, {}).items():
+                value = local_tensor(value) if isinstance(value, Tensor) else value
                 elementwise = isinstance(value, Tensor) and value.dim() > 0
                 if elementwise and value.numel() == h.values.numel():
                     entry[key] = h.view(value)
@@ -256,11 +260,22 @@ class LayoutState:
         files.load(target, path, self.group)
         for opt, param, state in created:
             if state:
-                opt.state[param] = state
+                opt.state[param] = _placed_like(param, state)
         meta = json.loads(target["meta"])
         saved_groups = meta.get("optimizers") or [meta.get("param_groups", [])]
         for opt, settings in zip(optimizers, saved_groups):
             restore_optimizer_settings(opt, settings)
+
+
+def _placed_like(param: Tensor, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A ``DTensor`` parameter's (FSDP2's) element-wise state as ``DTensor``s placed like it."""
+    if not isinstance(param, DTensor):
+        return state
+    local = param.to_local()
+    return {
+        k: as_dtensor_like(v, param) if v.numel() == local.numel() and v.dim() > 0 else v
+        for k, v in state.items()
+    }
 
 
 class _Spread:
