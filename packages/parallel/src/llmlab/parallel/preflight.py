@@ -35,10 +35,11 @@ class RunConfig:
 
     ``world_size``: trainer devices × nodes. ``global_batch``: the data module's batch size
     (``None``: unknown). ``precision``: Lightning's precision flag when no plugin is given;
-    ``plugin``: the precision plugin's class, if any; ``plugin_options``: its arguments. ``transforms``: the memory options and
-    ``compile``, parsed once. ``gradient_clip_val`` / ``gradient_clip_algorithm``: the trainer's.
-    ``build_model``: builds the task's model (on the ``meta`` device: no memory), called only by
-    a check that needs the model's shape, at most once.
+    ``plugin``: the precision plugin's class, if any; ``plugin_options``: its arguments.
+    ``transforms``: the memory options and ``compile``, parsed once. ``gradient_clip_val`` /
+    ``gradient_clip_algorithm``: the trainer's. ``build_model``: builds the task's model (on the
+    ``meta`` device: no memory), called only by a check that needs the model's shape, at most
+    once.
     """
 
     world_size: int
