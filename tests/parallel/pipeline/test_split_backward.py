@@ -68,7 +68,6 @@ def test_b_then_w_equals_one_backward(make):
         torch.testing.assert_close(q.grad, p.grad, **TOL, msg=name)
 
 
-
 def test_w_runs_gradient_hooks_as_one_backward_does():
     """W accumulates through autograd, so the hooks data parallelism hangs on parameters fire
     as under a plain ``backward``: each post-accumulate hook once per parameter (bucketed DP and
@@ -93,6 +92,7 @@ def test_w_runs_gradient_hooks_as_one_backward_does():
         assert len(seen[id(q)]) == 1, name
         torch.testing.assert_close(seen[id(q)][0], 2 * p.grad, **TOL, msg=name)
         torch.testing.assert_close(q.grad, 2 * p.grad, **TOL, msg=name)
+
 
 class _SharedTwice(nn.Module):
     """``(x·W)·W + b``: one weight at two branch points on the input path, one after the
