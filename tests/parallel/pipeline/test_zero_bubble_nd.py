@@ -8,11 +8,12 @@ same gradient clipping and the real ``TrainingTelemetry`` callback (``tests.para
 paths of the V placement are exercised. Gradient-level agreement with
 ``torch.distributed.pipelining``'s own ZB schedules is in ``test_zero_bubble_engine.py``.
 
-Default suite: one 4-rank spawn with a GPT PP×TP = 2×2 ZB-V (tensor-parallel chunks in a V), a
+Default suite: one 4-rank spawn with a GPT PP×TP = 2×2 ZB-V (tensor-parallel chunks in a V; its
+consolidated checkpoint loads into a plain GPT with the single-process weights within 1e-5), a
 GPT DP×PP = 2×2 ZB-H1 with ZeRO-1 (the optimizer shards and the data reduction after W), and a
 Llama DP×PP = 2×2 DualPipeV with every block activation-checkpointed (one shared recompute for B
-and W). The slow matrix: every schedule on GPT and Llama over 2 and 4 stages, ZB-V with sequence
-parallelism and with fp16 master weights (the loss scale reaches B and W).
+and W). The slow matrix: every schedule on GPT and Llama over 2 and 4 stages, and ZB-V with
+sequence parallelism (its gradient all-reduce is a parameter hook, which W must fire).
 """
 
 from __future__ import annotations
@@ -22,31 +23,55 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import run_distributed
-from tests.parallel.test_nd import CLIP, LLAMA, MODEL, STEPS, _close, _nd_runs, fit
+from tests.parallel.test_nd import (
+    CLIP,
+    LLAMA,
+    MODEL,
+    STEPS,
+    _check_final_weights,
+    _close,
+    _nd_runs,
+    fit,
+)
 
 GPT6 = {**MODEL, "n_layer": 6}  # [embed, 6 blocks, head]: 8 virtual stages for a V over 4 ranks
 LLAMA6 = {**LLAMA, "n_layer": 6}
+# Llama's logged norm drifts from one process by rounding alone, whatever the schedule: at
+# DP × PP = 2 × 2, m = 4, 1F1B and ZB-V / DualPipeV give the *same* norms, 3.4e-5 off at step 8
+# (1.64), 8e-6 at step 9 (measured; the slow test asserts split = 1F1B within 1e-6). The cause is
+# test_nd's: AdamW at lr 1e-2 turns rounding in the q/k projections' tiny gradients into
+# full-size steps. Losses stay within 1e-6.
+LLAMA_LATE_TOL = dict(atol=5e-5, rtol=0)
+SPLIT = ("zb1", "zbv", "dualpipev")
+EXACT = dict(atol=1e-6, rtol=0)
 
 
 def _reference(model: dict) -> dict:
     run = fit("auto", 1, STEPS, model=model)
     assert min(run["norms"]) > CLIP, run["norms"]  # clipping acts at every step
-    return run
+    state = run["trainer"].lightning_module.model.state_dict()
+    return {**run, "state": {k: v.detach().clone() for k, v in state.items()}}
 
 
 def _check(results: list[dict], cases: list[dict], references: dict[str, dict]) -> None:
+    """Loss and logged grad norm of every case on every rank against its one-process run,
+    within 1e-5 at every step. Llama's norm: 1e-5 over steps 1-4, then 5e-5 (LLAMA_LATE_TOL)."""
     for case in cases:
         ref = references[case["ref"]]
         for rank, r in enumerate(results):
-            got = r[case["name"]]
-            _close(got["losses"], ref["losses"], f"{case['name']} loss (rank {rank})")
-            _close(got["norms"], ref["norms"], f"{case['name']} train/grad_norm (rank {rank})")
+            got, what = r[case["name"]], f"{case['name']} (rank {rank})"
+            _close(got["losses"], ref["losses"], f"{what} loss")
+            if case["ref"].startswith("llama"):
+                _close(got["norms"][:4], ref["norms"][:4], f"{what} grad_norm, steps 1-4")
+                _close(got["norms"], ref["norms"], f"{what} grad_norm", LLAMA_LATE_TOL)
+            else:
+                _close(got["norms"], ref["norms"], f"{what} train/grad_norm")
 
 
 @pytest.mark.distributed
 def test_split_schedules_in_nd_strategy_match_one_process(tmp_path: Path) -> None:
     cases = [
-        {"name": "gpt-pp2tp2-zbv", "ref": "gpt",
+        {"name": "gpt-pp2tp2-zbv", "ref": "gpt", "save": "zbv.ckpt",
          "layout": dict(pipeline=2, tensor=2, schedule="zbv", microbatches=4)},
         {"name": "gpt-dp2pp2-zb1-zero1", "ref": "gpt",
          "layout": dict(data=2, pipeline=2, schedule="zb1", microbatches=2, zero=1)},
@@ -57,10 +82,13 @@ def test_split_schedules_in_nd_strategy_match_one_process(tmp_path: Path) -> Non
     references = {"gpt": _reference(MODEL), "llama": _reference(LLAMA)}
     results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
     _check(results, cases, references)
+    # the V's consolidated checkpoint is the unsplit model's: it loads into a plain GPT
+    _check_final_weights(tmp_path / "zbv.ckpt", references["gpt"])
 
 
 def _matrix_cases(pipeline: int) -> list[dict]:
-    """Every split schedule on GPT and Llama, ``pipeline`` stages × data = 4 / pipeline."""
+    """Every split schedule on GPT and Llama, and Llama's 1F1B (the control), ``pipeline``
+    stages × data = 4 / pipeline."""
     m = 8 if pipeline == 4 else 4  # DualPipeV needs 2p micro-batches; BATCH 8 / data rows each
     data = 4 // pipeline
     models = {"gpt": GPT6, "llama": LLAMA6} if pipeline == 4 else {"gpt": MODEL, "llama": LLAMA}
@@ -70,8 +98,8 @@ def _matrix_cases(pipeline: int) -> list[dict]:
         {"name": f"{kind}-pp{pipeline}-{schedule}", "ref": f"{kind}{pipeline}",
          "model": models[kind],
          "layout": dict(data=data, pipeline=pipeline, schedule=schedule, microbatches=m)}
-        for kind in ("gpt", "llama")
-        for schedule in ("zb1", "zbv", "dualpipev")
+        for kind, schedules in (("gpt", SPLIT), ("llama", (*SPLIT, "1f1b")))
+        for schedule in schedules
     ]  # fmt: skip
 
 
@@ -81,19 +109,18 @@ def _matrix_cases(pipeline: int) -> list[dict]:
 def test_every_split_schedule_on_gpt_and_llama(tmp_path: Path, pipeline: int) -> None:
     cases = _matrix_cases(pipeline)
     if pipeline == 2:
-        from functools import partial
-
-        from llmlab.parallel.precision.plugins import FP16MasterPrecision
-
-        cases += [
+        cases.append(
             {"name": "gpt-pp2tp2-zbv-sp", "ref": "gpt2",
              "layout": dict(pipeline=2, tensor=2, schedule="zbv", microbatches=4,
                             sequence_parallel=True)},
-            {"name": "gpt-dp2pp2-zbv-fp16", "ref": "gpt2",
-             "precision": partial(FP16MasterPrecision, growth_interval=2),
-             "layout": dict(data=2, pipeline=2, schedule="zbv", microbatches=4)},
-        ]  # fmt: skip
+        )  # fmt: skip
     models = {"gpt": GPT6, "llama": LLAMA6} if pipeline == 4 else {"gpt": MODEL, "llama": LLAMA}
     references = {f"{k}{pipeline}": _reference(model) for k, model in models.items()}
     results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=3000)
     _check(results, cases, references)
+    for r in results:  # the split backward is exact: Llama's drift is 1F1B's, to 1e-6
+        control = r[f"llama-pp{pipeline}-1f1b"]
+        for schedule in SPLIT:
+            got = r[f"llama-pp{pipeline}-{schedule}"]
+            for key in ("losses", "norms"):
+                _close(got[key], control[key], f"llama {schedule} vs 1f1b {key}", EXACT)
