@@ -38,12 +38,18 @@ GPT6 = {**MODEL, "n_layer": 6}  # [embed, 6 blocks, head]: 8 virtual stages for 
 LLAMA6 = {**LLAMA, "n_layer": 6}
 # Llama's logged norm drifts from one process by rounding alone, whatever the schedule: at
 # DP × PP = 2 × 2, m = 4, 1F1B and ZB-V / DualPipeV give the *same* norms, 3.4e-5 off at step 8
-# (1.64), 8e-6 at step 9 (measured; the slow test asserts split = 1F1B within 1e-6). The cause is
-# test_nd's: AdamW at lr 1e-2 turns rounding in the q/k projections' tiny gradients into
-# full-size steps. Losses stay within 1e-6.
+# (1.64), 8e-6 at step 9 (measured; the slow test asserts split = 1F1B in the same layout). The
+# cause is test_nd's: AdamW at lr 1e-2 turns rounding in the q/k projections' tiny gradients
+# into full-size steps. Losses stay within 1e-6.
 LLAMA_LATE_TOL = dict(atol=5e-5, rtol=0)
 SPLIT = ("zb1", "zbv", "dualpipev")
-EXACT = dict(atol=1e-6, rtol=0)
+# At p = 4 (m = 8 micro-batches of one row) GPT's norm drifts too: 7.4e-5 at step 10 (1.07) for
+# 1F1B and ZB-H1 alike (measured, equal to the last bit), 7.1e-5 for ZB-V.
+PP4_LATE_TOL = dict(atol=1e-4, rtol=0)
+# A split schedule against 1F1B in the same layout: ZB-H1 equals it bit for bit (measured); the
+# V shapes sum the tied embedding's two uses on rank 0 instead of all-reducing two stages'
+# copies, another order: ~3e-6 apart on the norm, ~5e-7 on the loss (measured).
+SAME_LAYOUT = dict(atol=1e-5, rtol=0)
 
 
 def _reference(model: dict) -> dict:
@@ -53,17 +59,20 @@ def _reference(model: dict) -> dict:
     return {**run, "state": {k: v.detach().clone() for k, v in state.items()}}
 
 
-def _check(results: list[dict], cases: list[dict], references: dict[str, dict]) -> None:
+def _check(
+    results: list[dict], cases: list[dict], references: dict[str, dict], late: dict | None = None
+) -> None:
     """Loss and logged grad norm of every case on every rank against its one-process run,
-    within 1e-5 at every step. Llama's norm: 1e-5 over steps 1-4, then 5e-5 (LLAMA_LATE_TOL)."""
+    within 1e-5 at every step. Llama's norm (and, given ``late``, every model's): 1e-5 over
+    steps 1-4, then ``late`` (default LLAMA_LATE_TOL)."""
     for case in cases:
         ref = references[case["ref"]]
         for rank, r in enumerate(results):
             got, what = r[case["name"]], f"{case['name']} (rank {rank})"
             _close(got["losses"], ref["losses"], f"{what} loss")
-            if case["ref"].startswith("llama"):
+            if late or case["ref"].startswith("llama"):
                 _close(got["norms"][:4], ref["norms"][:4], f"{what} grad_norm, steps 1-4")
-                _close(got["norms"], ref["norms"], f"{what} grad_norm", LLAMA_LATE_TOL)
+                _close(got["norms"], ref["norms"], f"{what} grad_norm", late or LLAMA_LATE_TOL)
             else:
                 _close(got["norms"], ref["norms"], f"{what} train/grad_norm")
 
@@ -87,7 +96,7 @@ def test_split_schedules_in_nd_strategy_match_one_process(tmp_path: Path) -> Non
 
 
 def _matrix_cases(pipeline: int) -> list[dict]:
-    """Every split schedule on GPT and Llama, and Llama's 1F1B (the control), ``pipeline``
+    """Every split schedule on GPT and Llama, and their 1F1B runs (the control), ``pipeline``
     stages × data = 4 / pipeline."""
     m = 8 if pipeline == 4 else 4  # DualPipeV needs 2p micro-batches; BATCH 8 / data rows each
     data = 4 // pipeline
@@ -98,8 +107,8 @@ def _matrix_cases(pipeline: int) -> list[dict]:
         {"name": f"{kind}-pp{pipeline}-{schedule}", "ref": f"{kind}{pipeline}",
          "model": models[kind],
          "layout": dict(data=data, pipeline=pipeline, schedule=schedule, microbatches=m)}
-        for kind, schedules in (("gpt", SPLIT), ("llama", (*SPLIT, "1f1b")))
-        for schedule in schedules
+        for kind in ("gpt", "llama")
+        for schedule in (*SPLIT, "1f1b")
     ]  # fmt: skip
 
 
@@ -117,10 +126,10 @@ def test_every_split_schedule_on_gpt_and_llama(tmp_path: Path, pipeline: int) ->
     models = {"gpt": GPT6, "llama": LLAMA6} if pipeline == 4 else {"gpt": MODEL, "llama": LLAMA}
     references = {f"{k}{pipeline}": _reference(model) for k, model in models.items()}
     results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=3000)
-    _check(results, cases, references)
-    for r in results:  # the split backward is exact: Llama's drift is 1F1B's, to 1e-6
-        control = r[f"llama-pp{pipeline}-1f1b"]
-        for schedule in SPLIT:
-            got = r[f"llama-pp{pipeline}-{schedule}"]
+    _check(results, cases, references, late=PP4_LATE_TOL if pipeline == 4 else None)
+    for r, kind in ((r, k) for r in results for k in ("gpt", "llama")):
+        control = r[f"{kind}-pp{pipeline}-1f1b"]  # the split backward is exact: any drift from
+        for schedule in SPLIT:  # one process is the unsplit 1F1B's in the same layout
+            got = r[f"{kind}-pp{pipeline}-{schedule}"]
             for key in ("losses", "norms"):
-                _close(got[key], control[key], f"llama {schedule} vs 1f1b {key}", EXACT)
+                _close(got[key], control[key], f"{kind} {schedule} vs 1f1b {key}", SAME_LAYOUT)
