@@ -9,6 +9,7 @@ from torch import nn
 from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.pipeline.engine import PipelineEngine
 from llmlab.parallel.pipeline.partition import balanced_boundaries, split_ranges
+from llmlab.parallel.pipeline.schedules import validate_schedule_args
 from llmlab.parallel.pipeline.stage import cut_stage, pipeline_layers_of
 
 
@@ -56,11 +57,16 @@ def test_strategy_checks_batch_size_and_schedule_arguments():
         PipelineStrategy(stages=4, microbatches=6, schedule="interleaved")
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
         PipelineStrategy(stages=2, schedule="pipedream")
-    # the split-backward schedules run on the engine; the strategy refuses rather than cut
-    # loop-placed chunks for a V or recompute checkpointed blocks once per weight group
-    for name in ("zb1", "zbv", "dualpipev"):
-        with pytest.raises(ValueError, match=f"the '{name}' schedule .* runs on PipelineEngine"):
-            PipelineStrategy(stages=2, microbatches=4, schedule=name, virtual_stages=2)
+    # the split-backward schedules run in the strategy; the V shapes hold exactly 2 chunks
+    assert PipelineStrategy(stages=2, microbatches=4, schedule="zbv").requested.virtual_stages == 2
+    assert PipelineStrategy(stages=2, schedule="zb1").requested.virtual_stages == 1
+    with pytest.raises(ValueError, match=r"'zb1' schedule \(split backward\) needs a runner"):
+        validate_schedule_args("zb1", 2, 4)  # a caller that runs whole backwards only
+    with pytest.raises(ValueError, match=r"'zbv' schedule places exactly 2 chunks .* "
+                       r"got virtual_stages=3"):  # fmt: skip
+        PipelineStrategy(stages=2, microbatches=4, schedule="zbv", virtual_stages=3)
+    with pytest.raises(ValueError, match=r"dualpipev schedule needs num_microbatches \(2\) >= "):
+        PipelineStrategy(stages=2, microbatches=2, schedule="dualpipev")
     from llmlab.parallel.mesh import check_layout
 
     layout = ParallelDims(data=2, pipeline=2, microbatches=4)
@@ -83,3 +89,34 @@ def test_explicit_and_balanced_boundaries():
     # the exact min-max split: [4, 1, 1, 4] into 2 parts -> [4, 1] | [1, 4]
     assert balanced_boundaries([4, 1, 1, 4], 2) == [2]
     assert balanced_boundaries([1, 1, 1, 1, 8], 2) == [4]
+
+
+@pytest.mark.parametrize("schedule", ["zb1", "zbv", "dualpipev"])
+def test_split_backward_refuses_what_it_cannot_run_exactly(schedule):
+    """compile=true (a compiled block's backward is one node: W would rerun it) and fp8's delayed
+    recipe (B and W would both advance the amax history) are refused when the strategy is built
+    or its config checked, naming the values; dynamic fp8 and unsplit schedules pass."""
+    from llmlab.parallel.preflight import RunConfig
+    from llmlab.parallel.strategy import NDParallelStrategy
+
+    layout = dict(pipeline=2, schedule=schedule, microbatches=4)
+    with pytest.raises(ValueError, match=f"compile=true with schedule='{schedule}' is refused"):
+        NDParallelStrategy(**layout, transforms={"compile": True})
+    NDParallelStrategy(pipeline=2, schedule="1f1b", transforms={"compile": True})
+    fp8 = {"_target_": "llmlab.parallel.precision.FP8Precision", "recipe": "delayed"}
+    run = RunConfig(world_size=2, global_batch=8, plugin_options=fp8, build_model=tiny)
+    with pytest.raises(ValueError, match=f"fp8 recipe='delayed' with schedule='{schedule}'"):
+        NDParallelStrategy.check_config(layout, run)
+    NDParallelStrategy.check_config(layout, RunConfig(world_size=2, global_batch=8,
+                                    plugin_options={**fp8, "recipe": "dynamic"},
+                                    build_model=tiny))  # fmt: skip
+    NDParallelStrategy.check_config({**layout, "schedule": "1f1b"}, run)
+
+
+def test_the_app_refuses_delayed_fp8_with_a_split_schedule_before_training():
+    from llmlab.train.app import ConfigError, compose_config, validate_config
+
+    args = ["experiment=gpt_pp2_gpipe", "strategy.schedule=zbv", "precision=fp8"]
+    validate_config(compose_config(args))
+    with pytest.raises(ConfigError, match=r"fp8 recipe='delayed' with schedule='zbv'"):
+        validate_config(compose_config([*args, "precision.plugin.recipe=delayed"]))

@@ -68,6 +68,32 @@ def test_b_then_w_equals_one_backward(make):
         torch.testing.assert_close(q.grad, p.grad, **TOL, msg=name)
 
 
+def test_w_runs_gradient_hooks_as_one_backward_does():
+    """W accumulates through autograd, so the hooks data parallelism hangs on parameters fire
+    as under a plain ``backward``: each post-accumulate hook once per parameter (bucketed DP and
+    ZeRO reduce from it), with the final ``.grad`` in place, and tensor hooks (sequence
+    parallelism's all-reduce) on the gradient before it is accumulated."""
+    _, y = token_batch()
+    stage, h = _stage_after_embedding(tiny_gpt())
+    twin = copy.deepcopy(stage)
+    x_ref = h.clone().requires_grad_(True)
+    lm_loss(stage(x_ref), y).backward()
+
+    params = list(twin.parameters())
+    seen: dict[int, list[torch.Tensor]] = {id(p): [] for p in params}
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda q: seen[id(q)].append(q.grad.clone()))
+        p.register_hook(lambda g: g * 2)  # a tensor hook that changes the gradient
+    x = h.clone().requires_grad_(True)
+    _, deferred = backward_input(lm_loss(twin(x), y), None, x, params)
+    assert all(not hits for hits in seen.values()), "B accumulates no weight gradient"
+    backward_weight(deferred)
+    for (name, p), q in zip(stage.named_parameters(), params, strict=True):
+        assert len(seen[id(q)]) == 1, name
+        torch.testing.assert_close(seen[id(q)][0], 2 * p.grad, **TOL, msg=name)
+        torch.testing.assert_close(q.grad, 2 * p.grad, **TOL, msg=name)
+
+
 class _SharedTwice(nn.Module):
     """``(x·W)·W + b``: one weight at two branch points on the input path, one after the
     other, so W must not count the upstream one's contribution twice."""

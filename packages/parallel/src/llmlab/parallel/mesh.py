@@ -165,7 +165,10 @@ def layout_problems(
     if dims.sequence_parallel and dims.tensor == 1:
         problems.append("sequence_parallel=true needs tensor > 1")
     try:
-        validate_schedule_args(dims.schedule, dims.pipeline, dims.microbatches, dims.virtual_stages)
+        validate_schedule_args(
+            dims.schedule, dims.pipeline, dims.microbatches, dims.virtual_stages,
+            allow_split_backward=True,
+        )  # fmt: skip
     except ValueError as err:
         problems.append(str(err))
     data = dims.data

@@ -43,6 +43,8 @@ from llmlab.parallel.contracts import (
 )
 from llmlab.parallel.memory import apply_activation_checkpointing, use_recompute_attention
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, check_layout
+from llmlab.parallel.pipeline.schedules import placement
+from llmlab.parallel.pipeline.split_layout import prepare_chunks
 from llmlab.parallel.pipeline.stage import (
     StageModules,
     build_tie_groups,
@@ -222,8 +224,11 @@ def parallelize_model(
         assert groups is not None, "pipeline parallelism needs process groups"
         pp = groups.coords.pipeline
         result.stage = cut_stage(
-            pipeline_layers_of(model), dims.pipeline, pp, dims.virtual_stages, dims.boundaries
-        )
+            pipeline_layers_of(model), dims.pipeline, pp, dims.virtual_stages, dims.boundaries,
+            placement=placement(dims.schedule),
+        )  # fmt: skip
+        if prepare_chunks(dims.schedule, result.stage.chunks):  # B and W share one recompute
+            result.applied["shared_recompute"] = True
         pipelines = [dims.pipeline_ranks(c) for c in map(dims.coords, range(dims.world_size))
                      if c.pipeline == 0]  # fmt: skip
         result.tied = build_tie_groups(result.stage, pipelines)

@@ -35,16 +35,18 @@ class RunConfig:
 
     ``world_size``: trainer devices × nodes. ``global_batch``: the data module's batch size
     (``None``: unknown). ``precision``: Lightning's precision flag when no plugin is given;
-    ``plugin``: the precision plugin's class, if any. ``transforms``: the memory options and
-    ``compile``, parsed once. ``gradient_clip_val`` / ``gradient_clip_algorithm``: the trainer's.
-    ``build_model``: builds the task's model (on the ``meta`` device: no memory), called only by
-    a check that needs the model's shape, at most once.
+    ``plugin``: the precision plugin's class, if any; ``plugin_options``: its arguments.
+    ``transforms``: the memory options and ``compile``, parsed once. ``gradient_clip_val`` /
+    ``gradient_clip_algorithm``: the trainer's. ``build_model``: builds the task's model (on the
+    ``meta`` device: no memory), called only by a check that needs the model's shape, at most
+    once.
     """
 
     world_size: int
     global_batch: int | None = None
     precision: str | None = "32-true"
     plugin: type | None = None
+    plugin_options: Mapping[str, Any] = field(default_factory=dict)
     transforms: ModelTransforms = field(default_factory=ModelTransforms)
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str | None = None

@@ -53,6 +53,7 @@ from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_grou
 from llmlab.parallel.norm import WholeModelNorm
 from llmlab.parallel.parallelize import ModelTransforms, ParallelModel, parallelize_model
 from llmlab.parallel.pipeline.grad_sync import GradientReducer
+from llmlab.parallel.pipeline.split_layout import check_split_backward
 from llmlab.parallel.pipeline.stage import move_held_tensors
 from llmlab.parallel.pipeline.step import PipelinedStep
 from llmlab.parallel.precision.plugins import (
@@ -81,7 +82,8 @@ class NDParallelStrategy(DDPStrategy):
     The layout arguments make one :class:`~llmlab.parallel.mesh.ParallelDims` (``context`` > 1
     is refused until context parallelism exists). ``data``: optional, inferred as
     ``world_size / (pipeline × tensor)`` and checked if given. ``schedule``: "naive", "gpipe",
-    "1f1b" or "interleaved" (``virtual_stages`` chunks per rank, default 2); ``boundaries``: the
+    "1f1b", "interleaved" (``virtual_stages`` chunks per rank, default 2) or the split-backward
+    "zb1", "zbv", "dualpipev" (V-shaped: 2 chunks per rank); ``boundaries``: the
     first layer index of every virtual stage after the first (default: balanced by parameter
     count). ``transforms``: memory options and compile (``ModelTransforms`` or its config
     mapping), applied by ``parallelize_model``. ``timeline_every_n_steps``: how often a pipeline
@@ -137,6 +139,7 @@ class NDParallelStrategy(DDPStrategy):
         self.transforms = ModelTransforms.from_config(transforms)
         if self.transforms.compile and tensor > 1:
             raise ValueError(COMPILE_WITH_TENSOR)
+        check_split_backward(schedule, self.transforms.compile)  # zb1/zbv/dualpipev: exact only
         check_zero_impl(zero_impl, zero, pipeline, self.transforms)
         self.zero, self.zero_impl = zero, zero_impl
         self.sharded_checkpoints = bool(sharded_checkpoints)
@@ -163,6 +166,7 @@ class NDParallelStrategy(DDPStrategy):
             raise ValueError(compile_refusal(cls.__name__))
         s = cls(**options, transforms=run.transforms)
         dims = s.requested
+        check_split_backward(dims.schedule, run.transforms.compile, run.plugin_options)
         check_zero_impl(s.zero_impl, s.zero, dims.pipeline, None, run.plugin, run.precision)
         model = run.model() if dims.tensor > 1 or dims.pipeline > 1 else None
         check_layout(dims, world_size=run.world_size, model=model, global_batch=run.global_batch)
@@ -227,6 +231,7 @@ class NDParallelStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         module, dims = self.lightning_module, self.dims
+        check_split_backward(dims.schedule, False, getattr(self.precision_plugin, "options", None))
         model = getattr(module, self.model_attribute, None)
         if not isinstance(model, nn.Module):
             raise TypeError(

@@ -103,6 +103,7 @@ def run_config(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> A
         global_batch=OmegaConf.select(cfg, "data.batch_size"),
         precision=None if plugin else cfg.precision.get("trainer_precision", "32-true"),
         plugin=get_object(plugin._target_) if plugin else None,
+        plugin_options=OmegaConf.to_container(plugin, resolve=True) if plugin else {},
         transforms=model_transforms(cfg),
         gradient_clip_val=OmegaConf.select(cfg, "trainer.gradient_clip_val"),
         gradient_clip_algorithm=OmegaConf.select(cfg, "trainer.gradient_clip_algorithm"),

@@ -18,10 +18,11 @@ from llmlab.parallel.strategy import NDParallelStrategy
 class PipelineStrategy(NDParallelStrategy):
     """Pipeline parallelism over ``stages`` ranks, data parallel over the rest.
 
-    ``schedule``: "naive", "gpipe", "1f1b" or "interleaved" (``virtual_stages`` chunks per rank,
-    default 2). ``boundaries``: the first layer index of every virtual stage after the first;
-    by default the cut balances parameter count. ``timeline_every_n_steps``: how often to record
-    the timeline, log ``pipeline/bubble`` and (rank 0) draw the Gantt chart; 0 turns it off.
+    ``schedule``: "naive", "gpipe", "1f1b", "interleaved" (``virtual_stages`` chunks per rank,
+    default 2) or the split-backward "zb1", "zbv", "dualpipev" (the last two: 2 chunks in a V).
+    ``boundaries``: the first layer index of every virtual stage after the first; by default the
+    cut balances parameter count. ``timeline_every_n_steps``: how often to record the timeline,
+    log ``pipeline/bubble`` and (rank 0) draw the Gantt chart; 0 turns it off.
     """
 
     strategy_name = "pipeline"

@@ -86,18 +86,17 @@ def validate_schedule_args(
 ) -> None:
     """Fail early, naming the bad value and what would be valid.
 
-    ``allow_split_backward``: whether the caller runs the split-backward schedules (the engine
-    does; the N-D strategy does not cut V-placed stages or switch checkpointed blocks to shared
-    recompute yet, so it refuses them rather than run them wrong).
+    ``allow_split_backward``: whether the caller runs the split-backward schedules (B and W as
+    separate instructions, V-placed chunks, shared recompute); the engine and the N-D strategy
+    do. A caller that runs only whole backwards leaves it False and refuses them by name.
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {list(SCHEDULES)}")
     if name in SPLIT_BACKWARD and not allow_split_backward:
         raise ValueError(
-            f"the {name!r} schedule (split backward) runs on PipelineEngine directly; the "
-            "pipeline strategy does not run split-backward schedules yet (its stage cut has no "
-            "V placement and its checkpointed blocks would recompute once per weight group); "
-            "use 'naive', 'gpipe', '1f1b' or 'interleaved' here"
+            f"the {name!r} schedule (split backward) needs a runner of B and W instructions "
+            "on V-placed chunks (PipelineEngine, NDParallelStrategy); this caller runs whole "
+            "backwards only: use 'naive', 'gpipe', '1f1b' or 'interleaved' here"
         )
     for label, value in (
         ("num_stages", num_stages),

@@ -179,19 +179,12 @@ def backward_weight(pending: WeightGradients) -> None:
 
                 handles.append(node.register_prehook(pin))
         try:
-            # retain_graph: another group's call may walk the same input-path nodes; the graph
-            # is freed when ``pending`` is dropped, right after this W.
-            weight_grads = torch.autograd.grad(
-                edges, group.params, grads, retain_graph=True, allow_unused=True
-            )
+            # Accumulated by autograd itself (``inputs=``: only this group's weights), so every
+            # ``.grad`` hook runs as under a plain ``backward``: a parameter's tensor hooks
+            # (sequence parallelism's all-reduce) and its post-accumulate hooks (bucketed DP,
+            # ZeRO's reduce in backward). retain_graph: another group's call may walk the same
+            # input-path nodes; the graph is freed when ``pending`` is dropped, after this W.
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.params)
         finally:
             for handle in handles:
                 handle.remove()
-        with torch.no_grad():
-            for p, g in zip(group.params, weight_grads, strict=True):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad += g

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from llmlab.parallel.mesh import ProcessGroups
 from llmlab.parallel.pipeline.engine import PipelineEngine
+from llmlab.parallel.pipeline.split_layout import last_stage_rank
 from llmlab.parallel.pipeline.timeline import gather_events, measured_bubble, plot_timeline
 from llmlab.parallel.pipeline.transport import broadcast_tensor
 
@@ -69,6 +70,10 @@ class PipelinedStep:
         self.timeline_dir = timeline_dir
         self.last_bubble: float | None = None
         self._kept: list[tuple[nn.Parameter, Tensor]] = []
+        # where the loss is computed: the last rank, or the first in a V (ZB-V, DualPipeV)
+        self.loss_rank = engine.ranks[
+            last_stage_rank(self.dims.schedule, self.dims.pipeline, engine.virtual_stages)
+        ]
 
     @classmethod
     def build(
@@ -135,11 +140,11 @@ class PipelinedStep:
         return sent
 
     def _global_loss(self, loss: Tensor | None) -> Tensor:
-        """The last stage's loss on every rank, averaged over data-parallel replicas."""
+        """The last virtual stage's loss on every rank, averaged over data-parallel replicas."""
         value = torch.zeros((), device=self.device, dtype=torch.float32)
         if loss is not None:
             value += loss.detach().float()
-        dist.broadcast(value, self.engine.ranks[-1], group=self.groups.pipeline)
+        dist.broadcast(value, self.loss_rank, group=self.groups.pipeline)
         if self.dims.data > 1:
             dist.all_reduce(value, group=self.groups.data)
             value /= self.dims.data
@@ -151,7 +156,7 @@ class PipelinedStep:
         m = self.dims.microbatches if inputs.shape[0] % self.dims.microbatches == 0 else 1
         result = self.engine.eval_step(inputs, None, m, self.dims.schedule)
         output = result.output.float() if result.output is not None else None
-        return broadcast_tensor(output, self.engine.ranks[-1], self.groups.pipeline, self.device)
+        return broadcast_tensor(output, self.loss_rank, self.groups.pipeline, self.device)
 
     @contextmanager
     def replaced_model(self, module: Any, attribute: str) -> Generator[None, None, None]:
