@@ -27,6 +27,14 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted([*REPO.glob("packages/*/src/llmlab/**/*.py"), *REPO.glob("kernels/src/**/*.py")])
 OWN = ("self", "cls")
 FUNCTION_FACTORIES = {"partial", "MethodType"}
+# (file, attribute) -> why it must be written there. Keep this short: every entry is a debt.
+ALLOWED = {
+    ("packages/parallel/src/llmlab/parallel/checkpoint/pretrained.py", "_backward_hooks"): (
+        "fill() hands a meta parameter real storage with swap_tensors, which leaves the hook "
+        "dict behind unwired; torch has no public call to re-wire it, so fill() clears it and "
+        "registers the same hooks again through register_hook"
+    ),
+}
 
 
 # The torch and Lightning classes llmlab's objects are or drive, by source file (read, not
@@ -153,12 +161,16 @@ class _Scanner(ast.NodeVisitor):
             return  # the object's own method, or an object this function just made
         if isinstance(root, ast.Name) and root.id in OWN and isinstance(owner, ast.Name):
             return
+        if isinstance(owner, ast.Name) and owner.id == "ctx":
+            return  # an autograd Function's context: saving attributes on it is its API
         where = ast.unparse(owner)
         if name == "__class__":
             self.found.append((line, f"{where}.__class__ swapped"))
         elif name.startswith("_") and not name.startswith("__"):
             self.found.append((line, f"{where}.{name}: a private attribute of another object"))
-        elif name in self.methods:
+        elif name in self.methods and not isinstance(value, ast.Call | ast.Constant):
+            # a call's result or a constant is data (``cfg.model = OmegaConf.create(...)``);
+            # functions made by a call are caught below (FUNCTION_FACTORIES)
             self.found.append((line, f"{where}.{name}: a method name, assigned from outside"))
         elif value is not None and self._is_function(value):
             self.found.append((line, f"{where}.{name} = {ast.unparse(value)[:40]}: a function"))
@@ -217,6 +229,8 @@ def test_the_scanner_finds_each_kind_of_rewiring(source, methods):
         "class S:\n    def set(self, v):\n        self.state_dict = v",  # its own attribute
         "def f(p, view):\n    p.grad = view",  # a tensor's data attribute
         "def f(ctx, group):\n    ctx.group = group",  # an autograd context's slot
+        "def f(ctx, shape):\n    ctx.shape = shape",  # even under a method's name
+        "def f(cfg, spec):\n    cfg.model = OmegaConf.create(spec)",  # a call's result is data
         "import logging\ndef f():\n    h = logging.StreamHandler()\n    h._tag = 1",  # made here
     ],
 )
@@ -229,6 +243,9 @@ def test_no_module_rewires_another_objects_methods(sources, methods):
         f"{path.relative_to(REPO)}:{line}: {what}"
         for path, tree in sources.items()
         for line, what in scan(tree, methods)
+        if not any(
+            str(path.relative_to(REPO)) == file and f".{attr}:" in what for file, attr in ALLOWED
+        )
     ]
     assert len(sources) > 100  # it read the sources
     assert found == []

@@ -15,7 +15,7 @@ saved it is (after B for the input-path-only nodes, after W for the rest). One r
 micro-batch and block, whatever the schedule.
 
 :func:`share_recompute` switches the blocks that ``apply_activation_checkpointing`` wrapped with
-PyTorch's ``checkpoint_wrapper`` over to it, in place (names and state-dict keys unchanged).
+PyTorch's ``checkpoint_wrapper`` over to it (names and state-dict keys unchanged).
 """
 
 from __future__ import annotations
@@ -139,12 +139,22 @@ def checkpoint_shared(
 
 
 def share_recompute(module: nn.Module) -> int:
-    """Make every ``checkpoint_wrapper``-wrapped block inside ``module`` recompute with
-    :func:`checkpoint_shared`; returns how many blocks it switched."""
+    """Re-wrap every ``checkpoint_wrapper``-wrapped block inside ``module`` so that it
+    recomputes with :func:`checkpoint_shared`; returns how many blocks it switched.
+
+    Each wrapper is replaced in its parent by a new ``checkpoint_wrapper`` around the same block
+    (``checkpoint_fn`` is a constructor argument: the wrapper itself is not rewired), so
+    parameters, names and state-dict keys are unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    shared = functools.partial(checkpoint_shared, preserve_rng_state=True)
     switched = 0
-    for m in module.modules():
-        if hasattr(m, "_checkpoint_wrapped_module") and hasattr(m, "checkpoint_fn"):
-            m.checkpoint_fn = functools.partial(checkpoint_shared, preserve_rng_state=True)
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            block = getattr(child, "_checkpoint_wrapped_module", None)
+            if block is None or getattr(child.checkpoint_fn, "func", None) is checkpoint_shared:
+                continue
+            setattr(parent, name, checkpoint_wrapper(block, checkpoint_fn=shared))
             switched += 1
     return switched
 
