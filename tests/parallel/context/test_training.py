@@ -30,7 +30,6 @@ from tests.parallel.test_nd import (
     reference,  # noqa: F401  (the module-scoped single-process run, a fixture)
 )
 
-
 # Llama's logged grad norm: within 1e-5 relative. Measured: losses within 1.9e-6, norms within
 # 1.4e-5 absolute at a norm of 1.64 (8.6e-6 relative). Rounding alone moves this model's norm
 # that much (test_nd's Llama note: plain DP = 2 is 6.7e-6 off, TP = 2 2.8e-5: AdamW at lr 1e-2
@@ -126,21 +125,45 @@ def test_context_2_gpt_and_llama_equal_single_process(reference: dict, tmp_path:
         _close(results[0]["control"]["norms"], reference["norms"], "control")
 
 
+LAYOUT_3D = dict(data=2, context=2, tensor=2)
+
+
 @pytest.mark.distributed
 def test_data2_context2_tensor2_gpt_equals_single_process(reference: dict, tmp_path: Path) -> None:  # noqa: F811
-    layout = dict(data=2, context=2, tensor=2)
-    cases = [
-        {"name": "3d", "layout": layout, "save": "3d.ckpt"},
-        {"name": "control", "layout": layout, "control": True},
-    ]
+    """Ring attention on local heads (tensor-parallel attention inside each context rank), the
+    folded reduction over the data × context group; the control is the context=2 test's."""
+    cases = [{"name": "3d", "layout": LAYOUT_3D, "save": "3d.ckpt"}]
     results = run_distributed(_runs, 8, str(tmp_path), cases, timeout=1500)
     for r in results:
         _close(r["3d"]["losses"], reference["losses"], "2x2x2 loss")
         _close(r["3d"]["norms"], reference["norms"], "2x2x2 train/grad_norm")
     _check_final_weights(tmp_path / "3d.ckpt", reference)
-    _check_cp_bytes(results, "3d", MODEL, **layout)
-    with pytest.raises(AssertionError):  # data reduction only: context shares never summed
-        _close(results[0]["control"]["norms"], reference["norms"], "control")
+    _check_cp_bytes(results, "3d", MODEL, **LAYOUT_3D)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_data2_context2_tensor2_llama_equals_single_process_and_control_fails(
+    tmp_path: Path,
+) -> None:
+    """Llama (RoPE at global positions, GQA: one KV head per tensor rank travels) at 2 × 2 × 2,
+    and the control at that layout: averaging over the data group only must fail."""
+    llama_ref = fit("auto", 1, STEPS, model=LLAMA)
+    state = llama_ref["trainer"].lightning_module.model.state_dict()
+    cases = [
+        {"name": "3d", "layout": LAYOUT_3D, "model": LLAMA, "save": "ll3d.ckpt"},
+        {"name": "control", "layout": LAYOUT_3D, "model": LLAMA, "control": True},
+    ]
+    results = run_distributed(_runs, 8, str(tmp_path), cases, timeout=2400)
+    for r in results:
+        _close(r["3d"]["losses"], llama_ref["losses"], "2x2x2 llama loss")
+        _close(r["3d"]["norms"], llama_ref["norms"], "2x2x2 llama grad_norm", LLAMA_NORM_TOL)
+    _check_cp_bytes(results, "3d", LLAMA, **LAYOUT_3D)
+    with pytest.raises(AssertionError):
+        _close(results[0]["control"]["norms"], llama_ref["norms"], "control", LLAMA_NORM_TOL)
+    saved = torch.load(tmp_path / "ll3d.ckpt", weights_only=False)["state_dict"]
+    for k, v in state.items():  # the consolidated checkpoint: the unsplit model's names
+        torch.testing.assert_close(saved[f"model.{k}"], v, atol=1e-5, rtol=0, msg=k)
 
 
 REFUSED = [
