@@ -20,6 +20,7 @@ import torch
 from tests.helpers.distributed import run_distributed
 from tests.parallel.test_nd import (
     BATCH,
+    HALF,
     LLAMA,
     MODEL,
     STEPS,
@@ -57,7 +58,8 @@ def _runs(rank: int, world: int, root: str, cases: list[dict]) -> dict:
         os.environ["WORLD_SIZE"] = str(world)  # Lightning's environment teardown removes it
         cls = SkipsContextReduction if case.get("control") else NDParallelStrategy
         strategy = cls(**case["layout"], timeline_every_n_steps=0)
-        run = fit(strategy, world, STEPS, model=case.get("model", MODEL))
+        ckpt = os.path.join(root, case["resume"]) if case.get("resume") else None
+        run = fit(strategy, world, case.get("steps", STEPS), ckpt, case.get("model", MODEL))
         if case.get("save"):
             run["trainer"].save_checkpoint(os.path.join(root, case["save"]))
         out[case["name"]] = {
@@ -99,7 +101,10 @@ def _check_cp_bytes(results: list[dict], name: str, model: dict, **layout: int) 
 
 
 @pytest.mark.distributed
-def test_context_2_gpt_and_llama_equal_single_process(reference: dict, tmp_path: Path) -> None:  # noqa: F811
+def test_context_2_gpt_and_llama_equal_single_process(
+    reference: dict,  # noqa: F811  (test_nd's fixture)
+    tmp_path: Path,
+) -> None:
     llama_ref = fit("auto", 1, STEPS, model=LLAMA)
     llama_state = {
         k: v.detach().clone()
@@ -129,7 +134,10 @@ LAYOUT_3D = dict(data=2, context=2, tensor=2)
 
 
 @pytest.mark.distributed
-def test_data2_context2_tensor2_gpt_equals_single_process(reference: dict, tmp_path: Path) -> None:  # noqa: F811
+def test_data2_context2_tensor2_gpt_equals_single_process(
+    reference: dict,  # noqa: F811  (test_nd's fixture)
+    tmp_path: Path,
+) -> None:
     """Ring attention on local heads (tensor-parallel attention inside each context rank), the
     folded reduction over the data × context group; the control is the context=2 test's."""
     cases = [{"name": "3d", "layout": LAYOUT_3D, "save": "3d.ckpt"}]
@@ -164,6 +172,33 @@ def test_data2_context2_tensor2_llama_equals_single_process_and_control_fails(
     saved = torch.load(tmp_path / "ll3d.ckpt", weights_only=False)["state_dict"]
     for k, v in state.items():  # the consolidated checkpoint: the unsplit model's names
         torch.testing.assert_close(saved[f"model.{k}"], v, atol=1e-5, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_context_2_with_zero_and_sharded_checkpoints_resumes(
+    reference: dict,  # noqa: F811  (test_nd's fixture)
+    tmp_path: Path,
+) -> None:
+    """ZeRO shards over the data × context group (here: the 2 context ranks); a sharded
+    checkpoint of step 5 (context ranks share the writing as data replicas do) resumes as
+    context=2 zero=2 and as one more layout, data × context = 2 × 2 with zero=1."""
+    sharded = dict(context=2, zero=2, sharded_checkpoints=True)
+    cases = [
+        {"name": "zero2", "layout": sharded},
+        {"name": "half", "layout": sharded, "steps": HALF, "save": "half.ckpt"},
+        {"name": "resumed", "layout": sharded, "resume": "half.ckpt"},
+    ]
+    results = run_distributed(_runs, 2, str(tmp_path), cases, timeout=1500)
+    for r in results:
+        _close(r["zero2"]["losses"], reference["losses"], "cp2 zero2 loss")
+        _close(r["zero2"]["norms"], reference["norms"], "cp2 zero2 grad_norm")
+        _close(r["resumed"]["losses"], reference["losses"][HALF:], "resumed loss")
+        _close(r["resumed"]["norms"], reference["norms"][HALF:], "resumed grad_norm")
+    cases = [{"name": "dp2cp2", "layout": dict(data=2, context=2, zero=1), "resume": "half.ckpt"}]
+    for r in run_distributed(_runs, 4, str(tmp_path), cases, timeout=1500):
+        _close(r["dp2cp2"]["losses"], reference["losses"][HALF:], "dp2cp2 resumed loss")
+        _close(r["dp2cp2"]["norms"], reference["norms"][HALF:], "dp2cp2 resumed grad_norm")
 
 
 REFUSED = [
