@@ -145,12 +145,12 @@ def test_every_cell_is_exact_or_refused() -> None:
 
 
 def test_the_docs_table_is_the_one_generated_from_cells() -> None:
-    """docs/composing-strategies.md and README.md show ``composition_table.table()`` verbatim."""
+    """docs/composing-strategies.md shows ``composition_table.table()`` verbatim."""
     from pathlib import Path
 
     from tests.integration.composition_table import table
 
     root = Path(__file__).resolve().parents[2]
-    for doc in ("docs/composing-strategies.md", "README.md"):
+    for doc in ("docs/composing-strategies.md",):
         text = (root / doc).read_text()
         assert table() in text, f"{doc}: run `python -m tests.integration.composition_table`"
