@@ -10,6 +10,8 @@ EXP ?= gpt_shakespeare
 ARGS ?=
 TASKS ?= shakespeare_bpb,shakespeare_cloze
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): one per core, at most 4 (distributed tests start several ranks each).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 
 # Everything that changes what gets installed: a change to any of these re-runs the install.
 INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
@@ -17,7 +19,7 @@ INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
 EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
 	-e packages/serving -e packages/parallel -e packages/train -e ".[dev]"
 
-.PHONY: install test test-all lint format train compare bench sample serve export eval gpu-check clean
+.PHONY: install test test-all lint format data train compare bench sample serve export eval gpu-check clean
 
 install: $(STAMP) $(WHEELHOUSE)
 
@@ -43,10 +45,10 @@ $(WHEELHOUSE): $(STAMP)
 	@touch $@
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 test-all: install
-	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "" -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -55,6 +57,13 @@ lint: install
 format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# make data  (Shakespeare -> data/shakespeare)   or
+# make data INPUT="'corpus/*.jsonl' more.parquet" OUTPUT=data/web ARGS="--tokenizer tok.json --num-proc 2"
+INPUT ?=
+OUTPUT ?= data/shakespeare
+data: install
+	$(PY) -m llmlab.train.prepare $(if $(INPUT),--input $(INPUT),--corpus shakespeare) --output $(OUTPUT) $(ARGS)
 
 # make train EXP=gpt_ddp ARGS="trainer.max_steps=20"   (ARGS are Hydra overrides)
 train: install

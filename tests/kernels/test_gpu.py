@@ -95,6 +95,35 @@ def test_attention_vs_sdpa(causal, dtype):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_document_masked_attention_vs_masked_sdpa(dtype):
+    """Packed documents (GQA, 300 tokens in documents of 1 to 150): the compiled kernel with its
+    skipped tiles against SDPA with the block-diagonal mask in float64."""
+    lengths = [[1, 149, 150], [37, 63, 100, 100]]
+    docs = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]
+    ).cuda()
+    q = torch.randn(2, 4, 300, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (
+        torch.randn(2, 2, 300, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in "kv"
+    )
+    out = K.attention(q, k, v, causal=True, document_ids=docs)
+    mask = (docs[:, None, :, None] == docs[:, None, None, :]) & torch.ones(
+        300, 300, dtype=torch.bool, device="cuda"
+    ).tril()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, ref.to(dtype), **GRAD_TOL[dtype])
+    do = torch.randn_like(out)
+    for g, g_ref in zip(
+        torch.autograd.grad(out, (q, k, v), do),
+        torch.autograd.grad(ref, (q64, k64, v64), do.double()),
+    ):
+        torch.testing.assert_close(
+            g, g_ref.to(dtype), atol=4 * GRAD_TOL[dtype]["atol"], rtol=4 * GRAD_TOL[dtype]["rtol"]
+        )
+
+
 def test_sparse_and_memory_kernels():
     dense = torch.randn(300, 500, device="cuda") * (torch.rand(300, 500, device="cuda") < 0.05)
     X = torch.randn(500, 64, device="cuda")

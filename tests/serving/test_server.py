@@ -59,6 +59,17 @@ def test_completion_streamed_and_not_agree_with_generate(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_beam_search_returns_llmlab_decodings_n_best(client):
+    ids = TOK.encode("To be, or not to be")
+    config = GenerationConfig(max_new_tokens=12, num_beams=3, num_return_sequences=2)
+    want = [TOK.decode(r[len(ids) :].tolist()) for r in generate(byte_gpt(), torch.tensor([ids]),
+                                                                   config)]  # fmt: skip
+    whole = client.completions.create(model=MODEL_NAME, prompt="To be, or not to be",
+                                      max_tokens=12, n=2, extra_body={"num_beams": 3})  # fmt: skip
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == want
+    assert whole.usage.completion_tokens == 24
+
+
 def test_chat_streamed_and_not_agree_with_generate(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     prompt = "system: Be brief.\nuser: Hi\nassistant:"  # the plain template's rendering
@@ -112,6 +123,8 @@ BAD = [
     (dict(model=MODEL_NAME, prompt="hi", n=2, temperature=0), None,
      "greedy decoding returns one sequence per prompt; n=2 needs do_sample"),
     (dict(model=MODEL_NAME, prompt="hi", best_of=3), None, "best_of=3 is not supported"),
+    (dict(model=MODEL_NAME, prompt="hi", temperature=0.7, extra_body={"num_beams": 2}), None,
+     "num_beams=2 is deterministic beam search"),
     (dict(model=MODEL_NAME, prompt="hi", max_tokens=4, extra_body={"min_tokens": 9}), None,
      "min_tokens must be an integer in [0, max_tokens=4], got 9"),
 ]  # fmt: skip

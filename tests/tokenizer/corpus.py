@@ -120,3 +120,74 @@ def tiktoken_encoding(name: str, cache_dir: Path):
             del os.environ["TIKTOKEN_CACHE_DIR"]
         else:
             os.environ["TIKTOKEN_CACHE_DIR"] = old
+
+
+# ----------------------------------------------------------------- more test data
+def code_files() -> list[Path]:
+    """A second, different corpus: the Python sources of the standard library's ``email``
+    package (~360 KB of code and docstrings), installed with every Python."""
+    import email
+
+    return sorted(Path(email.__file__).parent.glob("*.py"))
+
+
+def unicode_texts(max_fragments: int = 12):
+    """Hypothesis strategy: text glued from fragments a tokenizer finds hard — arbitrary
+    characters (control characters and unassigned code points included, no lone surrogates),
+    emoji with modifiers and ZWJ sequences, scripts absent from the training corpus, combining
+    marks, compatibility characters, long whitespace runs of every kind, and ordinary words."""
+    from hypothesis import strategies as st
+
+    fragment = st.one_of(
+        st.text(st.characters(blacklist_categories=("Cs",)), max_size=8),
+        st.sampled_from(
+            [
+                " ",
+                "  ",
+                "   \t ",
+                "\n",
+                "\n\n",
+                " " * 17,
+                "\t\t",
+                "\u3000",
+                "\u00a0",
+                "\r\n",
+                "\u2028",
+                "▁",
+                "▁▁ ",
+                "\x00",
+                "\x1b[0m",
+                "\u200b",
+                "\ufeff",
+            ]
+        ),
+        st.sampled_from(
+            [
+                "the",
+                " king",
+                "Hello",
+                "world",
+                "'s",
+                "don't",
+                "1234567",
+                "中文",
+                "日本語",
+                "🙂",
+                "👍🏽",
+                "👨‍👩‍👧",
+                "🇫🇷",
+                "ᏣᎳᎩ",
+                "ሰላም",
+                "தமிழ்",
+                "ꦧꦱꦗꦮ",
+                "e\u0301",
+                "ﬁ",
+                "Ⅻ",
+                "ｆｕｌｌ",
+                "ǅ",
+                "İ",
+                "ΣΑΣ",
+            ]
+        ),
+    )
+    return st.lists(fragment, max_size=max_fragments).map("".join)

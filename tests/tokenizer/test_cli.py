@@ -23,7 +23,13 @@ def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     ("model", "fmt", "vocab"),
-    [("bpe", "llmlab", 400), ("wordpiece", "hf", 300), ("unigram", "llmlab", 200)],
+    [
+        ("bpe", "llmlab", 400),
+        ("wordpiece", "hf", 300),
+        ("unigram", "llmlab", 200),
+        ("word_bpe", "vocab_merges", 300),
+        ("sentencepiece_bpe", "sentencepiece", 500),
+    ],
 )
 def test_train_encode_decode(tmp_path, model, fmt, vocab):
     text = train_files(0.01)[0].read_text(encoding="utf-8")[:40_000]

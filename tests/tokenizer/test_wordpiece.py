@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import BertWordPieceTokenizer, Tokenizer
+from tokenizers import (
+    BertWordPieceTokenizer,
+    Tokenizer,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 import llmlab.tokenizer as lt
 from llmlab.tokenizer import WordPieceTokenizer
-from tests.tokenizer.corpus import MIXED, held_out_text, train_files
+from tests.tokenizer.corpus import MIXED, code_files, held_out_text, train_files
 
 EXTRA = "Crème brûlée, naïve FAÇADE! \x00ctrl\u200bzero-width \u3000ideographic space 東京 x" + (
     "a" * 120
@@ -83,6 +90,37 @@ def test_arbitrary_text_matches_hf(hf, ours_from_hf_vocab, text):
     assert ours_from_hf_vocab.encode(text) == hf.encode(text, add_special_tokens=False).ids
 
 
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+CORPORA = {"shakespeare": lambda: train_files(0.25), "python-email": code_files}
+
+
+def _hf_wordpiece_trained(files, vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=BERT_SPECIALS, show_progress=False
+    )
+    tok.train([str(f) for f in files], trainer)
+    return tok
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 3000])
+@pytest.mark.parametrize("corpus", sorted(CORPORA))
+def test_training_equals_hf_wordpiece_trainer_in_order(corpus, vocab_size):
+    """HF's trainer numbers the ``##`` forms of the alphabet in a per-process random hash order
+    (two HF runs differ); given the same initial layout, the whole vocabulary equals HF's id for
+    id — which makes every merge and every tie-break the same."""
+    files = CORPORA[corpus]()
+    hf = _hf_wordpiece_trained(files, vocab_size)
+    vocab = hf.get_vocab()
+    layout = [t for t in sorted(vocab, key=vocab.get)[5:] if len(t.removeprefix("##")) == 1]
+    ours = WordPieceTokenizer.train_from_files(files, vocab_size, initial_tokens=layout)
+    assert ours.vocab == vocab  # every token at the same id
+    text = held_out_text(20_000)
+    assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
 def test_vocab_size_too_small_fails_clearly():
     with pytest.raises(ValueError, match="vocab_size=10 is too small"):
         WordPieceTokenizer.train(["hello world"], 10)
@@ -91,3 +129,15 @@ def test_vocab_size_too_small_fails_clearly():
 def test_missing_unk_fails_clearly():
     with pytest.raises(ValueError, match="unk_token"):
         WordPieceTokenizer(["a", "b"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab_size", [8192, 32768])
+def test_training_equals_hf_on_the_whole_corpus(vocab_size):
+    files = train_files(None)
+    hf = _hf_wordpiece_trained(files, vocab_size)
+    vocab = hf.get_vocab()
+    layout = [t for t in sorted(vocab, key=vocab.get)[5:] if len(t.removeprefix("##")) == 1]
+    assert (
+        WordPieceTokenizer.train_from_files(files, vocab_size, initial_tokens=layout).vocab == vocab
+    )

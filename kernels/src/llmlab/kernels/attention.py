@@ -10,6 +10,11 @@ is_causal=causal, scale=scale, enable_gqa=True)`` for q (B, H, L, D) and k, v (B
 query heads by index, without repeating K and V in memory (``H_kv == H`` is ordinary multi-head
 attention).
 
+Document masking: ``document_ids`` (B, T), non-decreasing along each row, restricts a query to
+the keys of its own document (causal inside it): block-diagonal attention over a packed row, as
+Llama 3 and torchtitan train. The kernels read it as each token's document start and end, and
+skip the tiles outside the diagonal blocks.
+
 Memory: the forward keeps O(T) extra floats per head (the lse) instead of the O(T^2)
 probabilities an eager implementation saves for backward; that is the seed's "attention
 backward memory reuse".
@@ -36,12 +41,36 @@ from llmlab.kernels._runtime import (
 MAX_HEAD_DIM = 256
 
 
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean: key ``j`` is visible to query ``i`` iff ``j <= i``, same document."""
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    T = document_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) of each token's document, both (B, T) int32: the interval the kernels mask
+    with (documents are contiguous runs of equal ids)."""
+    B, T = document_ids.shape
+    idx = torch.arange(T, device=document_ids.device).expand(B, T)
+    first = torch.ones(B, T, dtype=torch.bool, device=document_ids.device)
+    first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start = torch.where(first, idx, 0).cummax(dim=1).values
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    # the end of a run, read backwards: the smallest "last index + 1" at or after each token
+    end = torch.where(last, idx + 1, T).flip(1).cummin(dim=1).values.flip(1)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
 def reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager attention, computed in fp32 (fp64 for fp64) and cast back. The oracle repeats
     GQA's K/V heads explicitly (what the kernel avoids)."""
@@ -54,6 +83,8 @@ def reference(
         L, S = s.shape[-2:]
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~mask, float("-inf"))
+    if document_ids is not None:
+        s = s.masked_fill(~document_mask(document_ids), float("-inf"))
     return (torch.softmax(s, dim=-1) @ v.to(acc)).to(q.dtype)
 
 
@@ -63,8 +94,11 @@ def _blocks(device: torch.device, D: int) -> tuple[int, int]:
     return (16, 16) if interpreter_requested() else (32, 32)
 
 
-def triton_forward(q, k, v, causal: bool, scale: float, autotune: bool | None = None):
-    """``(o, lse)`` for contiguous (B·H, L, D) q and (B·H_kv, S, D) k, v."""
+def triton_forward(
+    q, k, v, causal: bool, scale: float, autotune: bool | None = None, starts=None, heads: int = 1
+):
+    """``(o, lse)`` for contiguous (B·H, L, D) q and (B·H_kv, S, D) k, v; ``starts``: the
+    (B, L) int32 document starts of :func:`document_bounds` (``heads`` = H), or None."""
     BH, L, D = q.shape
     S = k.shape[1]
     group = BH // k.shape[0]
@@ -73,9 +107,11 @@ def triton_forward(q, k, v, causal: bool, scale: float, autotune: bool | None = 
         (BH, L), device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32
     )
     jit = jit_module("attention")
-    args = (q, k, v, o, lse, scale, L, S, D, group)
+    docs = starts is not None
+    args = (q, k, v, o, lse, scale, L, S, D, group, starts if docs else lse, heads)
     flags = {
         "CAUSAL": causal,
+        "DOCS": docs,
         "COMPUTE": compute_dtype(q.dtype),
         "DOT_IN_FP32": dot_in_fp32(q.dtype),
         "PRECISION": dot_precision(q),
@@ -96,8 +132,9 @@ def triton_forward(q, k, v, causal: bool, scale: float, autotune: bool | None = 
     return o, lse
 
 
-def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float):
-    """``(dq, dk, dv)``; ``delta = rowsum(dO * O)`` is computed by torch first."""
+def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float, bounds=None, heads: int = 1):
+    """``(dq, dk, dv)``; ``delta = rowsum(dO * O)`` is computed by torch first. ``bounds``: the
+    ``(starts, ends)`` of :func:`document_bounds`, or None."""
     BH, L, D = q.shape
     BH_kv, S = k.shape[:2]
     group = BH // BH_kv
@@ -106,8 +143,10 @@ def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     jit = jit_module("attention")
     bm, bn = _blocks(q.device, D)
+    starts, ends = bounds if bounds is not None else (lse, lse)
     flags = {
         "CAUSAL": causal,
+        "DOCS": bounds is not None,
         "COMPUTE": compute_dtype(q.dtype),
         "DOT_IN_FP32": dot_in_fp32(q.dtype),
         "PRECISION": dot_precision(q),
@@ -118,33 +157,54 @@ def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     if q.is_cuda:  # two (BLOCK, D) fp32 accumulators per program: more warps for wide heads
         flags["num_warps"] = 4 if D <= 64 else 8
     jit.attn_bwd_dkdv_kernel[((S + bn - 1) // bn, BH_kv)](
-        q, k, v, do, lse, delta, dk, dv, scale, L, S, D, group, **flags
+        q, k, v, do, lse, delta, dk, dv, scale, L, S, D, group, ends, heads, **flags
     )
     jit.attn_bwd_dq_kernel[((L + bm - 1) // bm, BH)](
-        q, k, v, do, lse, delta, dq, scale, L, S, D, group, **flags
+        q, k, v, do, lse, delta, dq, scale, L, S, D, group, starts, heads, **flags
     )
     return dq, dk, dv
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
+    def forward(ctx, q, k, v, causal, scale, document_ids):
         B, H, L, D = q.shape
         H_kv, S = k.shape[1:3]
         q3 = q.reshape(B * H, L, D).contiguous()
         k3 = k.reshape(B * H_kv, S, D).contiguous()
         v3 = v.reshape(B * H_kv, S, D).contiguous()
-        o, lse = triton_forward(q3, k3, v3, causal, scale)
-        ctx.save_for_backward(q3, k3, v3, o, lse)
+        bounds = document_bounds(document_ids) if document_ids is not None else None
+        starts = bounds[0] if bounds is not None else None
+        o, lse = triton_forward(q3, k3, v3, causal, scale, starts=starts, heads=H)
+        ctx.save_for_backward(q3, k3, v3, o, lse, *(bounds or ()))
         ctx.causal, ctx.scale, ctx.shapes = causal, scale, (q.shape, k.shape)
         return o.reshape(B, H, L, D)
 
     @staticmethod
     def backward(ctx, do):
-        q3, k3, v3, o, lse = ctx.saved_tensors
+        q3, k3, v3, o, lse, *bounds = ctx.saved_tensors
         q_shape, k_shape = ctx.shapes
-        dq, dk, dv = triton_backward(do.reshape(o.shape), q3, k3, v3, o, lse, ctx.causal, ctx.scale)
-        return dq.reshape(q_shape), dk.reshape(k_shape), dv.reshape(k_shape), None, None
+        dq, dk, dv = triton_backward(
+            do.reshape(o.shape), q3, k3, v3, o, lse, ctx.causal, ctx.scale,
+            bounds=tuple(bounds) or None, heads=q_shape[1],
+        )  # fmt: skip
+        return dq.reshape(q_shape), dk.reshape(k_shape), dv.reshape(k_shape), None, None, None
+
+
+def _validate_documents(q, k, causal, document_ids):
+    if document_ids is None:
+        return
+    B, _, L, _ = q.shape
+    if not causal or k.shape[2] != L:
+        raise ValueError(
+            "attention: document_ids mask causal self-attention only (causal=True and as many "
+            f"keys as queries); got causal={causal}, {L} queries and {k.shape[2]} keys"
+        )
+    if tuple(document_ids.shape) != (B, L) or document_ids.dtype.is_floating_point:
+        raise ValueError(
+            f"attention: document_ids must be integer ids of shape (B, T) = ({B}, {L}), got "
+            f"{document_ids.dtype} of shape {tuple(document_ids.shape)}"
+        )
 
 
 def _validate(q, k, v, scale):
@@ -175,14 +235,23 @@ def attention(
     v: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same as ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` for
     q (B, H, L, D), k and v (B, H_kv, S, D) with ``H_kv`` dividing ``H`` (GQA when smaller);
-    ``scale`` defaults to ``1 / sqrt(D)``. Autograd."""
+    ``scale`` defaults to ``1 / sqrt(D)``. ``document_ids`` (B, T), non-decreasing per row:
+    each query sees only the earlier keys of its own document (with ``causal=True``). Autograd."""
     _validate(q, k, v, scale)
+    _validate_documents(q, k, causal, document_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if use_triton("attention", q, k, v):
-        return _FlashAttention.apply(q, k, v, causal, scale)
+        return _FlashAttention.apply(q, k, v, causal, scale, document_ids)
+    gqa = q.shape[1] != k.shape[1]
+    if document_ids is not None:
+        mask = document_mask(document_ids)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
     )

@@ -18,6 +18,14 @@ Grouped-query attention (GQA): q has ``GROUP`` times as many heads as k and v. Q
 multiple of ``GROUP``), so the shared K/V are indexed, never repeated in memory. The dK/dV
 kernel owns a tile of one KV head and sweeps the queries of all ``GROUP`` heads that read it,
 so the group's gradients are summed in registers, still without atomics.
+
+Document masking (``DOCS``): a packed row holds several documents one after another, and a query
+may see only the keys of its own document. Documents are contiguous, so "same document and
+causal" is an interval: query ``i`` sees keys ``[start_i, i]`` and key ``j`` is seen by queries
+``[j, end_j)``, with ``start`` / ``end`` the (B, T) first index and end of each token's document.
+The interval also bounds the loops: a query tile starts at its first row's document start, and a
+key tile's sweep stops at its last key's document end, so the work is ``Σ len(doc)²``, not
+``T²`` (what FlashAttention's variable-length kernels save).
 """
 
 import triton
@@ -39,7 +47,10 @@ def attn_fwd_kernel(
     T_K,
     D,
     GROUP,  # query heads per KV head (1: multi-head attention)
+    start_ptr,  # (B, T) int32: first index of each token's document (read when DOCS)
+    N_HEADS,  # query heads per batch row: bh // N_HEADS is the row
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot input_precision, see _runtime.dot_precision
@@ -57,6 +68,7 @@ def attn_fwd_kernel(
     k_base = k_ptr + kv_bh * T_K * D
     v_base = v_ptr + kv_bh * T_K * D
     mask_d = offs_d < D
+    row_ok = offs_m < T_Q
 
     q = tl.load(
         q_base + offs_m[:, None] * D + offs_d[None, :],
@@ -71,10 +83,14 @@ def attn_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=COMPUTE)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=COMPUTE)
 
+    lo = 0
     hi = T_K
     if CAUSAL:  # keys after the tile's last query are masked for every row: skip them
         hi = tl.minimum((pid_m + 1) * BLOCK_M, T_K)
-    for start_n in range(0, hi, BLOCK_N):
+    if DOCS:  # keys before the first row's document are masked for every row: skip them
+        row_start = tl.load(start_ptr + (bh // N_HEADS) * T_Q + offs_m, mask=row_ok, other=T_K)
+        lo = tl.min(row_start, axis=0)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < T_K) & mask_d[None, :]
         k = tl.load(k_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -86,18 +102,24 @@ def attn_fwd_kernel(
         keep = cols[None, :] < T_K
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
+        if DOCS:
+            keep = keep & (cols[None, :] >= row_start[:, None])
         s = tl.where(keep, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_use = m_new
+        if DOCS:  # a row may have seen no key yet (its document starts later): shift by 0
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(
             p.to(v.dtype), v, out_dtype=COMPUTE, input_precision=PRECISION
         )
         m_i = m_new
 
+    if DOCS:  # rows past the end saw no key at all; they are not stored, but avoid 0 / 0
+        l_i = tl.where(row_ok, l_i, 1.0)
     out = acc / l_i[:, None]
-    row_ok = offs_m < T_Q
     tl.store(
         o_ptr + bh * T_Q * D + offs_m[:, None] * D + offs_d[None, :],
         out.to(o_ptr.dtype.element_ty),
@@ -122,7 +144,10 @@ def attn_bwd_dkdv_kernel(
     T_K,
     D,
     GROUP,  # query heads per KV head: this program sums the dK/dV of all of them
+    end_ptr,  # (B, T) int32: end (exclusive) of each token's document (read when DOCS)
+    N_HEADS,  # query heads per batch row
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot input_precision, see _runtime.dot_precision
@@ -150,9 +175,15 @@ def attn_bwd_dkdv_kernel(
     lo = 0
     if CAUSAL:  # queries before this key tile's first key never see it
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    hi = T_Q
+    if DOCS:  # queries after the last key's document never see this tile
+        col_end = tl.load(
+            end_ptr + (kv_bh * GROUP // N_HEADS) * T_K + offs_n, mask=offs_n < T_K, other=0
+        )
+        hi = tl.minimum(tl.max(col_end, axis=0), T_Q)
     for g in range(0, GROUP):
         bh = kv_bh * GROUP + g  # the query heads that read this KV head
-        for start_m in range(lo, T_Q, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
             row_ok = rows < T_Q
             q_offs = bh * T_Q * D + rows[:, None] * D + offs_d[None, :]
@@ -169,6 +200,8 @@ def attn_bwd_dkdv_kernel(
             keep = row_ok[:, None] & (offs_n[None, :] < T_K)
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= rows[:, None])
+            if DOCS:
+                keep = keep & (rows[:, None] < col_end[None, :])
             p = tl.where(keep, p, 0.0)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, out_dtype=COMPUTE, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE, input_precision=PRECISION)
@@ -193,7 +226,10 @@ def attn_bwd_dq_kernel(
     T_K,
     D,
     GROUP,  # query heads per KV head
+    start_ptr,  # (B, T) int32: first index of each token's document (read when DOCS)
+    N_HEADS,  # query heads per batch row
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot input_precision, see _runtime.dot_precision
@@ -221,10 +257,14 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=COMPUTE)
     qk_scale = scale * 1.4426950408889634
 
+    lo = 0
     hi = T_K
     if CAUSAL:
         hi = tl.minimum((pid_m + 1) * BLOCK_M, T_K)
-    for start_n in range(0, hi, BLOCK_N):
+    if DOCS:
+        row_start = tl.load(start_ptr + (bh // N_HEADS) * T_Q + offs_m, mask=row_ok, other=T_K)
+        lo = tl.min(row_start, axis=0)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < T_K) & mask_d[None, :]
         kv_offs = kv_bh * T_K * D + cols[:, None] * D + offs_d[None, :]
@@ -238,6 +278,8 @@ def attn_bwd_dq_kernel(
         keep = row_ok[:, None] & (cols[None, :] < T_K)
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
+        if DOCS:
+            keep = keep & (cols[None, :] >= row_start[:, None])
         p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), out_dtype=COMPUTE, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -261,5 +303,5 @@ def gpu_configs() -> list:
 
 
 attn_fwd_kernel_autotuned = triton.autotune(
-    configs=gpu_configs(), key=["T_Q", "T_K", "D", "GROUP"]
+    configs=gpu_configs(), key=["T_Q", "T_K", "D", "GROUP", "DOCS"]
 )(attn_fwd_kernel)

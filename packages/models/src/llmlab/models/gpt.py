@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from llmlab.models.gpt_config import GPTConfig
 from llmlab.models.kv_cache import KVCache
-from llmlab.models.masks import attention_bias, default_positions
+from llmlab.models.masks import attention_bias, resolve_positions
 from llmlab.models.ops import Ops, get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -73,6 +73,7 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
         causal: bool = True,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         B, T, _ = x.shape
         # (B, T, H, 3, D): each head's q, k and v are adjacent, so a column shard keeps heads whole.
@@ -82,7 +83,8 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)
         dropout_p = self.dropout if self.training else 0.0
         if attn_mask is None and causal:
-            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p)
+            docs = {} if document_ids is None else {"document_ids": document_ids}
+            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
         else:  # decoding: an explicit mask, or one new token that may see every cached key
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)
@@ -117,8 +119,10 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
         causal: bool = True,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache, attn_mask, causal)
+        # ids by keyword: sequence parallelism gathers only the first positional input
+        x = x + self.attn(self.ln_1(x), cache, attn_mask, causal, document_ids=document_ids)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -212,6 +216,7 @@ class GPT(nn.Module):
         positions: Tensor | None = None,
         attention_mask: Tensor | None = None,
         logits_to_keep: int | Tensor = 0,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Logits for ``input_ids`` (B, T).
 
@@ -220,13 +225,17 @@ class GPT(nn.Module):
         ``positions``: (B, T) position ids; by default derived from the mask (or the cache).
         ``logits_to_keep``: if > 0, only the last that many positions go through the LM head; a
         LongTensor of positions keeps exactly those (HF's convention).
+        ``document_ids``: (B, T) ids of the packed documents, non-decreasing per row (training):
+        attention stays inside each document and positions restart at each document's start.
         """
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
         last_position = None  # without padding it is past + T - 1, known here
-        if positions is None:
-            positions = default_positions(input_ids, past, attention_mask)
-            last_position = past + T - 1 if attention_mask is None else None
+        if positions is None and document_ids is None and attention_mask is None:
+            last_position = past + T - 1
+        positions = resolve_positions(
+            input_ids, positions, past, attention_mask, document_ids, cache is not None
+        )
         # Without padding, a fresh sequence is plainly causal and a single new token may attend to
         # every cached key: neither needs a mask tensor, so the fused causal kernel stays in use.
         attn_mask = None
@@ -234,8 +243,9 @@ class GPT(nn.Module):
             attn_mask = attention_bias(input_ids, past, attention_mask)
         causal = past == 0
         x = self.embed(input_ids, positions, last_position)
+        docs = {} if document_ids is None else {"document_ids": document_ids}
         for block in self.blocks:
-            x = block(x, cache, attn_mask, causal)
+            x = block(x, cache, attn_mask, causal, **docs)
         if cache is not None:
             cache.advance(T)
         if isinstance(logits_to_keep, Tensor):  # HF's meaning: the positions to keep

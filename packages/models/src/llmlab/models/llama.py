@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama_config import LlamaConfig
 from llmlab.models.llama_layers import Block, Embedding, Head
-from llmlab.models.masks import attention_bias, default_positions
+from llmlab.models.masks import attention_bias, resolve_positions
 from llmlab.models.ops import get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -87,6 +87,7 @@ class Llama(nn.Module):
         positions: Tensor | None = None,
         attention_mask: Tensor | None = None,
         logits_to_keep: int | Tensor = 0,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Logits for ``input_ids`` (B, T).
 
@@ -95,18 +96,23 @@ class Llama(nn.Module):
         ``positions``: (B, T) position ids, the RoPE angles' positions; by default derived from
         the mask (or the cache). ``logits_to_keep``: if > 0, only the last that many positions
         go through the LM head; a LongTensor of positions keeps exactly those (HF's convention).
+        ``document_ids``: (B, T) ids of packed documents, non-decreasing per row (training):
+        attention stays inside each document, RoPE positions restart at each one's start.
         """
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
-        if positions is None:
-            if past + T > self.config.block_size:
-                raise ValueError(
-                    f"{past + T} tokens (cached {past} + new {T}) exceed the model's block_size "
-                    f"{self.config.block_size}; sequences may hold at most "
-                    f"{self.config.block_size} tokens"
-                )
-            positions = default_positions(input_ids, past, attention_mask)
-        elif int(positions.max()) >= self.config.block_size:  # e.g. packed sequences (serving)
+        self._check_documents(document_ids, T)
+        given = positions is not None or document_ids is not None
+        if not given and past + T > self.config.block_size:
+            raise ValueError(
+                f"{past + T} tokens (cached {past} + new {T}) exceed the model's block_size "
+                f"{self.config.block_size}; sequences may hold at most "
+                f"{self.config.block_size} tokens"
+            )
+        positions = resolve_positions(
+            input_ids, positions, past, attention_mask, document_ids, cache is not None
+        )
+        if given and int(positions.max()) >= self.config.block_size:  # packed sequences
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's block_size "
                 f"{self.config.block_size}; sequences may hold at most "
@@ -119,8 +125,9 @@ class Llama(nn.Module):
             attn_mask = attention_bias(input_ids, past, attention_mask)
         masks = self._layer_masks(input_ids, past, attention_mask, attn_mask)
         x = self.embed(input_ids)
+        docs = {} if document_ids is None else {"document_ids": document_ids}
         for block, mask in zip(self.blocks, masks):
-            x = block(x, positions, cache, mask, past == 0 and mask is None)
+            x = block(x, positions, cache, mask, past == 0 and mask is None, **docs)
         if cache is not None:
             cache.advance(T)
         if isinstance(logits_to_keep, Tensor):  # HF's meaning: the positions to keep
@@ -128,6 +135,16 @@ class Llama(nn.Module):
         elif logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.head(x)
+
+    def _check_documents(self, document_ids: Tensor | None, T: int) -> None:
+        """A sliding window narrower than the row takes the explicit-mask path, which the
+        document ids do not reach: refused rather than silently attending across documents."""
+        windows = [b.attn.window for b in self.blocks if b.attn.window is not None]
+        if document_ids is not None and windows and min(windows) < T:
+            raise ValueError(
+                f"document_ids with a sliding window of {min(windows)} tokens over rows of {T} "
+                "are not supported; use rows no longer than the window"
+            )
 
     def _layer_masks(
         self, input_ids: Tensor, past: int, attention_mask: Tensor | None, full: Tensor | None

@@ -71,6 +71,7 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
         causal: bool = True,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         B, T, _ = x.shape
         D = self.head_dim
@@ -93,7 +94,8 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)
         dropout_p = self.dropout if self.training else 0.0
         if attn_mask is None and causal:
-            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p)
+            docs = {} if document_ids is None else {"document_ids": document_ids}
+            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
         else:  # decoding, padding or a window: an explicit mask (or one token seeing every key)
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, enable_gqa=True
@@ -141,8 +143,11 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         attn_mask: Tensor | None = None,
         causal: bool = True,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, cache, attn_mask, causal)
+        # ids by keyword: sequence parallelism gathers only the first positional input
+        h = self.attn_norm(x)
+        x = x + self.attn(h, positions, cache, attn_mask, causal, document_ids=document_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 

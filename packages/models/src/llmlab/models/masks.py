@@ -1,8 +1,13 @@
-"""Positions and attention masks for decoding, shared by every llmlab decoder (GPT, Llama).
+"""Positions and attention masks, shared by every llmlab decoder (GPT, Llama).
 
-Both follow HF: a left-padded row's first real token gets position 0, so padded and unpadded
-rows see the same positions (learned position table or RoPE angles alike), and padded keys are
-hidden from every query.
+Decoding follows HF: a left-padded row's first real token gets position 0, so padded and
+unpadded rows see the same positions (learned position table or RoPE angles alike), and padded
+keys are hidden from every query.
+
+Training on packed rows (several documents one after another) with ``document_ids`` does the
+same per document: positions restart at 0 at every document's first token, and attention is
+block-diagonal (the attention ops take the ids themselves), so a token's logits are those of its
+document run alone.
 """
 
 from __future__ import annotations
@@ -41,3 +46,55 @@ def attention_bias(
     # output is never used, and no real token attends to it).
     allowed = allowed | (key_pos == query_pos).unsqueeze(0)
     return allowed.unsqueeze(1)
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """(B, T) position of each token inside its document: 0 at each document's first token.
+
+    ``document_ids``: (B, T) integer ids, non-decreasing along each row (a packed row's
+    documents in order); refused otherwise, since attention assumes contiguous documents.
+    """
+    if document_ids.dim() != 2 or document_ids.dtype.is_floating_point:
+        raise ValueError(
+            "document_ids must be (B, T) integer ids, got "
+            f"{document_ids.dtype} of shape {tuple(document_ids.shape)}"
+        )
+    step = document_ids[:, 1:] - document_ids[:, :-1]
+    if bool((step < 0).any()):
+        raise ValueError(
+            "document_ids must be non-decreasing along each row (documents are contiguous "
+            "runs of a packed row)"
+        )
+    B, T = document_ids.shape
+    idx = torch.arange(T, device=document_ids.device).expand(B, T)
+    first = torch.ones(B, T, dtype=torch.bool, device=document_ids.device)
+    first[:, 1:] = step != 0
+    return idx - torch.where(first, idx, 0).cummax(dim=1).values
+
+
+def resolve_positions(
+    input_ids: Tensor,
+    positions: Tensor | None,
+    past: int,
+    attention_mask: Tensor | None,
+    document_ids: Tensor | None,
+    cached: bool,
+) -> Tensor:
+    """The positions a forward uses: the given ones, else per document (packed training rows),
+    else :func:`default_positions`. ``document_ids`` are refused with a KV cache or a padding
+    mask (decoding) and with a shape other than the ids'."""
+    if document_ids is None:
+        return (
+            default_positions(input_ids, past, attention_mask) if positions is None else positions
+        )
+    if cached or attention_mask is not None:
+        raise ValueError(
+            "document_ids are for training on packed rows; they cannot be combined with a KV "
+            "cache or an attention_mask (decoding)"
+        )
+    if document_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"document_ids has shape {tuple(document_ids.shape)}, input_ids "
+            f"{tuple(input_ids.shape)}: one id per token"
+        )
+    return document_positions(document_ids) if positions is None else positions

@@ -14,14 +14,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llmlab.kernels.attention import document_mask
 from llmlab.kernels.rope import reference as _rope_reference
 
 
 class AttentionFn(Protocol):
-    """q (B, H, T, D), k and v (B, H_kv, S, D) with H_kv dividing H (grouped-query attention)."""
+    """q (B, H, T, D), k and v (B, H_kv, S, D) with H_kv dividing H (grouped-query attention).
+
+    ``document_ids`` (B, T), passed only when training on packed documents: each query sees the
+    earlier keys of its own document only (block-diagonal causal attention)."""
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = True,
+        dropout_p: float = 0.0,
+        document_ids: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -30,7 +40,7 @@ class Ops:
     name: str
     layer_norm: object  # (x, weight, bias, eps) -> Tensor
     gelu: object  # (x) -> Tensor, tanh approximation (GPT-2's gelu_new)
-    attention: AttentionFn  # (q, k, v, causal, dropout_p) with q/k/v of shape (B, H, T, D)
+    attention: AttentionFn  # (q, k, v, causal, dropout_p[, document_ids]), q/k/v (B, H, T, D)
     rms_norm: object  # (x, weight, eps) -> Tensor, HF LlamaRMSNorm's arithmetic
     rope: object  # (q, k, cos, sin) -> (q, k); q/k (B, T, H, D), cos/sin (B|1, T, D/2)
     swiglu: object  # (a, b) -> silu(a) * b
@@ -45,9 +55,18 @@ def _torch_gelu(x: Tensor) -> Tensor:
 
 
 def _torch_attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    dropout_p: float = 0.0,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     gqa = q.shape[1] != k.shape[1]  # SDPA indexes the shared KV heads itself
+    if document_ids is not None:  # block-diagonal causal: an explicit (B, 1, T, T) mask
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=document_mask(document_ids), dropout_p=dropout_p, enable_gqa=gqa
+        )
     return F.scaled_dot_product_attention(
         q, k, v, is_causal=causal, dropout_p=dropout_p, enable_gqa=gqa
     )
@@ -72,11 +91,16 @@ def _triton_ops() -> Ops:
     from llmlab import kernels
 
     def attention(
-        q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = True,
+        dropout_p: float = 0.0,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         if dropout_p > 0.0:  # the fused kernel has no dropout: keep training semantics exact
-            return _torch_attention(q, k, v, causal, dropout_p)
-        return kernels.attention(q, k, v, causal=causal)
+            return _torch_attention(q, k, v, causal, dropout_p, document_ids)
+        return kernels.attention(q, k, v, causal=causal, document_ids=document_ids)
 
     def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
         return kernels.layer_norm(x, weight, bias, eps)

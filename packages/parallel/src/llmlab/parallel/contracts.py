@@ -17,7 +17,8 @@ still pipelines, and a clear error names the missing method when a layout needs 
   by one, ZeRO-3 gathers their parameters one block at a time.
 * :class:`AttentionSwappable` -- ``swap_attention(wrap)``: replace every attention function
   ``fn`` by ``wrap(fn)`` (same signature as ``torch.nn.functional.scaled_dot_product_attention``
-  restricted to ``(q, k, v, causal, dropout_p)``); returns how many modules changed. Recompute
+  restricted to ``(q, k, v, causal, dropout_p)``, plus ``document_ids`` by keyword when the
+  batch packs several documents per row); returns how many modules changed. Recompute
   attention, tensor parallelism's per-rank dropout stream and context parallelism's ring
   attention go through it.
 * :class:`HasFlops` -- ``flops_per_token()``: training FLOPs per token of the *whole* model (read
@@ -31,7 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-AttentionFn = Callable[..., Tensor]  # (q, k, v, causal: bool = True, dropout_p: float = 0.0)
+# (q, k, v, causal: bool = True, dropout_p: float = 0.0, *, document_ids: Tensor | None = None)
+AttentionFn = Callable[..., Tensor]
 
 
 @runtime_checkable

@@ -40,7 +40,12 @@ from llmlab.parallel.contracts import AttentionSwappable, HasRepeatedBlocks, req
 
 
 def math_attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    dropout_p: float = 0.0,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """``softmax(QKᵀ/√d) V`` spelled out, so autograd stores the T×T probabilities.
 
@@ -51,6 +56,8 @@ def math_attention(
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         scores = scores.masked_fill(_causal_mask(q.shape[-2], k.shape[-2], 0, q.device), -math.inf)
+    if document_ids is not None:
+        scores = scores.masked_fill(_other_documents(document_ids, 0, q.shape[-2]), -math.inf)
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         probs = torch.nn.functional.dropout(probs, dropout_p)
@@ -63,6 +70,12 @@ def _causal_mask(tq: int, tk: int, offset: int, device: torch.device) -> Tensor:
     rows = torch.arange(offset, offset + tq, device=device).unsqueeze(1)
     cols = torch.arange(tk, device=device).unsqueeze(0)
     return cols > rows
+
+
+def _other_documents(document_ids: Tensor, i0: int, i1: int) -> Tensor:
+    """(B, 1, i1 - i0, T) True where query ``i0 + r`` and key ``j`` are in different documents
+    of a packed row (``document_ids`` (B, T)): masked, so attention is block-diagonal."""
+    return (document_ids[:, i0:i1, None] != document_ids[:, None, :]).unsqueeze(1)
 
 
 def _repeat_kv(t: Tensor, heads: int) -> Tensor:
@@ -84,7 +97,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def attention_with_lse(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, block_size: int = 128
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    block_size: int = 128,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention and its per-row log-sum-exp ``L = m + log Σ exp(s - m)``, walking the
     queries in blocks of ``block_size`` rows (the transient scores are ``block_size × T``).
@@ -92,6 +110,8 @@ def attention_with_lse(
     Returns ``(out, lse)`` in the accumulation dtype (fp32, fp64 for fp64 inputs). ``lse`` is
     what lets partial results over different key sets be merged exactly (ring attention) and
     probabilities be rebuilt in backward (:func:`attention_backward_with_lse`).
+    ``document_ids`` (B, T), for self-attention over a packed row: scores between different
+    documents are masked (block-diagonal attention).
     """
     T, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
     acc = accumulation_dtype(q.dtype)
@@ -106,6 +126,8 @@ def attention_with_lse(
         s = (q[..., i0:i1, :].to(acc) @ kf.transpose(-2, -1)) * scale
         if causal:
             s = s.masked_fill(_causal_mask(i1 - i0, k.shape[-2], i0, q.device), -math.inf)
+        if document_ids is not None:
+            s = s.masked_fill(_other_documents(document_ids, i0, i1), -math.inf)
         m = s.amax(dim=-1, keepdim=True)
         p = torch.exp(s - m)
         denom = p.sum(dim=-1, keepdim=True)
@@ -123,6 +145,7 @@ def attention_backward_with_lse(
     lse: Tensor,
     causal: bool,
     block_size: int = 128,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the accumulation dtype, probabilities rebuilt from ``lse``.
 
@@ -147,6 +170,8 @@ def attention_backward_with_lse(
         s = (qi @ kf.transpose(-2, -1)) * scale
         if causal:
             s = s.masked_fill(_causal_mask(i1 - i0, k.shape[-2], i0, q.device), -math.inf)
+        if document_ids is not None:
+            s = s.masked_fill(_other_documents(document_ids, i0, i1), -math.inf)
         p = torch.exp(s - lse[..., i0:i1].unsqueeze(-1).to(acc))
         dv += p.transpose(-2, -1) @ doi
         dp = doi @ vf.transpose(-2, -1)
@@ -167,20 +192,29 @@ class MemoryEfficientAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, block_size: int) -> Tensor:
-        out, lse = attention_with_lse(q, k, v, causal, block_size)
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        block_size: int,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        out, lse = attention_with_lse(q, k, v, causal, block_size, document_ids)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.block_size = causal, block_size
+        ctx.document_ids = document_ids  # integer ids, no gradient: kept beside the tensors
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward_with_lse(
-            grad_out, q, k, v, out, lse, ctx.causal, ctx.block_size
+            grad_out, q, k, v, out, lse, ctx.causal, ctx.block_size, ctx.document_ids
         )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def memory_efficient_attention(
@@ -190,11 +224,13 @@ def memory_efficient_attention(
     causal: bool = True,
     dropout_p: float = 0.0,
     block_size: int = 128,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Attention with the ``Ops.attention`` signature, through :class:`MemoryEfficientAttention`.
 
     Dropout on the probabilities would need the mask (or its RNG state) saved for backward; it
     is not supported, and asking for it is an error rather than a silent fallback.
+    ``document_ids`` (B, T): block-diagonal attention over a packed row's documents.
     """
     if dropout_p > 0.0:
         raise ValueError(
@@ -215,7 +251,12 @@ def memory_efficient_attention(
         )
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    return MemoryEfficientAttention.apply(q, k, v, causal, block_size)
+    if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"document_ids must be (B, T) = ({q.shape[0]}, {q.shape[2]}), "
+            f"got {tuple(document_ids.shape)}"
+        )
+    return MemoryEfficientAttention.apply(q, k, v, causal, block_size, document_ids)
 
 
 # ------------------------------------------------------------- applying to a model
@@ -237,9 +278,14 @@ def use_recompute_attention(model: nn.Module, block_size: int = 128) -> int:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
 
     def attention(
-        q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = True,
+        dropout_p: float = 0.0,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
-        return memory_efficient_attention(q, k, v, causal, dropout_p, block_size)
+        return memory_efficient_attention(q, k, v, causal, dropout_p, block_size, document_ids)
 
     return swap_model_attention(model, attention, "recompute attention")
 

@@ -32,6 +32,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # "auto": Triton on CUDA, the torch reference on CPU
+    # CPU: store each linear weight in the memory order that multiplies one row faster here
+    # (llmlab.decoding.layout; same values, rounding-level differences in the products)
+    tune_weight_layouts: bool = True
 
     def resolved(self, model_context: int) -> EngineConfig:
         """A copy with ``max_model_len`` and ``num_blocks`` filled in, validated.
@@ -80,6 +83,10 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 positive(name)
+        need(
+            isinstance(self.tune_weight_layouts, bool),
+            f"tune_weight_layouts must be True or False, got {self.tune_weight_layouts!r}",
+        )
         need(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend={self.attention_backend!r}; valid: {list(ATTENTION_BACKENDS)}",

@@ -1,6 +1,10 @@
 """What the serving engine needs from a model: the paged-attention contract.
 
+<<<<<<< HEAD
 See docs/architecture.md#contracts.
+=======
+(docs/architecture.md#contracts lists every contract of the repo.)
+>>>>>>> serving-perf
 
 The consumer owns the contract; a model meets it structurally, without importing this package.
 ``llmlab.models.GPT`` and ``llmlab.models.Llama`` do, through doors they already have:
@@ -8,8 +12,9 @@ The consumer owns the contract; a model meets it structurally, without importing
 * ``forward(input_ids, positions=, logits_to_keep=) -> logits``: the engine packs the new
   tokens of every scheduled sequence into one row, ``input_ids`` (1, N) with their own
   ``positions`` (1, N), and asks for the logits of a few rows only (``logits_to_keep``, a
-  LongTensor of indices, as in HF). Without a cache or a mask, every attention layer calls its
-  attention function on the packed tokens as if they were one causal sequence.
+  LongTensor of indices as in HF, or ``0`` when every row is wanted, as in a step of decodes).
+  Without a cache or a mask, every attention layer calls its attention function on the packed
+  tokens as if they were one causal sequence.
 * ``swap_attention(wrap) -> int``: replaces each layer's attention function ``fn(q, k, v,
   causal=True, dropout_p=0.0)`` (q (B, H, T, D), k and v (B, H_kv, T, D)) by ``wrap(fn)``, in
   layer order, and returns how many layers it wrapped. The engine's wrapper writes k and v to
@@ -43,7 +48,7 @@ class PagedModel(Protocol):
     config: ModelConfig
 
     def __call__(
-        self, input_ids: Tensor, *, positions: Tensor, logits_to_keep: Tensor
+        self, input_ids: Tensor, *, positions: Tensor, logits_to_keep: Tensor | int
     ) -> Tensor: ...
 
     def swap_attention(self, wrap: Callable[[AttentionFn], AttentionFn]) -> int: ...

@@ -5,7 +5,9 @@
 1. the scheduler picks this step's chunks (and preempts if blocks run out);
 2. the model runner computes them in one forward over the paged KV pool;
 3. every sequence whose chunk reached its end gets its next token (a request that was still
-   one sequence forks into its ``num_return_sequences`` here, sharing the prompt's blocks);
+   one sequence forks into its ``num_return_sequences`` here, sharing the prompt's blocks); a
+   beam-search request steps its search once all its beams have logits, re-forking the beams
+   from their parents (``llmlab.serving.beam``) and reporting only its final hypotheses;
 4. sequences that hit eos, a stop string or their length are retired at once -- their blocks
    are free for the very next step -- and each request that changed reports its new tokens
    and text.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmlab.decoding import GenerationConfig
+from llmlab.serving.beam import BeamGroup
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.detokenize import IncrementalText
 from llmlab.serving.metrics import EngineStats
@@ -30,7 +33,7 @@ from llmlab.serving.sampler import Rules, next_tokens, stop_reason
 from llmlab.serving.scheduler import Scheduler
 from llmlab.serving.sequence import Request, Sequence, Status
 
-SUPPORTED_STRATEGIES = ("greedy", "sample")
+SUPPORTED_STRATEGIES = ("greedy", "sample", "beam")
 
 
 @dataclass
@@ -82,6 +85,8 @@ class LLMEngine:
         self.check_request(request_id, prompt_ids, config)
         request = Request(request_id, list(prompt_ids), config, next(self._arrivals))
         rules = Rules.of(config, len(prompt_ids), self.tokenizer)
+        if config.resolved_strategy() == "beam":
+            request.beam = BeamGroup(request, self.tokenizer, self.runner.device)
         request.new_sequence(0, request.prompt_ids, self.runner.device)
         self._tracked[request_id] = _Tracked(request, rules)
         self.scheduler.add(request.sequences[0])
@@ -97,6 +102,12 @@ class LLMEngine:
             raise ValueError(
                 f"strategy {strategy!r} (num_beams={config.num_beams}) is not served; the "
                 f"engine decodes {list(SUPPORTED_STRATEGIES)} (use llmlab.decoding.generate)"
+            )
+        if strategy == "beam" and config.do_sample:
+            raise ValueError(
+                f"beam sampling (num_beams={config.num_beams} with do_sample=True) is not served; "
+                f"the engine runs deterministic beam search (do_sample=False), or use "
+                f"llmlab.decoding.generate"
             )
         if config.sliding_window is not None or not config.use_cache:
             raise ValueError(
@@ -115,10 +126,18 @@ class LLMEngine:
                 f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
                 f"({config.max_new_tokens}) exceed the model's context of {limit} tokens"
             )
-        if config.num_return_sequences > self.config.max_num_seqs:
+        for name in ("num_return_sequences", "num_beams"):
+            if getattr(config, name) > self.config.max_num_seqs:
+                raise ValueError(
+                    f"{name}={getattr(config, name)} exceeds max_num_seqs="
+                    f"{self.config.max_num_seqs}"
+                )
+        per_beam = -(-(len(prompt_ids) + config.max_new_tokens) // self.config.block_size)
+        if strategy == "beam" and config.num_beams * per_beam > self.config.num_blocks:
             raise ValueError(
-                f"num_return_sequences={config.num_return_sequences} exceeds max_num_seqs="
-                f"{self.config.max_num_seqs}"
+                f"num_beams={config.num_beams} beams of up to {len(prompt_ids)} + "
+                f"{config.max_new_tokens} tokens may need {config.num_beams * per_beam} KV "
+                f"blocks (no sharing), more than the pool's num_blocks={self.config.num_blocks}"
             )
         if config.stop_string_list and self.tokenizer is None:
             raise ValueError("stop strings need the engine to have a tokenizer")
@@ -133,6 +152,8 @@ class LLMEngine:
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        if request.beam is not None:
+            request.beam.pending.clear()
         self.stats.finished(request, "abort")
         self.stats.observe_queues(self.scheduler)
 
@@ -149,31 +170,42 @@ class LLMEngine:
         self.scheduler.after_forward(out)
         seqs: list[Sequence] = []
         rows: list[int] = []
+        changed: dict[str, _Tracked] = {}
+        beam_tokens = 0
         for row, chunk in enumerate(c for c in out.chunks if c.completes):
+            request = chunk.seq.request
+            if request.beam is not None:  # the search steps once every beam has its logits
+                beam_tokens += 1
+                if request.beam.add(chunk.seq, logits[row], self.scheduler):
+                    self._first_token(request, time.perf_counter())
+                    changed[request.request_id] = self._tracked[request.request_id]
+                continue
             family = self._fork(chunk.seq)
             seqs += family
             rows += [row] * len(family)
         rules = [self._tracked[s.request.request_id].rules for s in seqs]
         tokens = next_tokens(seqs, rules, logits[rows])
         now = time.perf_counter()
-        changed: dict[str, _Tracked] = {}
         for seq, token in zip(seqs, tokens):
             tracked = self._tracked[seq.request.request_id]
             seq.token_ids.append(token)
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
-                self.stats.first_token(now - seq.request.arrival_time)
+            self._first_token(seq.request, now)
             reason = stop_reason(seq, tracked.rules, self.config.max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             changed[seq.request.request_id] = tracked
-        self.stats.step(out, len(tokens), self.scheduler)
+        self.stats.step(out, len(tokens) + beam_tokens, self.scheduler)
         outputs = [self._report(t) for t in changed.values()]
         for output in outputs:
             if output.finished:
                 finished = self._tracked.pop(output.request_id)
                 self.stats.finished(finished.request, None)
         return outputs
+
+    def _first_token(self, request: Request, now: float) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.stats.first_token(now - request.arrival_time)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """``seq`` and, at a request's first token, its new siblings sharing its blocks."""

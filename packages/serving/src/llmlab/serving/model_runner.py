@@ -13,6 +13,10 @@ The pool is one pair of tensors per layer, ``(num_blocks, block_size, H_kv, D)``
 start so a masked slot never holds NaN. Its shapes come from a probe: one single-token forward
 through the model's own attention records each layer's ``k`` heads, head dim and dtype (the
 device is the model's).
+
+On a CPU the runner first stores every linear weight of the model in the memory order that
+multiplies one row fastest on this machine (``llmlab.decoding.layout``; CUDA weights are left
+alone): a decode step is a chain of one-row products, bound by reading the weights.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from llmlab.decoding.layout import tune_linear_layouts
 from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.contracts import AttentionFn, check_paged_model
@@ -37,7 +42,7 @@ class PagedBatch:
     positions: Tensor  # (1, N)
     slot_mapping: Tensor  # (N,) pool slot of each new token
     layout: PagedLayout  # block tables (padded with block 0, never read), query offsets, lengths
-    logits_indices: Tensor  # rows of the packed batch whose logits are wanted
+    logits_indices: Tensor | int  # rows whose logits are wanted; 0: every row (no gather)
 
 
 class KVPool:
@@ -95,6 +100,9 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = next(iter(model.parameters())).device
+        # Batch-1 decoding reads every weight once per token: on a CPU the memory order of
+        # each weight decides how fast (see llmlab.decoding.layout).
+        self.retuned = tune_linear_layouts(model) if config.tune_weight_layouts else []
         self.backend = config.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
@@ -170,7 +178,8 @@ class ModelRunner:
                 bs,
                 self.scratch,
             ),
-            logits_indices=tensor(keep),
+            # decode-only steps want every row: 0 (HF's "all") skips a gather before the head
+            logits_indices=0 if len(keep) == starts[-1] else tensor(keep),
         )
 
     @torch.inference_mode()

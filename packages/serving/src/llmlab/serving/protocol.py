@@ -3,10 +3,12 @@
 Field names, defaults and meanings are OpenAI's (``max_tokens`` 16 for completions, none for
 chat; ``temperature`` 1; ``temperature: 0`` means greedy). vLLM's extensions that map onto
 ``llmlab.decoding`` are accepted too (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``no_repeat_ngram_size``, ``ignore_eos``). OpenAI options the engine cannot
-honour (log-probabilities, echo, penalties by frequency, logit bias, tools...) are refused with
-a 400 naming the field when they are set to anything but their default, and unknown fields are
-refused: an option that would silently change nothing is an error, not a no-op.
+``min_tokens``, ``no_repeat_ngram_size``, ``ignore_eos``), and beam search (``num_beams``,
+``length_penalty``, ``early_stopping``: the ``n`` best of ``num_beams`` beams, greedy).
+OpenAI options the engine cannot honour (log-probabilities, echo, penalties by frequency, logit
+bias, tools...) are refused with a 400 naming the field when they are set to anything but their
+default, and unknown fields are refused: an option that would silently change nothing is an
+error, not a no-op.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    # beam search (llmlab extension): the n best of num_beams beams, deterministic
+    num_beams: int = Field(1, ge=1, le=64)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and unused, as OpenAI's own (an end-user id for abuse logs)
@@ -74,6 +80,11 @@ class SamplingFields(BaseModel):
             )
             if value not in (off, None) and not harmless:  # best_of = n: plain sampling
                 raise ValueError(f"{name}={value!r} is not supported by llmlab.serving")
+        if self.num_beams > 1 and self.temperature not in (None, 0.0):
+            raise ValueError(
+                f"num_beams={self.num_beams} is deterministic beam search: leave temperature "
+                f"unset or 0, got {self.temperature}"
+            )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if isinstance(self.stop, list) and len(self.stop) > 4:
@@ -84,6 +95,8 @@ class SamplingFields(BaseModel):
 
     def generation_config(self, max_new_tokens: int, eos_token_ids: list[int]) -> GenerationConfig:
         temperature = 1.0 if self.temperature is None else self.temperature
+        if self.num_beams > 1:
+            temperature = 0.0
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens,
@@ -98,6 +111,9 @@ class SamplingFields(BaseModel):
             eos_token_id=None if self.ignore_eos or not eos_token_ids else list(eos_token_ids),
             stop_strings=self.stop,
             seed=self.seed,
+            num_beams=self.num_beams,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
         )
         config.validate()
         return config

@@ -13,6 +13,9 @@ One step has a budget of ``max_num_batched_tokens`` tokens and is built in two p
    free blocks allow, and only in a step that preempted nothing: a prompt starts with the
    blocks the prefix cache already holds, then its first chunk.
 
+A running sequence with nothing to compute is a beam waiting for its siblings' logits
+(``llmlab.serving.beam``): it is skipped, and stays preemptible like any other.
+
 No starvation: admission is strictly FIFO (a sequence that does not fit blocks the ones behind
 it), preemption always takes the newest, and a preempted sequence re-enters at the front, so
 the oldest sequence only ever waits for older ones. ``EngineConfig`` guarantees the pool holds
@@ -99,6 +102,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if seq.num_computed == seq.num_tokens:  # a parked beam (llmlab.serving.beam)
+                i += 1
+                continue
             later = len(self.running) - i - 1  # each keeps one token of the budget
             n = min(seq.num_tokens - seq.num_computed, budget - later)
             while not self.blocks.allocate(seq, n):
@@ -145,8 +151,8 @@ class Scheduler:
 
     @staticmethod
     def _seats_needed(seq: Sequence) -> int:
-        """A request that has not forked yet will run ``num_return_sequences`` sequences."""
-        return 1 if seq.request.forked else seq.request.config.num_return_sequences
+        """A request that has not forked yet will run ``num_sequences`` sequences."""
+        return 1 if seq.request.forked else seq.request.num_sequences
 
     def _seats_taken(self) -> int:
         return sum(self._seats_needed(s) for s in self.running)

@@ -3,7 +3,8 @@
 A :class:`Request` is what a user sent: a prompt and a ``GenerationConfig``. It decodes as
 ``num_return_sequences`` :class:`Sequence` s. Until its prompt is computed it has one sequence;
 when the first token is due, that sequence forks into the others (sharing every KV block), and
-from then on each sequence is scheduled, preempted and finished on its own.
+from then on each sequence is scheduled, preempted and finished on its own. A beam-search
+request runs ``num_beams`` sequences instead, re-forked at every step (``llmlab.serving.beam``).
 
 A sequence's state is three numbers and a list: ``token_ids`` (prompt, then generated),
 ``num_computed`` (tokens whose keys and values are in the KV pool), and ``block_table`` (the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -73,6 +75,12 @@ class Request:
     first_token_time: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # whether the num_return_sequences sequences exist yet
+    beam: Any = None  # the request's llmlab.serving.beam.BeamGroup when it decodes by beam search
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs once forked: its beams, or its return sequences."""
+        return self.config.num_beams if self.beam is not None else self.config.num_return_sequences
 
     @property
     def num_prompt_tokens(self) -> int:

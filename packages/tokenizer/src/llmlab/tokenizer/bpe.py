@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import copy
 import sys
+import unicodedata
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from llmlab.tokenizer.base import TokenizerBase
-from llmlab.tokenizer.bpe_encode import ChunkCache
+from llmlab.tokenizer import bpe_files
+from llmlab.tokenizer.base import TokenizerBase, unknown_id, write_atomic
+from llmlab.tokenizer.bpe_encode import ChunkCache, derive_merges
 from llmlab.tokenizer.byte_level import bytes_to_token_string, hf_byte_order, token_string_to_bytes
-from llmlab.tokenizer.merge_trainer import train_merges
+from llmlab.tokenizer.errors import UnknownTokenError
+from llmlab.tokenizer.merge_trainer import id_char, train_merges
 from llmlab.tokenizer.patterns import compiled, resolve_pattern
-from llmlab.tokenizer.pretokenize import count_chunks, iter_file_lines
+from llmlab.tokenizer.pretokenize import count_chunks
 from llmlab.tokenizer.special import SpecialSpec, resolve_special
+
+__all__ = ["BPETokenizer", "derive_merges"]
 
 Backend = Literal["auto", "tiktoken", "reference"]
 
@@ -53,6 +58,7 @@ class BPETokenizer(TokenizerBase):
     """
 
     model = "bpe"
+    save_formats = ("llmlab", "hf", "tiktoken")
 
     def __init__(
         self,
@@ -62,6 +68,7 @@ class BPETokenizer(TokenizerBase):
         merges: list[tuple[int, int]] | None = None,
         add_prefix_space: bool = False,
         backend: Backend = "auto",
+        normalizer: str | None = None,
     ):
         self.pattern = resolve_pattern(pattern)
         self.ranks = dict(ranks)
@@ -81,6 +88,11 @@ class BPETokenizer(TokenizerBase):
         self.special_decoder = {i: s for s, i in self.special_tokens.items()}
         self._merges = list(merges) if merges is not None else None
         self.add_prefix_space = add_prefix_space
+        if normalizer not in (None, *bpe_files.NORMALIZERS):
+            raise ValueError(
+                f"normalizer must be None or one of {bpe_files.NORMALIZERS}, got {normalizer!r}"
+            )
+        self.normalizer = normalizer
         if backend not in ("auto", "tiktoken", "reference"):
             raise ValueError(f"backend must be 'auto', 'tiktoken' or 'reference', got {backend!r}")
         if backend == "tiktoken" and not _tiktoken_available():
@@ -125,7 +137,9 @@ class BPETokenizer(TokenizerBase):
         for b in hf_byte_order():
             byte_id[b] = len(tokens)
             tokens.append(bytes([b]))
-        words = [tuple(byte_id[b] for b in chunk.encode("utf-8")) for chunk in chunk_counts]
+        # each chunk's bytes, spelled as the trainer's one-character-per-id string (in C)
+        table = str.maketrans({chr(b): id_char(i) for b, i in byte_id.items()})
+        words = [c.encode("utf-8").decode("latin-1").translate(table) for c in chunk_counts]
         counts = list(chunk_counts.values())
         del chunk_counts
         merges = train_merges(
@@ -145,13 +159,6 @@ class BPETokenizer(TokenizerBase):
             special_tokens={s: i for i, s in enumerate(specials)},
             merges=merges,
         )
-
-    @classmethod
-    def train_from_files(
-        cls, paths: Iterable[str | Path], vocab_size: int, **kwargs: Any
-    ) -> BPETokenizer:
-        """Train on UTF-8 files read line by line (line endings kept), like HF's file trainer."""
-        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
 
     # ----------------------------------------------------------------- encoding
     @property
@@ -197,13 +204,26 @@ class BPETokenizer(TokenizerBase):
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode ignoring special tokens entirely (their text is encoded as plain text)."""
-        if self.add_prefix_space and not text.startswith(" "):
-            text = " " + text
+        text = self._prepare(text)
         fast = self._fast()
         if fast is not None:
             return fast.encode_ordinary(text)
         text = _fix_surrogates(text)
         return self._cache.encode_chunks(compiled(self.pattern).findall(text), self.ranks)
+
+    def _prepare(self, text: str) -> str:
+        """The normalizer and the prefix space, as HF applies them to each segment."""
+        if self.normalizer is not None:
+            text = unicodedata.normalize(self.normalizer, _fix_surrogates(text))
+        if self.add_prefix_space and not text.startswith(" "):
+            text = " " + text
+        return text
+
+    def _plain_fast(self) -> Any:
+        """tiktoken's Encoding when it can take the raw text as is (no normalizer, no prefix)."""
+        if self.normalizer is not None or self.add_prefix_space:
+            return None
+        return self._fast()
 
     def encode(
         self,
@@ -212,8 +232,8 @@ class BPETokenizer(TokenizerBase):
         disallowed_special: SpecialSpec = "all",
     ) -> list[int]:
         """Text -> ids. Special-token text raises unless allowed (tiktoken's semantics)."""
-        fast = self._fast()
-        if fast is None or self.add_prefix_space:
+        fast = self._plain_fast()
+        if fast is None:
             return super().encode(text, allowed_special, disallowed_special)
         allowed, disallowed = resolve_special(
             self.special_tokens, allowed_special, disallowed_special
@@ -223,40 +243,76 @@ class BPETokenizer(TokenizerBase):
     def encode_batch(
         self,
         texts: Sequence[str],
+        *,
+        num_threads: int = 8,
         allowed_special: SpecialSpec = frozenset(),
         disallowed_special: SpecialSpec = "all",
     ) -> list[list[int]]:
-        fast = self._fast()
-        if fast is None or self.add_prefix_space:
+        """``encode`` of each text; on the fast path in ``num_threads`` threads (tiktoken's)."""
+        fast = self._plain_fast()
+        if fast is None:
             return [self.encode(t, allowed_special, disallowed_special) for t in texts]
         allowed, disallowed = resolve_special(
             self.special_tokens, allowed_special, disallowed_special
         )
         return fast.encode_batch(
-            list(texts), allowed_special=allowed, disallowed_special=disallowed
+            list(texts),
+            num_threads=num_threads,
+            allowed_special=allowed,
+            disallowed_special=disallowed,
         )
+
+    def encode_ordinary_batch(
+        self, texts: Sequence[str], *, num_threads: int = 8
+    ) -> list[list[int]]:
+        fast = self._plain_fast()
+        if fast is None:
+            return [self.encode_ordinary(t) for t in texts]
+        return fast.encode_ordinary_batch(list(texts), num_threads=num_threads)
+
+    def encode_single_token(self, token: str | bytes) -> int:
+        """The id of exactly one token given as text or bytes, special tokens included
+        (tiktoken's ``encode_single_token``); ``ValueError`` if it is not one token."""
+        found = self.token_to_id(token.encode("utf-8") if isinstance(token, str) else token)
+        if found is None:
+            raise UnknownTokenError(f"{token!r} is not a single token of this vocabulary")
+        return found
 
     def __call__(self, text: str) -> list[int]:
         return self.encode(text)
 
     # ----------------------------------------------------------------- decoding
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        parts = []
+    def decode_pieces(self, ids: Iterable[int]) -> list[bytes]:
+        decoder, special = self.decoder, self.special_decoder
+        out = []
         for i in ids:
-            tok = self.decoder.get(i)
-            if tok is None:
-                special = self.special_decoder.get(i)
-                if special is None:
-                    raise ValueError(
-                        f"token id {i!r} is not in this vocabulary (size {self.vocab_size})"
-                    )
-                tok = special.encode("utf-8")
-            parts.append(tok)
-        return b"".join(parts)
+            piece = decoder.get(i)
+            if piece is None:
+                name = special.get(i)
+                if name is None:
+                    raise unknown_id(i, self.vocab_size)
+                piece = name.encode("utf-8")
+            out.append(piece)
+        return out
 
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
-        """ids -> text; bytes that are not valid UTF-8 become U+FFFD (as tiktoken)."""
-        return self.decode_bytes(ids).decode("utf-8", errors=errors)
+    def decode_batch(
+        self, batch: Sequence[Sequence[int]], *, errors: str = "replace", num_threads: int = 8
+    ) -> list[str]:
+        """``decode`` of each id list; on the fast path in ``num_threads`` threads (tiktoken's)."""
+        fast = self._fast()
+        if fast is not None:
+            try:
+                return fast.decode_batch([list(ids) for ids in batch], errors=errors,
+                                         num_threads=num_threads)  # fmt: skip
+            except KeyError:
+                pass  # an unknown id: decoding again below raises the error that names it
+        return [self.decode(ids, errors=errors) for ids in batch]
+
+    def decode_single_token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes (tiktoken's name); ``ValueError`` naming an unknown id."""
+        return self.decode_pieces([token_id])[0]
+
+    id_to_bytes = decode_single_token_bytes
 
     # ----------------------------------------------------------------- vocabulary
     @property
@@ -264,14 +320,26 @@ class BPETokenizer(TokenizerBase):
         """One more than the largest id: the size an embedding table needs."""
         return max(max(self.decoder), max(self.special_decoder, default=-1)) + 1
 
+    n_vocab = vocab_size
+
     @property
     def eos_token_id(self) -> int | None:
         return self.special_tokens.get("<|endoftext|>")
 
+    eot_token = eos_token_id
+
+    @property
+    def special_tokens_set(self) -> set[str]:
+        return set(self.special_tokens)
+
     def token_to_id(self, token: str | bytes) -> int | None:
-        """Id of a special token, of raw token bytes, or of a GPT-2/HF-spelled token string."""
+        """Id of raw token bytes (a special token's bytes included), of a special token, or of
+        a GPT-2/HF-spelled token string ("Ġthe"); None if there is none."""
         if isinstance(token, bytes):
-            return self.ranks.get(token)
+            found = self.ranks.get(token)
+            if found is None:
+                found = self.special_tokens.get(token.decode("utf-8", "replace"))
+            return found
         if token in self.special_tokens:
             return self.special_tokens[token]
         try:
@@ -285,9 +353,6 @@ class BPETokenizer(TokenizerBase):
             return self.special_decoder[token_id]
         data = self.decoder.get(token_id)
         return None if data is None else bytes_to_token_string(data)
-
-    def id_to_bytes(self, token_id: int) -> bytes:
-        return self.decode_bytes([token_id])
 
     @property
     def merges(self) -> list[tuple[int, int]]:
@@ -307,12 +372,13 @@ class BPETokenizer(TokenizerBase):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("normalizer", None)
         self._cache = ChunkCache()
 
     # ----------------------------------------------------------------- files
     def to_dict(self) -> dict[str, Any]:
         ordered = sorted(self.ranks.items(), key=lambda kv: kv[1])
-        return {
+        out = {
             "pattern": self.pattern,
             "add_prefix_space": self.add_prefix_space,
             "special_tokens": self.special_tokens,
@@ -322,6 +388,9 @@ class BPETokenizer(TokenizerBase):
                 for a, b in self.merges
             ],
         }
+        if self.normalizer is not None:  # absent in files written before it existed
+            out["normalizer"] = self.normalizer
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **options: Any) -> BPETokenizer:
@@ -336,8 +405,19 @@ class BPETokenizer(TokenizerBase):
             special_tokens={s: int(i) for s, i in data.get("special_tokens", {}).items()},
             merges=merges or None,
             add_prefix_space=bool(data.get("add_prefix_space", False)),
+            normalizer=data.get("normalizer"),
             **options,
         )
+
+    def to_hf(self) -> dict[str, Any]:
+        return bpe_files.to_hf(self)
+
+    @classmethod
+    def from_hf(cls, data: dict[str, Any], path: Path, **options: Any) -> BPETokenizer:
+        return cls(**{**bpe_files.from_hf(data, path), **options})
+
+    def _save_format(self, path: Path, format: str) -> None:  # "tiktoken": base64 ranks
+        write_atomic(path, bpe_files.save_tiktoken(self.ranks))
 
     def __repr__(self) -> str:
         return (
@@ -353,39 +433,3 @@ def _fix_surrogates(text: str) -> str:
         # Lone surrogates cannot be UTF-8: replace them with U+FFFD, as tiktoken does.
         text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     return text
-
-
-def derive_merges(ranks: dict[bytes, int]) -> list[tuple[int, int]]:
-    """Recover the merge list from ranks alone (for ``.tiktoken`` / GPT-2 vocabularies).
-
-    Token ``t`` of rank ``r`` was made by the last merge of BPE-encoding ``t`` with only the
-    tokens ranked below ``r``: that encoding leaves exactly two parts, ``t``'s merge.
-    """
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) < 2:
-            continue
-        parts = _merge_small_below(token, ranks, rank)
-        if len(parts) != 2:
-            raise ValueError(
-                f"token {token!r} (rank {rank}) is not the merge of two lower-ranked tokens"
-            )
-        merges.append((ranks[parts[0]], ranks[parts[1]]))
-    return merges
-
-
-def _merge_small_below(piece: bytes, ranks: dict[bytes, int], limit: int) -> list[bytes]:
-    parts = [piece[i : i + 1] for i in range(len(piece))]
-    while len(parts) > 1:
-        best_rank, best_i = None, -1
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and rank < limit and (best_rank is None or rank < best_rank):
-                best_rank, best_i = rank, i
-        if best_rank is None:
-            break
-        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
-    return parts
-
-
-__all__ = ["BPETokenizer", "derive_merges"]

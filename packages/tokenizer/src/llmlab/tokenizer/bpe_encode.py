@@ -12,6 +12,7 @@ of one character is a single chunk) use a linked list of parts and a heap keyed 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from itertools import chain
 
 HEAP_THRESHOLD = 64
@@ -87,6 +88,20 @@ def bpe_merge(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
     return _merge_large(piece, ranks)
 
 
+def concat_cached(
+    items: list[str], cache: dict[str, list[int]], compute: Callable[[str], list[int]], limit: int
+) -> list[int]:
+    """``compute(item)`` of every item, concatenated. Each distinct unseen item is computed once
+    into ``cache`` (cleared when it would pass ``limit`` entries), then the lookups run as
+    ``map`` over the cache in C: no Python-level loop per item."""
+    new = {item: compute(item) for item in set(items).difference(cache)}
+    if new:
+        if len(cache) + len(new) > limit:
+            cache.clear()
+        cache.update(new)
+    return list(chain.from_iterable(map(cache.__getitem__, items)))
+
+
 class ChunkCache:
     """chunk text -> ids, bounded: natural text repeats a small set of chunks very often."""
 
@@ -105,3 +120,36 @@ class ChunkCache:
             data.update((c, ids) for c, ids in new.items() if len(c) < 256)
         # new.get(chunk, data.get(chunk)): long chunks are looked up in ``new`` only
         return list(chain.from_iterable(map(new.get, chunks, map(data.get, chunks))))
+
+
+def derive_merges(ranks: dict[bytes, int]) -> list[tuple[int, int]]:
+    """Recover the merge list from ranks alone (for ``.tiktoken`` / GPT-2 vocabularies).
+
+    Token ``t`` of rank ``r`` was made by the last merge of BPE-encoding ``t`` with only the
+    tokens ranked below ``r``: that encoding leaves exactly two parts, ``t``'s merge.
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = _merge_small_below(token, ranks, rank)
+        if len(parts) != 2:
+            raise ValueError(
+                f"token {token!r} (rank {rank}) is not the merge of two lower-ranked tokens"
+            )
+        merges.append((ranks[parts[0]], ranks[parts[1]]))
+    return merges
+
+
+def _merge_small_below(piece: bytes, ranks: dict[bytes, int], limit: int) -> list[bytes]:
+    parts = [piece[i : i + 1] for i in range(len(piece))]
+    while len(parts) > 1:
+        best_rank, best_i = None, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < limit and (best_rank is None or rank < best_rank):
+                best_rank, best_i = rank, i
+        if best_rank is None:
+            break
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts

@@ -1,7 +1,10 @@
 """``python -m llmlab.tokenizer train|encode|decode``.
 
-train  --input FILES... --vocab-size N --model bpe|wordpiece|unigram --out PATH
-       [--format llmlab|hf|tiktoken] [--pattern gpt4] [--special-tokens ...] [--workers N]
+train  --input FILES... --vocab-size N --model MODEL --out PATH [--format FORMAT]
+       [--pattern gpt4] [--special-tokens ...] [--workers N]
+       MODEL: bpe (byte-level), word_bpe (end-of-word), sentencepiece_bpe, wordpiece, unigram;
+       FORMAT: llmlab, hf, and the model's own (bpe: tiktoken; word_bpe: vocab_merges, a
+       folder; sentencepiece_bpe: sentencepiece, a .model)
 encode --tokenizer PATH [--text TEXT | --input FILE] [--allow-special]   -> ids on stdout
 decode --tokenizer PATH [--ids "1 2 3" | --input FILE]                   -> text on stdout
 """
@@ -13,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmlab.tokenizer.formats import MODELS, SAVE_FORMATS, load, save
+from llmlab.tokenizer.formats import MODELS, SAVE_FORMATS, load
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--pattern", default="gpt4", help="BPE: gpt2, gpt4, o200k or a regex")
     train.add_argument("--special-tokens", nargs="*", default=None)
     train.add_argument("--min-frequency", type=int, default=0)
-    train.add_argument("--workers", type=int, default=1, help="BPE: processes for counting")
+    train.add_argument("--workers", type=int, default=1, help="processes counting words")
 
     encode = sub.add_parser("encode", help="print the ids of a text")
     encode.add_argument("--tokenizer", required=True)
@@ -61,16 +64,22 @@ def _train(args: argparse.Namespace) -> None:
         if not Path(f).is_file():
             raise SystemExit(f"error: --input file {f!r} does not exist")
     cls = MODELS[args.model]
+    if args.format not in cls.save_formats:
+        raise SystemExit(
+            f"error: --format {args.format} is not available for {args.model}; valid: "
+            f"{', '.join(cls.save_formats)}"
+        )
     kwargs: dict = {}
     if args.special_tokens is not None:
-        kwargs["special_tokens"] = args.special_tokens
+        name = "control_tokens" if args.model == "sentencepiece_bpe" else "special_tokens"
+        kwargs[name] = args.special_tokens
+    if args.model != "unigram":
+        kwargs.update(min_frequency=args.min_frequency, workers=args.workers)
     if args.model == "bpe":
-        kwargs.update(pattern=args.pattern, min_frequency=args.min_frequency, workers=args.workers)
-    elif args.model == "wordpiece":
-        kwargs.update(min_frequency=args.min_frequency)
+        kwargs.update(pattern=args.pattern)
     start = time.perf_counter()
     tok = cls.train_from_files(args.input, args.vocab_size, **kwargs)
-    path = save(tok, args.out, format=args.format)
+    path = tok.save(args.out, format=args.format)
     print(
         f"trained {args.model} with {tok.vocab_size} ids in {time.perf_counter() - start:.1f}s "
         f"-> {path}",

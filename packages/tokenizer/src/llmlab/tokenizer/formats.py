@@ -1,76 +1,59 @@
-"""Saving and loading: one ``load(path)`` that recognises the format.
-
-Formats:
+"""One ``load(path)`` for every format, recognised from the file itself.
 
 - ``llmlab``: readable JSON, ``{"format": "llmlab-tokenizer", "version": 1, "model": ...}``
-  followed by the model's own fields (vocab as HF-style strings, merges, scores...);
-- ``hf``: HF ``tokenizers``' ``tokenizer.json`` for BPE (ByteLevel), WordPiece (BERT) and
-  Unigram (Metaspace) — see ``hf_json``;
-- ``tiktoken``: ``base64(token) rank`` lines (BPE only; optionally gzipped on read). The file has
-  no pattern or special tokens: pass ``pattern=`` and ``special_tokens=`` to ``load``;
-- GPT-2's ``encoder.json`` + ``vocab.bpe`` (read only): pass either file or their folder.
+  followed by the model's own fields (its ``to_dict``);
+- HF ``tokenizer.json`` (``hf_json`` picks the family: byte-level, end-of-word or SentencePiece
+  BPE, WordPiece, Unigram);
+- a SentencePiece ``.model`` (BPE with or without byte fallback; needs the ``sentencepiece``
+  package for its protobuf);
+- ``.tiktoken`` ranks (plain or gzipped): the file has no pattern or special tokens, pass
+  ``pattern=`` and ``special_tokens=``;
+- ``vocab.json`` + ``merges.txt``: end-of-word BPE when the tokens carry ``</w>`` (GPT-1, XLM,
+  subword-nmt), byte-level otherwise; GPT-2's ``encoder.json`` + ``vocab.bpe``. Pass either file
+  or their folder.
 
-Every failure names the file and what is wrong (``TokenizerFileError``). ``save`` and ``load``
-are functions here rather than methods of the tokenizers because this module needs every model
-class; a method would make the models import it back.
+Every failure names the file and what is wrong (``TokenizerFileError``). Writing is each
+tokenizer's own ``save`` method; ``save(tok, path, format)`` here is the same call.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import gzip
 import json
 from pathlib import Path
 from typing import Any
 
-from llmlab.tokenizer import hf_json
-from llmlab.tokenizer.base import TokenizerBase
+from llmlab.tokenizer import bpe_files, hf_json
+from llmlab.tokenizer.base import FORMAT_TAG, FORMAT_VERSION, TokenizerBase
 from llmlab.tokenizer.bpe import BPETokenizer
-from llmlab.tokenizer.byte_level import token_string_to_bytes
 from llmlab.tokenizer.errors import TokenizerFileError
+from llmlab.tokenizer.sp_bpe import SentencePieceBPETokenizer
 from llmlab.tokenizer.unigram import UnigramTokenizer
+from llmlab.tokenizer.word_bpe import WordBPETokenizer
 from llmlab.tokenizer.wordpiece import WordPieceTokenizer
 
-FORMAT_TAG = "llmlab-tokenizer"
-FORMAT_VERSION = 1
-SAVE_FORMATS = ("llmlab", "hf", "tiktoken")
-MODELS: dict[str, type[TokenizerBase]] = {
-    "bpe": BPETokenizer,
-    "wordpiece": WordPieceTokenizer,
-    "unigram": UnigramTokenizer,
-}
+MODEL_CLASSES: tuple[type[TokenizerBase], ...] = (
+    BPETokenizer,
+    WordBPETokenizer,
+    SentencePieceBPETokenizer,
+    WordPieceTokenizer,
+    UnigramTokenizer,
+)
+MODELS = {cls.model: cls for cls in MODEL_CLASSES}
+SAVE_FORMATS = tuple(dict.fromkeys(f for cls in MODELS.values() for f in cls.save_formats))
+FOLDER_FILES = ("tokenizer.json", "llmlab-tokenizer.json", "tokenizer.model")
 
 
 def save(tok: TokenizerBase, path: str | Path, format: str = "llmlab") -> Path:
-    """Write ``tok`` to ``path`` as ``format``: "llmlab" (readable JSON), "hf" (HF
-    ``tokenizer.json``) or, for BPE, "tiktoken" (base64 ranks); returns the path."""
-    path = Path(path)
-    if format not in SAVE_FORMATS:
-        raise ValueError(f"unknown format {format!r}; valid formats: {', '.join(SAVE_FORMATS)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if format == "llmlab":
-        payload = {"format": FORMAT_TAG, "version": FORMAT_VERSION, "model": tok.model}
-        payload.update(tok.to_dict())
-        path.write_text(json.dumps(payload, ensure_ascii=False, indent=1), encoding="utf-8")
-    elif format == "hf":
-        path.write_text(json.dumps(hf_json.to_hf(tok), ensure_ascii=False), encoding="utf-8")
-    else:
-        if tok.model != "bpe":
-            raise ValueError(f"format 'tiktoken' holds BPE ranks only, not a {tok.model} model")
-        lines = [
-            f"{base64.b64encode(t).decode('ascii')} {r}\n"
-            for t, r in sorted(tok.ranks.items(), key=lambda kv: kv[1])
-        ]
-        path.write_text("".join(lines), encoding="ascii")
-    return path
+    """``tok.save(path, format)``: write ``tok`` in one of its ``save_formats``."""
+    return tok.save(path, format)
 
 
 def load(path: str | Path, **options: Any) -> TokenizerBase:
-    """Read any supported tokenizer file and return the matching llmlab tokenizer.
+    """Read any supported tokenizer file (or folder) and return the matching tokenizer.
 
-    ``options`` go to the tokenizer (``backend=``) or supply what the file lacks
-    (``pattern=`` and ``special_tokens=`` for ``.tiktoken`` ranks).
+    ``options`` go to the tokenizer (``backend=``) or supply what the file lacks (``pattern=``
+    and ``special_tokens=`` for ``.tiktoken`` ranks).
     """
     path = Path(path)
     if not path.exists():
@@ -85,6 +68,8 @@ def load(path: str | Path, **options: Any) -> TokenizerBase:
             raise TokenizerFileError(path, f"damaged gzip data: {exc}") from exc
     if not raw.strip():
         raise TokenizerFileError(path, "the file is empty")
+    if path.suffix == ".model" or raw[:1] == b"\n":  # a protobuf starting with field 1 (pieces)
+        return SentencePieceBPETokenizer.from_sentencepiece_file(path, **options)
     if raw.lstrip()[:1] in (b"{", b"["):
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -94,18 +79,21 @@ def load(path: str | Path, **options: Any) -> TokenizerBase:
     return _load_tiktoken(path, raw, options)
 
 
-def _load_dir(path: Path, options: dict[str, Any]) -> Any:
-    for name in ("tokenizer.json", "llmlab-tokenizer.json"):
+def _load_dir(path: Path, options: dict[str, Any]) -> TokenizerBase:
+    for name in FOLDER_FILES:
         if (path / name).is_file():
             return load(path / name, **options)
-    if (path / "encoder.json").is_file() and (path / "vocab.bpe").is_file():
-        return load_gpt2(path / "encoder.json", path / "vocab.bpe", **options)
+    for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+        if (path / vocab).is_file() and (path / merges).is_file():
+            return load_vocab_merges(path / vocab, path / merges, **options)
     raise TokenizerFileError(
-        path, "folder holds no tokenizer.json, llmlab-tokenizer.json, or encoder.json + vocab.bpe"
+        path,
+        f"folder holds none of {', '.join(FOLDER_FILES)}, vocab.json + merges.txt, "
+        "encoder.json + vocab.bpe",
     )
 
 
-def _load_json(path: Path, data: Any, options: dict[str, Any]) -> Any:
+def _load_json(path: Path, data: Any, options: dict[str, Any]) -> TokenizerBase:
     if isinstance(data, dict) and data.get("format") == FORMAT_TAG:
         version = data.get("version")
         if version != FORMAT_VERSION:
@@ -124,33 +112,20 @@ def _load_json(path: Path, data: Any, options: dict[str, Any]) -> Any:
     if isinstance(data, dict) and "model" in data and isinstance(data["model"], dict):
         return hf_json.from_hf(data, path, **options)
     if isinstance(data, dict) and data and all(isinstance(v, int) for v in data.values()):
-        bpe = path.with_name("vocab.bpe")
-        if not bpe.is_file():
-            raise TokenizerFileError(
-                path, "looks like GPT-2's encoder.json but vocab.bpe is not next to it"
-            )
-        return load_gpt2(path, bpe, **options)
+        for merges in ("merges.txt", "vocab.bpe"):
+            if path.with_name(merges).is_file():
+                return load_vocab_merges(path, path.with_name(merges), **options)
+        raise TokenizerFileError(
+            path,
+            "looks like a vocab.json / encoder.json, but no merges.txt or vocab.bpe is next to it",
+        )
     raise TokenizerFileError(
-        path, "JSON is neither an llmlab tokenizer, an HF tokenizer.json, nor GPT-2's encoder.json"
+        path, "JSON is neither an llmlab tokenizer, an HF tokenizer.json, nor a vocab.json"
     )
 
 
 def _load_tiktoken(path: Path, raw: bytes, options: dict[str, Any]) -> BPETokenizer:
-    ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        fields = line.split()
-        try:
-            if len(fields) != 2:
-                raise ValueError("expected 'base64token rank'")
-            ranks[base64.b64decode(fields[0], validate=True)] = int(fields[1])
-        except (ValueError, binascii.Error) as exc:
-            shown = line[:60].decode("utf-8", "replace")
-            raise TokenizerFileError(
-                path,
-                f"line {lineno} is not '<base64 token> <rank>' (.tiktoken format): {shown!r}",
-            ) from exc
+    ranks = bpe_files.read_tiktoken(path, raw)
     if "pattern" not in options:
         raise TokenizerFileError(
             path,
@@ -163,46 +138,18 @@ def _load_tiktoken(path: Path, raw: bytes, options: dict[str, Any]) -> BPETokeni
         raise TokenizerFileError(path, str(exc)) from exc
 
 
+def load_vocab_merges(vocab: str | Path, merges: str | Path, **options: Any) -> TokenizerBase:
+    """A ``vocab.json`` + ``merges.txt`` pair: end-of-word BPE when its tokens end in ``</w>``,
+    else byte-level (GPT-2's ``encoder.json`` + ``vocab.bpe`` are the same format)."""
+    vocab, merges = Path(vocab), Path(merges)
+    text = vocab.read_text(encoding="utf-8")
+    if WordBPETokenizer.DEFAULT_SUFFIX in text:
+        return WordBPETokenizer.from_vocab_merges(vocab, merges, **options)
+    fields = bpe_files.read_gpt2(vocab, merges)
+    return BPETokenizer(**{**fields, **options})
+
+
 def load_gpt2(encoder_json: str | Path, vocab_bpe: str | Path, **options: Any) -> BPETokenizer:
     """GPT-2's files: ``encoder.json`` (token string -> id) and ``vocab.bpe`` (merges)."""
-    encoder_json, vocab_bpe = Path(encoder_json), Path(vocab_bpe)
-    try:
-        encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerFileError(encoder_json, f"damaged JSON: {exc}") from exc
-    specials = {t: i for t, i in encoder.items() if t.startswith("<|") and t.endswith("|>")}
-    ranks = {}
-    for token, i in encoder.items():
-        if token in specials:
-            continue
-        try:
-            ranks[token_string_to_bytes(token)] = i
-        except KeyError as exc:
-            raise TokenizerFileError(
-                encoder_json, f"token {token!r} is not spelled with GPT-2's byte alphabet"
-            ) from exc
-    lines = vocab_bpe.read_text(encoding="utf-8").splitlines()
-    merge_lines = (
-        [ln for ln in lines[1:] if ln.strip()]
-        if lines[:1] and lines[0].startswith("#version")
-        else [ln for ln in lines if ln.strip()]
-    )
-    merges = []
-    for lineno, line in enumerate(merge_lines, start=2):
-        parts = line.split(" ")
-        if len(parts) != 2:
-            raise TokenizerFileError(vocab_bpe, f"line {lineno} is not a merge 'left right'")
-        left, right = (ranks.get(token_string_to_bytes(p)) for p in parts)
-        if left is None or right is None:
-            raise TokenizerFileError(
-                vocab_bpe, f"line {lineno}: merge {line!r} uses unknown tokens"
-            )
-        merges.append((left, right))
-    if len(merges) != len(ranks) - 256:
-        raise TokenizerFileError(
-            vocab_bpe,
-            f"{len(merges)} merges but encoder.json has {len(ranks) - 256} non-byte tokens",
-        )
-    options.setdefault("pattern", "gpt2")
-    options.setdefault("special_tokens", specials)
-    return BPETokenizer(ranks, merges=merges, **options)
+    fields = bpe_files.read_gpt2(Path(encoder_json), Path(vocab_bpe))
+    return BPETokenizer(**{**fields, **options})

@@ -1,6 +1,6 @@
 """An llmlab tokenizer as the files ``transformers.AutoTokenizer.from_pretrained(folder)`` reads.
 
-``tokenizer.json`` is HF ``tokenizers``' own format (``llmlab.tokenizer.hf_json``), which
+``tokenizer.json`` is HF ``tokenizers``' own format (each tokenizer's ``to_hf()``), which
 ``AutoTokenizer`` wraps in a ``PreTrainedTokenizerFast``; ``tokenizer_config.json`` names that
 class and which special tokens play which role (``eos_token``, ``bos_token``, ...), recognised
 by their conventional spellings. ``clean_up_tokenization_spaces`` is off: a byte-level
@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-
-from llmlab.tokenizer.hf_json import to_hf
 
 ROLES = {
     "<|endoftext|>": "eos_token",
@@ -34,8 +32,8 @@ ROLES = {
 
 
 class HFTokenizerFiles:
-    """``save_pretrained(folder)`` for an llmlab tokenizer (BPE, WordPiece or Unigram), the
-    method ``llmlab.models.save_pretrained`` calls on the tokenizer it is given."""
+    """``save_pretrained(folder)`` for an llmlab tokenizer (any family), the method
+    ``llmlab.models.save_pretrained`` calls on the tokenizer it is given."""
 
     def __init__(self, tokenizer: Any, model_max_length: int | None = None) -> None:
         self.tokenizer = tokenizer
@@ -55,7 +53,7 @@ class HFTokenizerFiles:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         files = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
-        files[0].write_text(json.dumps(to_hf(self.tokenizer), ensure_ascii=False), "utf-8")
+        self.tokenizer.save(files[0], format="hf")
         config: dict[str, Any] = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "clean_up_tokenization_spaces": False,

@@ -1,57 +1,62 @@
-"""Incremental pair-merge training, shared by byte-level BPE and WordPiece.
+"""Incremental pair-merge training, shared by every BPE-style trainer (byte-level, end-of-word,
+SentencePiece BPE, WordPiece).
 
-The corpus is reduced to *distinct words* (pre-tokenized chunks) with counts, each word a list of
-symbol ids. One merge replaces every occurrence of the best adjacent pair ``(a, b)`` by a new
-symbol. Instead of recounting the corpus after each merge:
+The corpus is reduced to *distinct words* (pre-tokenized chunks) with counts, each word a
+sequence of symbol ids. One merge replaces every occurrence of the best adjacent pair ``(a, b)``
+by a new symbol. Instead of recounting the corpus after each merge:
 
 - ``pair_counts[p]`` holds the count-weighted number of occurrences of pair ``p``;
 - ``where[p]`` holds the indices of the words that contain ``p`` (a superset: entries may be
   stale, a word is re-checked before it is touched);
-- a max-heap gives the best pair. It is *lazy*: an entry whose count no longer matches
-  ``pair_counts`` is re-pushed with the current count when popped; a count that grows gets a
-  fresh entry at once (only pairs containing the new symbol can grow).
+- a max-queue gives the best pair. It is *lazy*: an entry whose count no longer matches
+  ``pair_counts`` is re-queued with the current count when popped. Only pairs containing the new
+  symbol can grow, so only those get a fresh entry after a merge.
 
-A merge touches only the words in ``where[(a, b)]``, so a training costs
-O(sum over merges of the affected words' lengths), and memory is O(distinct words).
+Speed: each word is kept as a Python ``str`` with one character per symbol id (``chr`` of the id,
+shifted past the surrogate block). A merge of a word is then ``word.replace(ab, n)``, which is
+exactly BPE's left-to-right, non-overlapping rule and runs in C; the word's adjacent pairs are the
+2-character strings ``map(str.__add__, w, w[1:])``, also produced in C. A pair's 2-character
+string compares like the tuple of its ids, so the heap's tie-break is unchanged.
 
 Tie-break (documented and deterministic): the pair with the highest count wins; among equal
 counts, the smaller ``(a, b)`` tuple of ids wins. This is HF ``tokenizers``' BpeTrainer rule, and
-with llmlab's id layout (special tokens, then bytes in HF's alphabet order) it reproduces HF's
-merge list. Iteration order of sets never matters: counts are summed before the heap sees them.
+with the id layout each trainer chooses (HF's) it reproduces HF's merge list.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import defaultdict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from operator import add
 from typing import TypeVar
 
 from llmlab.tokenizer.progress import Progress
 
 T = TypeVar("T", bound=Hashable)
 
+_SURROGATES = 0xD800
+_SHIFT = 0x800  # size of the surrogate block U+D800..U+DFFF, which str cannot hold alone
+MAX_SYMBOLS = 0x110000 - _SHIFT
 
-def merge_word(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...] | None:
-    """Replace each non-overlapping ``a b`` (left to right) by ``new``; None if absent."""
-    n = len(word)
-    i = 0
-    out: list[int] = []
-    found = False
-    while i < n:
-        if i + 1 < n and word[i] == a and word[i + 1] == b:
-            out.append(new)
-            i += 2
-            found = True
-        else:
-            out.append(word[i])
-            i += 1
-    return tuple(out) if found else None
+
+def id_char(i: int) -> str:
+    """The one-character spelling of symbol id ``i`` (monotonic in ``i``)."""
+    return chr(i + _SHIFT) if i >= _SURROGATES else chr(i)
+
+
+def char_id(c: str) -> int:
+    o = ord(c)
+    return o - _SHIFT if o >= _SURROGATES else o
+
+
+def spell(ids: Sequence[int]) -> str:
+    """A word of symbol ids as the trainer's string."""
+    return "".join(map(id_char, ids))
 
 
 def train_merges(
-    words: list[tuple[int, ...]],
+    words: list[str],
     counts: list[int],
     tokens: list[T],
     vocab_size: int,
@@ -59,65 +64,122 @@ def train_merges(
     min_frequency: int = 0,
     show_progress: bool = False,
 ) -> list[tuple[int, int]]:
-    """Learn merges until ``len(set(tokens)) == vocab_size`` or no pair is frequent enough.
+    """Learn merges until ``len(tokens) == vocab_size`` or no pair is frequent enough.
 
-    ``tokens`` (id -> token value) is extended in place with each new token; a merge whose
-    result already exists reuses that id (as HF does). ``words`` is rewritten in place.
-    Returns the merges as pairs of ids, in order.
+    ``words`` are spelled with :func:`spell` (one character per symbol id) and ``counts`` are
+    their frequencies. ``tokens`` (id -> token value) is extended in place with each new token;
+    a merge whose result already exists reuses that id (as HF does). Returns the merges as pairs
+    of ids, in order.
     """
+    if len(tokens) + max(vocab_size - len(tokens), 0) > MAX_SYMBOLS:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the {MAX_SYMBOLS} symbols supported")
     token_ids: dict[T, int] = {t: i for i, t in enumerate(tokens)}
-    pair_counts: dict[tuple[int, int], int] = defaultdict(int)
-    where: dict[tuple[int, int], set[int]] = defaultdict(set)
+    pair_counts: dict[str, int] = defaultdict(int)  # plain dict gets below
+    where: dict[str, set[int]] = defaultdict(set)
     for wi, (word, count) in enumerate(zip(words, counts)):
-        for pair in itertools.pairwise(word):
+        for pair in map(add, word, word[1:]):
             pair_counts[pair] += count
             where[pair].add(wi)
-    heap = [(-c, a, b) for (a, b), c in pair_counts.items() if c > 0]
-    heapq.heapify(heap)
+    # The best pair comes from two queues: the initial pairs sorted once (their counts only
+    # ever shrink, so this order stays valid up to lazy re-checks) and a small heap of the
+    # entries pushed later (grown pairs, re-queued stale ones). Keeping the ~10^5 initial pairs
+    # out of the heap makes every pop cheap.
+    initial = sorted((-c, p) for p, c in pair_counts.items() if c > 0)
+    next_initial = 0
+    heap: list[tuple[int, str]] = []
 
     merges: list[tuple[int, int]] = []
     progress = Progress("bpe merges", max(vocab_size - len(token_ids), 0), show_progress)
-    while len(token_ids) < vocab_size and heap:
-        neg_count, a, b = heapq.heappop(heap)
-        current = pair_counts.get((a, b), 0)
+    while len(tokens) < vocab_size:
+        if heap and (next_initial == len(initial) or heap[0] < initial[next_initial]):
+            neg_count, pair = heapq.heappop(heap)
+        elif next_initial < len(initial):
+            neg_count, pair = initial[next_initial]
+            next_initial += 1
+        else:
+            break
+        current = pair_counts.get(pair, 0)
         if -neg_count != current:  # stale entry: re-queue with the true count
             if current > 0:
-                heapq.heappush(heap, (-current, a, b))
+                heapq.heappush(heap, (-current, pair))
             continue
         if current < 1 or current < min_frequency:
             break
+        a, b = char_id(pair[0]), char_id(pair[1])
         value = concat(tokens[a], tokens[b])
         new = token_ids.get(value)
+        reused = new is not None
         if new is None:
             new = len(tokens)
             tokens.append(value)
             token_ids[value] = new
         merges.append((a, b))
-
-        delta: dict[tuple[int, int], int] = defaultdict(int)
-        for wi in where.pop((a, b), ()):
-            old = words[wi]
-            merged = merge_word(old, a, b, new)
-            if merged is None:
-                continue  # stale index: an earlier merge consumed this pair
-            count = counts[wi]
-            for pair in itertools.pairwise(old):
-                delta[pair] -= count
-            for pair in itertools.pairwise(merged):
-                delta[pair] += count
-                if new in pair:
-                    where[pair].add(wi)
-            words[wi] = merged
-        for pair, d in delta.items():
-            if d == 0:
-                continue
-            total = pair_counts[pair] + d
-            if total:
-                pair_counts[pair] = total
-            else:
-                del pair_counts[pair]
-            if d > 0:
-                heapq.heappush(heap, (-total, pair[0], pair[1]))
+        _apply_merge(pair, id_char(new), reused, words, counts, pair_counts, where, heap)
         progress.update()
     progress.close()
     return merges
+
+
+def _apply_merge(
+    pair: str,
+    n: str,
+    reused: bool,
+    words: list[str],
+    counts: list[int],
+    pair_counts: dict[str, int],
+    where: dict[str, set[int]],
+    heap: list[tuple[int, str]],
+) -> None:
+    """Rewrite every word containing ``pair`` (``ab``) and update the pair counts in place.
+
+    Only the neighbourhood of each merge changes: in the rewritten word, an ``n`` preceded by
+    ``L`` was ``L a`` and is now ``L n`` (``b a`` and ``n n`` when ``L`` is itself a merge), and
+    an ``n`` followed by ``R`` was ``b R`` and is now ``n R``. The pair ``ab`` itself drops to
+    zero. Only pairs containing ``n`` can have grown, so only those get heap entries.
+    """
+    a, b = pair
+    ba, nn = b + a, n + n
+    get = pair_counts.get
+    grown: set[str] = set()
+    for wi in where.pop(pair, ()):
+        old = words[wi]
+        if pair not in old:
+            continue  # stale index: an earlier merge consumed this pair
+        new = old.replace(pair, n)
+        words[wi] = new
+        count = counts[wi]
+        if reused and n in old:  # the merge re-made a token the word holds: recount it all
+            for p in map(add, old, old[1:]):
+                pair_counts[p] -= count
+            for p in map(add, new, new[1:]):
+                pair_counts[p] = get(p, 0) + count
+                if n in p:
+                    where[p].add(wi)
+                    grown.add(p)
+            continue
+        last = len(new) - 1
+        j = new.find(n)
+        while j >= 0:
+            if j > 0:
+                left = new[j - 1]
+                if left == n:
+                    pair_counts[ba] -= count
+                    p = nn
+                else:
+                    pair_counts[left + a] -= count
+                    p = left + n
+                pair_counts[p] = get(p, 0) + count
+                where[p].add(wi)
+                grown.add(p)
+            if j < last:
+                right = new[j + 1]
+                if right != n:
+                    pair_counts[b + right] -= count
+                    p = n + right
+                    pair_counts[p] = get(p, 0) + count
+                    where[p].add(wi)
+                    grown.add(p)
+            j = new.find(n, j + 1)
+    pair_counts.pop(pair, None)
+    for p in grown:
+        heapq.heappush(heap, (-pair_counts[p], p))

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from llmlab.tokenizer import metaspace
-from llmlab.tokenizer.base import TokenizerBase
+from llmlab.tokenizer.base import TokenizerBase, unknown_id
+from llmlab.tokenizer.hf_schema import added_token, read_added, require, skeleton
 from llmlab.tokenizer.metaspace import NORMALIZATIONS, SPACE
 from llmlab.tokenizer.pretokenize import iter_file_lines
 from llmlab.tokenizer.unigram_train import train_unigram
@@ -83,7 +84,10 @@ class UnigramTokenizer(TokenizerBase):
         return cls(pieces, unk_id=0, control_ids=range(1, reserved), **options)
 
     @classmethod
-    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any):
+    def train_from_files(
+        cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any
+    ) -> UnigramTokenizer:
+        """``train`` on the lines of UTF-8 files, line endings removed."""
         return cls.train((ln.rstrip("\r\n") for ln in iter_file_lines(paths)), vocab_size, **kw)
 
     # ----------------------------------------------------------------- encoding
@@ -143,20 +147,23 @@ class UnigramTokenizer(TokenizerBase):
             out.extend(cached)
         return out
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode_pieces(self, ids: Iterable[int]) -> list[bytes]:
+        """Each id's text: ``▁`` as a space, ``<unk>`` as " ⁇ " and control pieces as nothing
+        (sentencepiece's rules); the dummy-prefix space at the start is dropped."""
         parts = []
         for i in ids:
             if not 0 <= i < len(self.pieces):
-                raise ValueError(
-                    f"token id {i!r} is not in this vocabulary (size {self.vocab_size})"
-                )
+                raise unknown_id(i, self.vocab_size)
             if i in self.control_ids:
-                continue
-            parts.append(" \u2047 " if i == self.unk_id else self.pieces[i][0])
-        text = "".join(parts).replace(SPACE, " ")
-        if self.add_dummy_prefix and text.startswith(" "):
-            text = text[1:]
-        return text
+                parts.append("")
+            else:
+                piece = " \u2047 " if i == self.unk_id else self.pieces[i][0]
+                parts.append(piece.replace(SPACE, " "))
+        if self.add_dummy_prefix:
+            first = next((k for k, p in enumerate(parts) if p), None)
+            if first is not None and parts[first].startswith(" "):
+                parts[first] = parts[first][1:]
+        return [p.encode("utf-8") for p in parts]
 
     # ----------------------------------------------------------------- vocabulary
     @property
@@ -202,6 +209,68 @@ class UnigramTokenizer(TokenizerBase):
         }
         kwargs.update(options)
         return cls([tuple(p) for p in data["pieces"]], **kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        out = skeleton()
+        out["added_tokens"] = [
+            added_token(self.pieces[i][0], i) for i in sorted(self.control_ids | {self.unk_id})
+        ]
+        steps: list[dict[str, Any]] = []
+        if self.normalization == "nfkc":
+            steps.append({"type": "NFKC"})
+        if self.remove_extra_whitespaces:
+            steps.append({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "})
+            steps.append({"type": "Strip", "strip_left": True, "strip_right": True})
+        out["normalizer"] = {"type": "Sequence", "normalizers": steps} if steps else None
+        scheme = "always" if self.add_dummy_prefix else "never"
+        meta = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": scheme, "split": True}
+        out["pre_tokenizer"] = meta
+        out["decoder"] = meta
+        out["model"] = {
+            "type": "Unigram",
+            "unk_id": self.unk_id,
+            "vocab": [[p, s] for p, s in self.pieces],
+            "byte_fallback": False,
+        }
+        return out
+
+    @classmethod
+    def from_hf(cls, data: dict[str, Any], path: Path, **options: Any) -> UnigramTokenizer:
+        norm = data.get("normalizer")
+        steps = [] if norm is None else norm.get("normalizers", [norm])
+        normalization, remove_extra = "identity", False
+        for step in steps:
+            kind = step.get("type")
+            if kind == "NFKC":
+                normalization = "nfkc"
+            elif kind in ("Replace", "Strip"):
+                remove_extra = True
+            else:
+                raise ValueError(
+                    f"normalizer {kind!r} is not supported for Unigram (NFKC, Replace, Strip)"
+                )
+        pre = require(data.get("pre_tokenizer"), "Metaspace", "pre-tokenizer", "Unigram")
+        if pre.get("replacement", SPACE) != SPACE:
+            raise ValueError(f"Metaspace replacement {pre['replacement']!r} is not {SPACE!r}")
+        scheme = pre.get(
+            "prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never"
+        )
+        model = data["model"]
+        if model.get("byte_fallback"):
+            raise ValueError("Unigram byte_fallback is not supported")
+        unk_id = model.get("unk_id")
+        if unk_id is None:
+            raise ValueError("Unigram model without unk_id is not supported")
+        controls = [i for i in read_added(data).values() if i != unk_id]
+        kwargs: dict[str, Any] = dict(
+            unk_id=int(unk_id),
+            control_ids=controls,
+            add_dummy_prefix=scheme != "never",
+            remove_extra_whitespaces=remove_extra,
+            normalization=normalization,
+        )
+        kwargs.update(options)
+        return cls([(p, float(s)) for p, s in model["vocab"]], **kwargs)
 
     @classmethod
     def from_sentencepiece(cls, processor: Any, **options: Any) -> UnigramTokenizer:

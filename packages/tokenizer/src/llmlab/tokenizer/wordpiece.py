@@ -11,15 +11,16 @@ characters where every non-initial character carries the ``##`` prefix (so a mer
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from llmlab.tokenizer import bert_text
-from llmlab.tokenizer.base import TokenizerBase
-from llmlab.tokenizer.merge_trainer import train_merges
-from llmlab.tokenizer.pretokenize import iter_file_lines
+from llmlab.tokenizer.base import TokenizerBase, unknown_id
+from llmlab.tokenizer.bpe_encode import concat_cached
+from llmlab.tokenizer.char_bpe_train import train_char_bpe
+from llmlab.tokenizer.hf_schema import added_tokens, read_added, require, skeleton
+from llmlab.tokenizer.pretokenize import count_chunks
 from llmlab.tokenizer.special import SpecialSpec
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -37,6 +38,21 @@ _CLEANUP = (
     (" 've", "'ve"),
     (" 're", "'re"),
 )
+
+
+class BertWords:
+    """Text -> the BERT-normalized, pre-tokenized words training counts (picklable, for the
+    worker processes). Both steps are character-local and split on whitespace, so a batch of
+    texts joined by newlines gives exactly their words, in one call."""
+
+    def __init__(self, tok: WordPieceTokenizer):
+        self.options = (tok.clean_text, tok.handle_chinese_chars, tok.strip_accents, tok.lowercase)
+
+    def __call__(self, text: str) -> list[str]:
+        return bert_text.pre_tokenize(bert_text.normalize(text, *self.options))
+
+    def split_batch(self, texts: list[str]) -> list[str]:
+        return self("\n".join(texts))
 
 
 class WordPieceTokenizer(TokenizerBase):
@@ -77,40 +93,34 @@ class WordPieceTokenizer(TokenizerBase):
         vocab_size: int,
         special_tokens: Sequence[str] = BERT_SPECIALS,
         min_frequency: int = 0,
+        limit_alphabet: int | None = None,
+        initial_alphabet: Iterable[str] = (),
+        initial_tokens: Sequence[str] | None = None,
+        workers: int = 1,
         show_progress: bool = False,
         **options: Any,
     ) -> WordPieceTokenizer:
+        """HF's ``WordPieceTrainer``: BPE over characters, non-initial ones ``##``-prefixed
+        (``char_bpe_train``; ``initial_tokens`` reproduces an HF run's id layout). ``options``
+        are the tokenizer's (normalizer settings, ``unk_token``...)."""
         specials = list(special_tokens)
-        if "[UNK]" not in specials and "unk_token" not in options:
-            specials.insert(0, "[UNK]")
+        unk = options.get("unk_token", "[UNK]")
+        if unk not in specials:
+            specials.insert(0, unk)
         probe = cls(specials, special_tokens=specials, **options)
-        words = Counter()
-        for text in texts:
-            words.update(probe.pre_tokenize(probe.normalize(text)))
-        chars = sorted({c for w in words for c in w})
-        minimum = len(specials) + len(chars)
-        if vocab_size < minimum:
-            raise ValueError(
-                f"vocab_size={vocab_size} is too small: {len(specials)} special tokens and "
-                f"{len(chars)} distinct characters need at least {minimum}"
-            )
-        tokens: list[str] = [*specials, *chars]
-        tokens += sorted({probe.prefix + c for w in words for c in w[1:]} - set(tokens))
-        ids = {t: i for i, t in enumerate(tokens)}
-        seqs = [tuple([ids[w[0]]] + [ids[probe.prefix + c] for c in w[1:]]) for w in words]
-        n = len(probe.prefix)
-
-        def concat(a: str, b: str) -> str:
-            return a + (b[n:] if b.startswith(probe.prefix) else b)
-
-        train_merges(
-            seqs, list(words.values()), tokens, vocab_size, concat, min_frequency, show_progress
+        words = count_chunks(texts, BertWords(probe), workers=workers)
+        tokens, _ = train_char_bpe(
+            words,
+            vocab_size,
+            specials,
+            continuing_subword_prefix=probe.prefix,
+            limit_alphabet=limit_alphabet,
+            initial_alphabet=initial_alphabet,
+            initial_tokens=initial_tokens,
+            min_frequency=min_frequency,
+            show_progress=show_progress,
         )
         return cls(tokens, special_tokens=specials, **options)
-
-    @classmethod
-    def train_from_files(cls, paths: Iterable[str | Path], vocab_size: int, **kw: Any):
-        return cls.train(iter_file_lines(paths), vocab_size, **kw)
 
     # ----------------------------------------------------------------- encoding
     def normalize(self, text: str) -> str:
@@ -122,10 +132,12 @@ class WordPieceTokenizer(TokenizerBase):
     def pre_tokenize(text: str) -> list[str]:
         return bert_text.pre_tokenize(text)
 
+    def words(self, text: str) -> list[str]:
+        """The pre-tokenized words of normalized ``text``."""
+        return bert_text.pre_tokenize(self.normalize(text))
+
     def _word(self, word: str) -> list[int]:
-        cached = self._cache.get(word)
-        if cached is not None:
-            return cached
+        """Greedy longest-match-first pieces of one word ([UNK] if some position has none)."""
         unk = [self.vocab[self.unk_token]]
         if len(word) > self.max_input_chars_per_word:
             return unk
@@ -146,15 +158,10 @@ class WordPieceTokenizer(TokenizerBase):
                 break
             out.append(found)
             start = end
-        if len(self._cache) < 100_000:
-            self._cache[word] = out
         return out
 
     def encode_ordinary(self, text: str) -> list[int]:
-        out: list[int] = []
-        for word in self.pre_tokenize(self.normalize(text)):
-            out.extend(self._word(word))
-        return out
+        return concat_cached(self.words(text), self._cache, self._word, 100_000)
 
     def encode(
         self,
@@ -172,28 +179,36 @@ class WordPieceTokenizer(TokenizerBase):
     def decode(
         self, ids: Iterable[int], skip_special_tokens: bool = True, cleanup: bool = True
     ) -> str:
-        """Join pieces as HF's WordPiece decoder does: ``##`` pieces glue to the previous one,
-        others get a space; ``cleanup`` re-attaches punctuation, applied token by token (so
-        " ." becomes "." but a contraction split over tokens stays split, exactly like HF)."""
+        """Join pieces as HF's WordPiece decoder does (see ``decode_pieces``)."""
+        return b"".join(self.decode_pieces(ids, skip_special_tokens, cleanup)).decode("utf-8")
+
+    def decode_pieces(
+        self, ids: Iterable[int], skip_special_tokens: bool = True, cleanup: bool = True
+    ) -> list[bytes]:
+        """Each id's text as HF's WordPiece decoder writes it: ``##`` pieces glue to the
+        previous one, others get a space; ``cleanup`` re-attaches punctuation, applied token by
+        token (so " ." becomes "." but a contraction split over tokens stays split, exactly like
+        HF). Skipped special tokens contribute nothing."""
         specials = set(self.special_tokens.values())
-        parts: list[str] = []
+        out: list[bytes] = []
+        started = False
         for i in ids:
             if i not in self.inverse:
-                raise ValueError(
-                    f"token id {i!r} is not in this vocabulary (size {self.vocab_size})"
-                )
+                raise unknown_id(i, self.vocab_size)
             if skip_special_tokens and i in specials:
+                out.append(b"")
                 continue
             tok = self.inverse[i]
-            if parts and tok.startswith(self.prefix):
+            if started and tok.startswith(self.prefix):
                 tok = tok[len(self.prefix) :]
-            elif parts:
+            elif started:
                 tok = " " + tok
             if cleanup:
-                for a, b in _CLEANUP:
-                    tok = tok.replace(a, b)
-            parts.append(tok)
-        return "".join(parts)
+                for old, new in _CLEANUP:
+                    tok = tok.replace(old, new)
+            out.append(tok.encode("utf-8"))
+            started = True
+        return out
 
     # ----------------------------------------------------------------- vocabulary
     @property
@@ -228,6 +243,63 @@ class WordPieceTokenizer(TokenizerBase):
         kwargs = {k: data[k] for k in cls.__init__.__code__.co_varnames[2:10] if k in data}
         kwargs.update(options)
         return cls(vocab, **kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        out = skeleton()
+        out["added_tokens"] = added_tokens(self.special_tokens)
+        out["normalizer"] = {
+            "type": "BertNormalizer",
+            "clean_text": self.clean_text,
+            "handle_chinese_chars": self.handle_chinese_chars,
+            "strip_accents": self.strip_accents,
+            "lowercase": self.lowercase,
+        }
+        out["pre_tokenizer"] = {"type": "BertPreTokenizer"}
+        if "[CLS]" in self.vocab and "[SEP]" in self.vocab:
+            out["post_processor"] = {
+                "type": "BertProcessing",
+                "sep": ["[SEP]", self.vocab["[SEP]"]],
+                "cls": ["[CLS]", self.vocab["[CLS]"]],
+            }
+        out["decoder"] = {"type": "WordPiece", "prefix": self.prefix, "cleanup": True}
+        out["model"] = {
+            "type": "WordPiece",
+            "unk_token": self.unk_token,
+            "continuing_subword_prefix": self.prefix,
+            "max_input_chars_per_word": self.max_input_chars_per_word,
+            "vocab": dict(sorted(self.vocab.items(), key=lambda kv: kv[1])),
+        }
+        return out
+
+    @classmethod
+    def from_hf(cls, data: dict[str, Any], path: Path, **options: Any) -> WordPieceTokenizer:
+        norm = data.get("normalizer")
+        kwargs: dict[str, Any] = {}
+        if norm is None:
+            kwargs.update(
+                lowercase=False, strip_accents=False, clean_text=False, handle_chinese_chars=False
+            )
+        elif norm.get("type") == "BertNormalizer":
+            kwargs.update(
+                lowercase=norm.get("lowercase", True),
+                strip_accents=norm.get("strip_accents"),
+                clean_text=norm.get("clean_text", True),
+                handle_chinese_chars=norm.get("handle_chinese_chars", True),
+            )
+        else:
+            raise ValueError(
+                f"normalizer {norm.get('type')!r} is not supported for WordPiece (BertNormalizer)"
+            )
+        require(data.get("pre_tokenizer"), "BertPreTokenizer", "pre-tokenizer", "WordPiece")
+        model = data["model"]
+        kwargs.update(
+            unk_token=model.get("unk_token", "[UNK]"),
+            continuing_subword_prefix=model.get("continuing_subword_prefix", "##"),
+            max_input_chars_per_word=int(model.get("max_input_chars_per_word", 100)),
+            special_tokens=list(read_added(data)),
+        )
+        kwargs.update(options)
+        return cls({t: int(i) for t, i in model["vocab"].items()}, **kwargs)
 
     def __repr__(self) -> str:
         return f"WordPieceTokenizer(vocab_size={self.vocab_size})"

@@ -81,6 +81,10 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> Any:
         )
     run = run_config(cfg, model)
     check_strategy(cfg, run)
+    from llmlab.train.tokens import data_config_problems  # vocabulary, document_mask
+
+    if problems := data_config_problems(cfg, model, tokenizer_vocab):
+        raise ConfigError("; ".join(problems))
     checkpoint_to_resume(cfg)
     return run
 
@@ -314,8 +318,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_tokenizer_fits(cfg, tokenizer)
     if cfg.get("model") is not None and cfg.model.get("vocab_size", 0) is None:
         cfg.model.vocab_size = int(tokenizer.vocab_size)  # null: the tokenizer's vocabulary
-    log.info("Checking the config: model, layout, batch split, checkpoint")
-    run = validate_config(cfg)
+    log.info("Checking the config: model, layout, batch split, data, checkpoint")
+    run = validate_config(cfg, getattr(tokenizer, "vocab_size", None))
     log.info("Instantiating strategy <%s>", cfg.strategy.get("_target_", cfg.strategy.get("name")))
     strategy = build_strategy(cfg, run.transforms)
     if cfg.precision.get("plugin"):

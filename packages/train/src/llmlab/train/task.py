@@ -132,15 +132,20 @@ class CausalLMTask(L.LightningModule):
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        inputs, targets = batch
-        loss = self.loss_fn(self.model(inputs), targets)
+    def batch_loss(self, batch: tuple[Tensor, ...]) -> Tensor:
+        """Loss of ``(inputs, targets)``, or of ``(inputs, targets, document_ids)`` from a data
+        module with ``document_mask=true``: attention then stays inside each packed document."""
+        inputs, targets, *rest = batch
+        docs = {"document_ids": rest[0]} if rest else {}
+        return self.loss_fn(self.model(inputs, **docs), targets)
+
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        loss = self.batch_loss(batch)
         self.log("train/loss", loss, prog_bar=True, sync_dist=False)
         return loss
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        inputs, targets = batch
-        loss = self.loss_fn(self.model(inputs), targets)
+    def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        loss = self.batch_loss(batch)
         self.val_loss.update(loss.detach().float())
         return loss
 

@@ -115,6 +115,12 @@ class ContextParallel:
         if not self.active:
             return args, kwargs
         given = dict(zip(("input_ids", "cache", "positions", "attention_mask"), args)) | kwargs
+        if given.get("document_ids") is not None:
+            raise ValueError(
+                f"a context-parallel {type(module).__name__} cannot mask packed documents "
+                "(document_ids=): ring attention passes key chunks between ranks without their "
+                "documents; train with data.document_mask=false or without context parallelism"
+            )
         for name in ("cache", "attention_mask"):
             if given.get(name) is not None:
                 raise ValueError(
