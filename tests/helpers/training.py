@@ -63,10 +63,11 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
     parallel = getattr(strategy, "parallel", None)
     if parallel is not None and getattr(strategy, "zero_engine", None) is None:
         d, t = strategy.groups.coords.data, strategy.groups.coords.tensor
+        c = strategy.groups.coords.context  # context ranks hold equal gradients, as replicas
         duplicates = {id(p) for p in parallel.duplicates}
         for p in params:
             owner = model_of.get(id(p), p)
-            if p.grad is None or id(owner) in duplicates or d != 0:
+            if p.grad is None or id(owner) in duplicates or d != 0 or c != 0:
                 continue
             if strategy.dims.tensor > 1 and getattr(owner, "tp_shard_dim", None) is None and t:
                 continue  # replicated under tensor parallelism: counted on tensor rank 0

@@ -34,6 +34,7 @@ STRATEGIES: dict[str, tuple[int, list[str]]] = {
     "tensor": (2, ["strategy=tensor"]),
     "tensor-sp": (2, ["strategy=tensor_sp"]),
     "nd-pp2xtp2": (4, ["strategy=nd", "strategy.pipeline=2", "strategy.tensor=2"]),
+    "nd-cp2": (2, ["strategy=nd", "strategy.context=2"]),
     "deepspeed": (2, ["strategy=deepspeed"]),
 }
 PIPELINE_KEYS = ["strategy.microbatches=2", "strategy.timeline_every_n_steps=0"]
@@ -71,10 +72,12 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 
 DEEPSPEED_PRECISION = "with strategy=deepspeed is refused"
 PS_PRECISION = "cannot run on a parameter server"
+CONTEXT_RECOMPUTE = "recompute_attention with context > 1 is refused"
 # what each refusal's message must contain -> why, for the table in the docs
 WHY_REFUSED = {
     PS_PRECISION: "its servers step the optimizer; the plugin's fp32 masters never would",
     DEEPSPEED_PRECISION: "DeepSpeed's engine steps in its own precision (its bf16 / fp16 config)",
+    CONTEXT_RECOMPUTE: "ring attention and recompute attention both replace the attention",
 }
 
 
@@ -84,6 +87,8 @@ def refusal(strategy: str, precision: str, memory: str, kernels: str) -> str | N
         return PS_PRECISION
     if strategy == "deepspeed" and precision in ("bf16_master", "fp16_master", "fp8"):
         return DEEPSPEED_PRECISION
+    if strategy == "nd-cp2" and memory == "recompute_attention":
+        return CONTEXT_RECOMPUTE
     return None
 
 
@@ -109,7 +114,7 @@ class Cell:
 
     def overrides(self) -> list[str]:
         devices, strategy = STRATEGIES[self.strategy]
-        extra = PIPELINE_KEYS if self.strategy.startswith(("pipeline", "nd")) else []
+        extra = PIPELINE_KEYS if self.strategy.startswith(("pipeline", "nd-pp")) else []
         return [
             *MODEL,
             *strategy,

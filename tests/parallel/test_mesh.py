@@ -23,8 +23,8 @@ def test_layout_puts_tensor_innermost_and_covers_every_rank_once():
 
 
 def test_context_sits_between_pipeline_and_tensor_in_the_rank_order():
-    """The mesh order is data × pipeline × context × tensor (a DeviceMesh of that shape), even
-    though context > 1 is refused until context parallelism exists."""
+    """The mesh order is data × pipeline × context × tensor (a DeviceMesh of that shape); the
+    replica groups (equal weights: data × context) flatten the mesh's data and context axes."""
     from types import SimpleNamespace
 
     import torch
@@ -35,6 +35,9 @@ def test_context_sits_between_pipeline_and_tensor_in_the_rank_order():
         coords = ParallelDims.coords(sizes, rank)
         assert mesh[coords].item() == rank
         assert ParallelDims.rank_of(sizes, *coords) == rank
+    dims = ParallelDims(data=2, context=2, tensor=2)
+    flat = torch.arange(8).view(2, 2, 2).permute(2, 0, 1).reshape(2, 4)  # (tensor, data·context)
+    assert dims.replica_ranks() == flat.tolist() and dims.replicas == 4
 
 
 def test_bad_layouts_name_the_numbers():
@@ -44,6 +47,6 @@ def test_bad_layouts_name_the_numbers():
         ParallelDims(data=2, tensor=2).resolve(3)
     with pytest.raises(ValueError, match="tensor=0 must be a positive integer"):
         ParallelDims(tensor=0)
-    with pytest.raises(ValueError, match=r"context=2: context parallelism .* not available yet"):
-        ParallelDims(context=2)
+    with pytest.raises(ValueError, match=r"context=2 with pipeline=2: a pipeline stage never"):
+        ParallelDims(context=2, pipeline=2)
     assert ParallelDims(data=None, pipeline=2).resolve(6).data == 3

@@ -380,8 +380,8 @@ def test_llama_with_grouped_query_attention_in_pp_x_tp_and_dp_x_tp(tmp_path: Pat
 # single-process model (the plain GPT's logits within 1e-4, as ``_check_final_weights``).
 #
 # A 2×2×2 checkpoint cannot resume as 1×2×2 with ``zero=3``: ZeRO-2/3 with a pipeline is refused
-# up front (``ZERO_WITH_PIPELINE``), so the step-5 shards resume as 1×2×2 ``zero=1`` (another data
-# and ZeRO layout under the same pipeline), 2×1×2 ``zero=3`` and 4×1×1 ``zero=2``.
+# up front (``nd_options.ZERO_WITH_PIPELINE``), so the step-5 shards resume as 1×2×2 ``zero=1``
+# (another data and ZeRO layout under the same pipeline), 2×1×2 ``zero=3`` and 4×1×1 ``zero=2``.
 
 RESUME_TOL = dict(atol=1e-6, rtol=0)  # same layout: measured bit-exact
 # Another layout sums in another order: measured 9.5e-7 on losses of 4.1 (2 fp32 ulps), 1.2e-7 on

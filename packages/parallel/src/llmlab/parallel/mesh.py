@@ -50,12 +50,12 @@ class Coords(NamedTuple):
 class ParallelDims:
     """The sizes of the four dimensions, and how the pipeline and tensor dimensions run.
 
-    ``data=None`` takes whatever the world leaves: :meth:`resolve` fills it in. ``context`` is a
-    dimension of the mesh already; context parallelism itself (ring attention) is not built yet,
-    so ``context > 1`` is refused. ``microbatches`` defaults to 4 with a pipeline, else 1;
-    ``virtual_stages`` to 2 for the interleaved and V-shaped schedules, else 1. ``boundaries``:
-    the first layer index of every virtual stage after the first (``None``: balanced by
-    parameter count).
+    ``data=None`` takes whatever the world leaves: :meth:`resolve` fills it in. ``context``: the
+    ranks one sequence is split over (ring attention, :mod:`llmlab.parallel.context`); it does
+    not compose with a pipeline (stages never see the position ids). ``microbatches`` defaults
+    to 4 with a pipeline, else 1; ``virtual_stages`` to 2 for the interleaved and V-shaped
+    schedules, else 1. ``boundaries``: the first layer index of every virtual stage after the
+    first (``None``: balanced by parameter count).
     """
 
     data: int | None = 1
@@ -85,6 +85,12 @@ class ParallelDims:
     def model_parallel(self) -> int:
         """Ranks that hold one copy of the model: pipeline × context × tensor."""
         return self.pipeline * self.context * self.tensor
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights: data × context (context ranks train one replica on
+        other tokens of the same batch, so their gradients are averaged together: folded)."""
+        return self._data() * self.context
 
     @property
     def world_size(self) -> int:
@@ -129,6 +135,15 @@ class ParallelDims:
             groups.setdefault(coords[:axis] + coords[axis + 1 :], []).append(rank)
         return list(groups.values())
 
+    def replica_ranks(self) -> list[list[int]]:
+        """The data × context groups (ranks with equal weights), each ordered by
+        ``data · context + context index``."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            groups.setdefault((c.pipeline, c.tensor), []).append(rank)
+        return list(groups.values())
+
     def pipeline_ranks(self, coords: Coords) -> list[int]:
         """The ranks of the pipeline that ``coords`` belongs to, stage by stage."""
         return [self.rank_of(coords.data, s, coords.context, coords.tensor)
@@ -157,10 +172,10 @@ def layout_problems(
     if bad:
         return bad
     problems: list[str] = []
-    if dims.context > 1:
+    if dims.context > 1 and dims.pipeline > 1:
         problems.append(
-            f"context={dims.context}: context parallelism (ring attention) is not available "
-            "yet; use context=1"
+            f"context={dims.context} with pipeline={dims.pipeline}: a pipeline stage never sees "
+            "the position ids each context rank's chunk needs; use pipeline=1 with context > 1"
         )
     if dims.sequence_parallel and dims.tensor == 1:
         problems.append("sequence_parallel=true needs tensor > 1")
@@ -277,6 +292,8 @@ class ProcessGroups:
     pipeline_ranks: list[int] = field(default_factory=list)
     context_ranks: list[int] = field(default_factory=list)
     tensor_ranks: list[int] = field(default_factory=list)
+    replica: dist.ProcessGroup | None = field(default=None, repr=False)  # data × context
+    replica_ranks: list[int] = field(default_factory=list)
 
     @property
     def coords(self) -> Coords:
@@ -305,4 +322,10 @@ def build_process_groups(dims: ParallelDims, backend: str | None = None) -> Proc
                     mine.context, mine.context_ranks = group, ranks
                 else:
                     mine.tensor, mine.tensor_ranks = group, ranks
+    mine.replica, mine.replica_ranks = mine.data, mine.data_ranks
+    if dims.context > 1:  # the flattened data × context groups gradients are averaged over
+        for ranks in dims.replica_ranks():
+            group = dist.new_group(ranks, backend=backend)
+            if mine.rank in ranks:
+                mine.replica, mine.replica_ranks = group, ranks
     return mine

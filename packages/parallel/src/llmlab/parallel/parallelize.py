@@ -6,6 +6,7 @@ tasks and the app never transform a model.
 
     1. tensor parallelism      shard the layers the model's ``tensor_parallel_plan()`` names
     2. sequence parallelism    norms / dropout / residual adds on sequence shards (part of 1)
+    2b. context parallelism    ring attention over the context group, global position ids
     3. memory                  recompute attention, activation checkpointing of repeated blocks
     4. pipeline stage split    keep this stage's ``pipeline_layers()``, free the rest
        pretrained weights      a ``meta`` model is filled: this stage's layers, this TP slice
@@ -36,6 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_blocks, compile_loss
+from llmlab.parallel.context.group import ContextParallel
+from llmlab.parallel.context.step import check_context, folded_loss
 from llmlab.parallel.contracts import (
     TensorParallelShardable,
     WeightSource,
@@ -125,6 +128,7 @@ class ParallelModel:
     tied: list[tuple[nn.Parameter, Any]] = field(default_factory=list)  # (copy, stage group)
     duplicates: list[nn.Parameter] = field(default_factory=list)  # tied copies owned elsewhere
     loss_fn: LossFn | None = None  # replaces the task's loss (vocab-parallel cross-entropy)
+    context: ContextParallel | None = None  # ring attention (context > 1), split in steps only
     applied: dict[str, Any] = field(default_factory=dict)  # what each step changed (for logs)
 
     @property
@@ -133,19 +137,25 @@ class ParallelModel:
 
     def task_loss(self, loss_fn: LossFn) -> LossFn:
         """The loss the task must use from now on: the vocab-parallel one under tensor
-        parallelism, else its own; compiled when the transforms say ``compile``."""
+        parallelism, else its own; compiled when the transforms say ``compile``; valued over the
+        whole sequence under context parallelism (:func:`.context.step.folded_loss`)."""
         loss = self.loss_fn or loss_fn
         if self.transforms.compile and loss not in _COMPILED_LOSSES:
             loss = compile_loss(loss)
             _COMPILED_LOSSES.add(loss)
+        if self.context is not None and loss not in _FOLDED_LOSSES:
+            loss = folded_loss(loss, self.context.group)
+            _FOLDED_LOSSES.add(loss)
         return loss
 
 
 # What parallelize_model did to each model (Lightning sets a strategy up again for validate after
-# fit: the second call returns the first result), and the losses it compiled, held weakly so
-# that neither outlives its object and nothing is written onto objects this module does not own.
+# fit: the second call returns the first result), and the losses it compiled or folded, held
+# weakly so that neither outlives its object and nothing is written onto objects this module
+# does not own.
 _PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, ParallelModel] = weakref.WeakKeyDictionary()
 _COMPILED_LOSSES: weakref.WeakSet[Any] = weakref.WeakSet()
+_FOLDED_LOSSES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def parallelize_model(
@@ -198,6 +208,13 @@ def parallelize_model(
         )
         result.loss_fn = VocabParallelCrossEntropy(groups.tensor)
         result.applied["tensor_parallel"] = dims.tensor
+
+    # 2b. context parallelism: ring attention; the strategy splits its steps (``split_batch``)
+    if dims.context > 1:
+        assert groups is not None, "context parallelism needs process groups"
+        check_context(dims.context, transforms)
+        result.context = ContextParallel(groups.context)
+        result.applied["context_parallel"] = result.context.apply(model, active=False)
 
     # 3. memory: trade compute for activation memory
     if transforms.recompute_attention is not None:

@@ -37,9 +37,11 @@ class RunConfig:
     (``None``: unknown). ``precision``: Lightning's precision flag when no plugin is given;
     ``plugin``: the precision plugin's class, if any; ``plugin_options``: its arguments.
     ``transforms``: the memory options and ``compile``, parsed once. ``gradient_clip_val`` /
-    ``gradient_clip_algorithm``: the trainer's. ``build_model``: builds the task's model (on the
-    ``meta`` device: no memory), called only by a check that needs the model's shape, at most
-    once.
+    ``gradient_clip_algorithm``: the trainer's. ``seq_len``: the training sequence length (the
+    data's block size; ``None``: unknown); ``attention_dropout``: the model's dropout on
+    attention probabilities (context parallelism has none). ``build_model``: builds the task's
+    model (on the ``meta`` device: no memory), called only by a check that needs the model's
+    shape, at most once.
     """
 
     world_size: int
@@ -50,6 +52,8 @@ class RunConfig:
     transforms: ModelTransforms = field(default_factory=ModelTransforms)
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str | None = None
+    seq_len: int | None = None
+    attention_dropout: float | None = None
     build_model: Callable[[], nn.Module] | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)
 

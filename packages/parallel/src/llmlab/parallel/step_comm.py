@@ -5,8 +5,10 @@
   while the step runs (``recording``);
 * ``comm/pp_bytes``: activations and gradients sent to other stages, plus the tied-weight
   all-reduce across stages;
-* ``comm/dp_bytes``: the gradient all-reduce over the data group, or ZeRO's reduce-scatters and
-  all-gathers.
+* ``comm/dp_bytes``: the gradient all-reduce over the data group (data × context with context
+  parallelism: the folded reduction), or ZeRO's reduce-scatters and all-gathers;
+* ``comm/cp_bytes``: ring attention's key/value chunks and their gradients
+  (:func:`~llmlab.parallel.context.accounting.cp_bytes` per micro-batch).
 
 Counts are per rank and per optimizer step (payload bytes, not what the wire carries).
 """
@@ -32,6 +34,7 @@ class StepComm:
         self.pp_bytes = 0
         self.dp_bytes = 0
         self.counting = counting or nullcontext
+        self.cp_bytes = 0
 
     @contextmanager
     def recording(self) -> Generator[None, None, None]:
@@ -48,7 +51,8 @@ class StepComm:
             **{f"comm/tp_{kind}_bytes": float(v) for kind, v in ledger.totals().items()},
             "comm/pp_bytes": float(self.pp_bytes),
             "comm/dp_bytes": float(self.dp_bytes),
+            "comm/cp_bytes": float(self.cp_bytes),
         }
         ledger.clear()
-        self.pp_bytes = self.dp_bytes = 0
+        self.pp_bytes = self.dp_bytes = self.cp_bytes = 0
         return out

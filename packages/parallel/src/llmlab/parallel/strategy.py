@@ -1,5 +1,5 @@
-"""``NDParallelStrategy``: data × pipeline × tensor parallelism on one mesh, as one Lightning
-strategy (registered as ``"nd"``; ``strategy=pipeline`` and ``strategy=tensor`` are presets).
+"""``NDParallelStrategy``: data × pipeline × context × tensor parallelism on one mesh, one
+Lightning strategy (``"nd"``; ``strategy=pipeline`` and ``strategy=tensor`` are presets).
 
 Lightning's hooks, each calling the mechanism that does the work:
 
@@ -14,15 +14,16 @@ Lightning's hooks, each calling the mechanism that does the work:
   (``plugin.clip_by_norm_of``), and the checkpoint door
   (:class:`~llmlab.parallel.checkpoint.checkpointer.LayoutCheckpointer`);
 * steps: the task's own forward and backward, or a schedule inside ``training_step`` whose
-  gradients ``backward`` hands back; once per optimizer step, tied weights summed over their
-  stages and gradients averaged over the data group
+  gradients ``backward`` hands back; a context-parallel model runs split only inside steps
+  (:mod:`llmlab.parallel.context.step`); once per optimizer step, tied weights summed over their
+  stages and gradients averaged over the data (× context) group
   (:class:`~llmlab.parallel.pipeline.grad_sync.GradientReducer`), or ZeRO's reduce-scatter;
   ``comm/*`` bytes (:mod:`llmlab.parallel.step_comm`) and, under ZeRO, ``memory/*_bytes``;
 * checkpoints of the unsplit model by name, consolidated or (``sharded_checkpoints=True``) one
   DCP folder of every rank's shards: any layout's resumes in any other and loads into a plain
   model; they are restored after ``setup``, when every tensor is in its final place.
 
-With a pipeline only ``zero=1`` is accepted (``ZERO_WITH_PIPELINE``).
+With a pipeline only ``zero=1`` is accepted (``nd_options.ZERO_WITH_PIPELINE``).
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ from torch.optim import Optimizer
 
 from llmlab.parallel.checkpoint.checkpointer import LayoutCheckpointer
 from llmlab.parallel.checkpoint.pretrained import take_pretrained_weights
-from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_refusal
+from llmlab.parallel.compile import compile_refusal
+from llmlab.parallel.context.group import ContextParallel
+from llmlab.parallel.context.step import check_context, split_batch, take_cp_bytes
 from llmlab.parallel.data.fsdp2 import FSDP2Engine
 from llmlab.parallel.data.sharding import build_data_sharding, check_zero_impl
-from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
+from llmlab.parallel.nd_options import check_options
 from llmlab.parallel.norm import WholeModelNorm
 from llmlab.parallel.parallelize import ModelTransforms, ParallelModel, parallelize_model
 from llmlab.parallel.pipeline.grad_sync import GradientReducer
@@ -66,31 +69,22 @@ from llmlab.parallel.step_comm import StepComm
 
 log = logging.getLogger(__name__)
 
-ZERO_WITH_PIPELINE = (
-    "a pipeline runs several micro-batch backward passes per step, so ZeRO-2 would either keep "
-    "every full gradient until the step (no saving) or reduce-scatter after every micro-batch "
-    "(microbatches x the data traffic), and ZeRO-3 would gather each block's parameters twice "
-    "per micro-batch while the schedule interleaves the micro-batches' forwards and backwards. "
-    "DeepSpeed refuses ZeRO-2/3 with its pipeline engine for the same reason; use zero=1 with "
-    "pipeline > 1 (or ZeRO-2/3 with data x tensor)"
-)
-
 
 class NDParallelStrategy(DDPStrategy):
-    """Data × pipeline × tensor parallelism of ``lightning_module.<model_attribute>``.
+    """Data × pipeline × context × tensor parallelism of ``lightning_module.<model_attribute>``.
 
-    The layout arguments make one :class:`~llmlab.parallel.mesh.ParallelDims` (``context`` > 1
-    is refused until context parallelism exists). ``data``: optional, inferred as
-    ``world_size / (pipeline × tensor)`` and checked if given. ``schedule``: "naive", "gpipe",
-    "1f1b", "interleaved" (``virtual_stages`` chunks per rank, default 2) or the split-backward
-    "zb1", "zbv", "dualpipev" (V-shaped: 2 chunks per rank); ``boundaries``: the
+    The layout arguments make one :class:`~llmlab.parallel.mesh.ParallelDims` (``context``:
+    ranks per sequence, zigzag ring attention). ``data``: optional, inferred as
+    ``world_size / (pipeline × context × tensor)`` and checked if given. ``schedule``: "naive",
+    "gpipe", "1f1b", "interleaved" (``virtual_stages`` chunks per rank, default 2) or the
+    split-backward "zb1", "zbv", "dualpipev" (V-shaped: 2 chunks per rank); ``boundaries``: the
     first layer index of every virtual stage after the first (default: balanced by parameter
     count). ``transforms``: memory options and compile (``ModelTransforms`` or its config
     mapping), applied by ``parallelize_model``. ``timeline_every_n_steps``: how often a pipeline
     records its timeline, logs ``pipeline/bubble`` and (rank 0) draws the Gantt chart; 0 turns
-    it off. ``zero``: ZeRO stage of the data dimension, by ``zero_impl`` "llmlab" or "fsdp2"
-    (:mod:`~llmlab.parallel.data.sharding`). ``sharded_checkpoints``: each rank writes its own
-    shards (a DCP folder) instead of gathering the model on rank 0.
+    it off. ``zero``: ZeRO stage of the data (× context) dimension, by ``zero_impl`` "llmlab" or
+    "fsdp2" (:mod:`~llmlab.parallel.data.sharding`). ``sharded_checkpoints``: each rank writes
+    its own shards (a DCP folder) instead of gathering the model on rank 0.
     """
 
     strategy_name = "nd"
@@ -129,18 +123,8 @@ class NDParallelStrategy(DDPStrategy):
             boundaries=None if boundaries is None else tuple(boundaries),
         )  # the layout as asked; ``dims`` is it on this world
         self._dims: ParallelDims | None = None
-        if zero not in ZERO_STAGES:
-            raise ValueError(f"strategy.zero must be one of {ZERO_STAGES}, got {zero!r}")
-        if zero >= 2 and pipeline > 1:
-            raise ValueError(
-                f"strategy.zero={zero} with strategy.pipeline={pipeline} is refused: "
-                f"{ZERO_WITH_PIPELINE}"
-            )
         self.transforms = ModelTransforms.from_config(transforms)
-        if self.transforms.compile and tensor > 1:
-            raise ValueError(COMPILE_WITH_TENSOR)
-        check_split_backward(schedule, self.transforms.compile)  # zb1/zbv/dualpipev: exact only
-        check_zero_impl(zero_impl, zero, pipeline, self.transforms)
+        check_options(self.requested, zero, zero_impl, self.transforms)
         self.zero, self.zero_impl = zero, zero_impl
         self.sharded_checkpoints = bool(sharded_checkpoints)
         self.model_attribute = model_attribute
@@ -149,6 +133,7 @@ class NDParallelStrategy(DDPStrategy):
         self._groups: ProcessGroups | None = None
         self.parallel: ParallelModel | None = None
         self.pipeline_step: PipelinedStep | None = None
+        self.context: ContextParallel | None = None
         self.zero_engine: ZeroEngine | FSDP2Engine | None = None
         self.checkpointer: LayoutCheckpointer | None = None
         self.comm = StepComm()
@@ -167,9 +152,11 @@ class NDParallelStrategy(DDPStrategy):
         s = cls(**options, transforms=run.transforms)
         dims = s.requested
         check_split_backward(dims.schedule, run.transforms.compile, run.plugin_options)
-        check_zero_impl(s.zero_impl, s.zero, dims.pipeline, None, run.plugin, run.precision)
+        check_zero_impl(s.zero_impl, s.zero, dims.pipeline, None, run.plugin, run.precision,
+                        context=dims.context)  # fmt: skip
         model = run.model() if dims.tensor > 1 or dims.pipeline > 1 else None
         check_layout(dims, world_size=run.world_size, model=model, global_batch=run.global_batch)
+        check_context(dims.context, run.transforms, run.seq_len, run.attention_dropout)
 
     # ------------------------------------------------------------------- layout
     @property
@@ -251,8 +238,7 @@ class NDParallelStrategy(DDPStrategy):
             weights=self._weights,
         )
         self._weights = None
-        if parallel.loss_fn is not None or self.transforms.compile:
-            module.loss_fn = parallel.task_loss(module.loss_fn)
+        module.loss_fn, self.context = parallel.task_loss(module.loss_fn), parallel.context
         self.model_to_device()
         if parallel.stage is not None:
             scale = getattr(self.precision_plugin, "scale_loss", None)
@@ -300,7 +286,7 @@ class NDParallelStrategy(DDPStrategy):
         """The reducer, the whole-model norm (the plugin clips by it) and the checkpoint door."""
         assert self.parallel is not None
         groups, zero, parallel = self.groups, self.zero_engine, self.parallel
-        data = (groups.data, self.dims.data) if zero is None else (None, 1)
+        data = (groups.replica, self.dims.replicas) if zero is None else (None, 1)
         self._reducer = GradientReducer(parallel.params, parallel.tied, *data)
         plugin = self.precision_plugin
         masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
@@ -310,7 +296,7 @@ class NDParallelStrategy(DDPStrategy):
             layout={**self.dims.sizes(), "zero": self.zero, "zero_impl": self.zero_impl,
                     "sequence_parallel": self.dims.sequence_parallel},
         )  # fmt: skip
-        norm_groups = (groups.tensor, groups.pipeline, *((groups.data,) if zero else ()))
+        norm_groups = (groups.tensor, groups.pipeline, *((groups.replica,) if zero else ()))
         self._norm = WholeModelNorm(  # the optimizer's tensors (masters, ZeRO pieces) stand for
             self.dims.tensor, norm_groups, parallel.duplicates,  # the model parameters the
             self.checkpointer.model_param_of,  # checkpointer names them by
@@ -358,7 +344,7 @@ class NDParallelStrategy(DDPStrategy):
             self._sync_grads = True
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.comm.recording():
+        with self.comm.recording(), split_batch(self.context, args) as args:
             if self.pipeline_step is None:
                 return super().training_step(*args, **kwargs)
             batch = args[0] if args else kwargs["batch"]
@@ -371,7 +357,7 @@ class NDParallelStrategy(DDPStrategy):
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         module = self.lightning_module
-        with self.comm.recording():
+        with self.comm.recording(), split_batch(self.context):  # checkpointing re-runs forwards
             if self.pipeline_step is None:
                 closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
             else:  # no autograd here: restore what the schedule computed in training_step
@@ -409,6 +395,7 @@ class NDParallelStrategy(DDPStrategy):
         reducer = self._reducer
         self.comm.pp_bytes += reducer.tied_bytes
         self.comm.dp_bytes += reducer.data_bytes
+        self.comm.cp_bytes += take_cp_bytes(self.context)
         reducer.reset_counts()
         if self.pipeline_step is not None:
             self.comm.pp_bytes += self.pipeline_step.take_bytes_sent()
@@ -434,11 +421,11 @@ class NDParallelStrategy(DDPStrategy):
 
     # -------------------------------------------------------------- validation
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._model_replaced():
+        with self._model_replaced(), split_batch(self.context, args, count=False) as args:
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._model_replaced():
+        with self._model_replaced(), split_batch(self.context, args, count=False) as args:
             return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -505,7 +492,7 @@ class NDParallelStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="llmlab data × pipeline × tensor parallelism"
+            cls.strategy_name, cls, description="llmlab data × pipeline × context × tensor"
         )
 
 

@@ -107,6 +107,8 @@ def run_config(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> A
         transforms=model_transforms(cfg),
         gradient_clip_val=OmegaConf.select(cfg, "trainer.gradient_clip_val"),
         gradient_clip_algorithm=OmegaConf.select(cfg, "trainer.gradient_clip_algorithm"),
+        seq_len=OmegaConf.select(cfg, "data.block_size"),
+        attention_dropout=OmegaConf.select(cfg, "model.dropout"),
         build_model=lambda: model_on_meta(cfg, model_config),
     )
 

@@ -269,11 +269,13 @@ class LayoutCheckpointer:
             pairs = zip(self.masters.model_params, self.masters.masters, strict=True)
             masters = {id(p): m for p, m in pairs}
         coords, dims = self.groups.coords, self.groups.dims
+        # context ranks hold equal weights: with the data replicas they share the writing
+        coords = coords._replace(data=coords.data * dims.context + coords.context)
         return LayoutState(
             getattr(self.module, self.model_attribute),
             coords,
             dims.tensor,
-            data_size=dims.data,
+            data_size=dims.replicas,
             duplicates=self.duplicates,
             zero=self.zero,
             masters=masters,

@@ -18,6 +18,10 @@ rank its part of the batch::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -27,7 +31,7 @@ from llmlab.parallel.context.blocks import BACKENDS
 from llmlab.parallel.context.layout import ContextLayout
 from llmlab.parallel.context.loss import reduce_context_gradients, sequence_loss_share
 from llmlab.parallel.context.ring import RingTransport, ring_attention
-from llmlab.parallel.memory import swap_model_attention
+from llmlab.parallel.contracts import AttentionSwappable, require
 
 
 class ContextParallel:
@@ -56,6 +60,7 @@ class ContextParallel:
         self.layout = ContextLayout(self.degree, scheme)
         self.backend = backend
         self.overlap = overlap
+        self.active = True  # ring attention on; off: the model computes as if unsplit
 
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
@@ -70,7 +75,7 @@ class ContextParallel:
             q, k, v, self.transport, self.layout, causal, self.backend, self.overlap
         )
 
-    def apply(self, model: nn.Module) -> int:
+    def apply(self, model: nn.Module, active: bool = True) -> int:
         """Make ``model`` context-parallel, in place; returns how many attention modules changed.
 
         Every attention goes through :meth:`attention` (the model's ``swap_attention``), and a
@@ -80,12 +85,35 @@ class ContextParallel:
         over the local keys, which would silently see only this rank's chunk. The model must
         take ``forward(input_ids, cache=None, positions=None, attention_mask=None)`` (the
         decoding contract GPT and Llama meet).
+
+        ``active=False`` keeps the model plain (its own attention, no hook) outside
+        :meth:`split`: the N-D strategy splits only its training and validation steps, so a
+        callback that samples, or decoding after training, runs the whole sequence on one rank.
         """
-        changed = swap_model_attention(model, self.attention, "context parallelism")
+        swap = require(model, AttentionSwappable, "context parallelism").swap_attention
+        changed = swap(lambda plain: partial(self._route, plain))
+        if changed == 0:
+            raise ValueError(f"context parallelism: {type(model).__name__}.swap_attention "
+                             "changed no module")  # fmt: skip
         model.register_forward_pre_hook(self._global_positions, with_kwargs=True)
+        self.active = active
         return changed
 
+    @contextmanager
+    def split(self) -> Generator[None, None, None]:
+        """Ring attention (and global positions) inside, whatever :attr:`active` was."""
+        was, self.active = self.active, True
+        try:
+            yield
+        finally:
+            self.active = was
+
+    def _route(self, plain: Callable[..., Tensor], *args: object, **kwargs: object) -> Tensor:
+        return (self.attention if self.active else plain)(*args, **kwargs)
+
     def _global_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.active:
+            return args, kwargs
         given = dict(zip(("input_ids", "cache", "positions", "attention_mask"), args)) | kwargs
         if given.get("document_ids") is not None:
             raise ValueError(

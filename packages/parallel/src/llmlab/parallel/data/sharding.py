@@ -24,6 +24,7 @@ def check_zero_impl(
     transforms: ModelTransforms | None = None,
     plugin: type | None = None,
     precision: str | None = None,
+    context: int = 1,
 ) -> None:
     """Refuse an unknown ``zero_impl``, or a config FSDP2 cannot run, before any work
     (``plugin``, ``precision``: the run's, when known)."""
@@ -31,6 +32,12 @@ def check_zero_impl(
         raise ValueError(f"strategy.zero_impl must be one of {IMPLS}, got {impl!r}")
     if impl != "fsdp2":
         return
+    if context > 1:
+        raise ValueError(
+            f"strategy.zero_impl='fsdp2' with strategy.context={context} is refused: FSDP2 "
+            "shards over the data mesh only, while context ranks must reduce gradients with "
+            "their data replicas; use zero_impl='llmlab' (shards over data × context) or context=1"
+        )
     problem = fsdp2_refusal(
         zero, pipeline, plugin=plugin, precision=precision, transforms=transforms
     )
@@ -50,10 +57,16 @@ def build_data_sharding(
     reduce_in_backward: bool = True,
 ) -> ZeroEngine | FSDP2Engine:
     """The engine for ``held`` (this rank's parameters of ``model``, named as in the unsplit
-    model) over the data group of ``groups``; FSDP2 first checks the precision plugin."""
+    model) over the data (× context) group of ``groups``; FSDP2 first checks the precision
+    plugin."""
     if impl == "llmlab":
         return ZeroEngine.for_held(
-            model, stage, groups.data, held, initial=initial, reduce_in_backward=reduce_in_backward
+            model,
+            stage,
+            groups.replica,
+            held,
+            initial=initial,
+            reduce_in_backward=reduce_in_backward,
         )
     problem = fsdp2_refusal(
         stage,
