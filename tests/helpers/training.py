@@ -94,11 +94,13 @@ def fit(
     lr: float = 1e-2,
     callbacks: Sequence[Any] = (),
     prepare: Callable[[Any, Any], None] | None = None,
+    ckpt_path: str | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
     norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
     app hands them: to the N-D strategy, or applied here to a replicated model;
-    ``prepare(strategy, task)`` hands them over instead (the app's ``hand_model_transforms``)."""
+    ``prepare(strategy, task)`` hands them over instead (the app's ``hand_model_transforms``);
+    ``ckpt_path`` resumes from a checkpoint (``master_norm`` is None when no step runs)."""
     import lightning as L
     import torch.distributed as dist
 
@@ -145,5 +147,6 @@ def fit(
         num_sanity_val_steps=0,
         callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record(), *callbacks],
     )
-    trainer.fit(task, datamodule=make_data(model["vocab_size"], steps))
-    return {"losses": losses, "norms": norms, "master_norm": master[0], "trainer": trainer}
+    trainer.fit(task, datamodule=make_data(model["vocab_size"], steps), ckpt_path=ckpt_path)
+    first_master = master[0] if master else None
+    return {"losses": losses, "norms": norms, "master_norm": first_master, "trainer": trainer}

@@ -50,6 +50,7 @@ from llmlab.parallel.context.step import check_context, split_batch, take_cp_byt
 from llmlab.parallel.data.fsdp2 import FSDP2Engine
 from llmlab.parallel.data.sharding import build_data_sharding, check_zero_impl
 from llmlab.parallel.data.zero import ZeroEngine
+from llmlab.parallel.data.zero_memory import ReplicatedMemory
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
 from llmlab.parallel.nd_options import check_options
@@ -139,6 +140,7 @@ class NDParallelStrategy(DDPStrategy):
         self.comm = StepComm()
         self.last_comm: dict[str, float] = {}
         self._reducer: GradientReducer | None = None
+        self._memory: ReplicatedMemory | ZeroEngine | FSDP2Engine | None = None  # memory/*
         self._norm: WholeModelNorm | None = None
         self._sync_grads = True
         self._weights: Any = None  # a meta model's pretrained weights, read in setup
@@ -290,6 +292,9 @@ class NDParallelStrategy(DDPStrategy):
         self._reducer = GradientReducer(parallel.params, parallel.tied, *data)
         plugin = self.precision_plugin
         masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
+        held = masters.masters if masters is not None else ()  # zero=0: what this rank holds
+        replicated = ReplicatedMemory(parallel.params, self.optimizers, held)
+        self._memory = zero if zero is not None else replicated
         self.checkpointer = LayoutCheckpointer(
             self.lightning_module, self.model_attribute, groups, parallel.duplicates, zero,
             masters, self.sharded_checkpoints,
@@ -391,7 +396,7 @@ class NDParallelStrategy(DDPStrategy):
         return out
 
     def _log_comm(self) -> None:
-        assert self._reducer is not None
+        assert self._reducer is not None and self._memory is not None
         reducer = self._reducer
         self.comm.pp_bytes += reducer.tied_bytes
         self.comm.dp_bytes += reducer.data_bytes
@@ -402,9 +407,7 @@ class NDParallelStrategy(DDPStrategy):
         zero = self.zero_engine
         if zero is not None:
             self.comm.dp_bytes += zero.take_comm_bytes()
-        self.last_comm = self.comm.metrics()
-        if zero is not None:
-            self.last_comm.update(zero.memory_stats())
+        self.last_comm = {**self.comm.metrics(), **self._memory.memory_stats()}
         trainer = self.lightning_module.trainer
         if self.is_global_zero and trainer.logger is not None:
             trainer.logger.log_metrics(self.last_comm, step=trainer.global_step)
@@ -458,11 +461,9 @@ class NDParallelStrategy(DDPStrategy):
     ) -> None:
         """Consolidated: rank 0 writes the file. Sharded: every rank writes its shards into the
         folder ``filepath`` (atomically), rank 0 also Lightning's small state. Either way the
-        precision plugin's fp32 masters are saved by name."""
+        precision plugin's fp32 masters are saved by name, fp8 amax histories per tensor rank."""
         checkpointer = self._checkpoints()
-        key = type(self.precision_plugin).__qualname__
-        if key in checkpoint:
-            checkpoint[key] = checkpointer.precision_state(checkpoint[key])
+        checkpointer.prepare_save(checkpoint, type(self.precision_plugin).__qualname__)
         if not checkpointer.sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
@@ -477,9 +478,7 @@ class NDParallelStrategy(DDPStrategy):
         checkpoint = checkpointer.read(checkpoint_path)
         if checkpoint is None:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        key = type(self.precision_plugin).__qualname__
-        if key in checkpoint:
-            checkpoint[key] = checkpointer.load_precision_state(checkpoint[key])
+        checkpointer.prepare_load(checkpoint, type(self.precision_plugin).__qualname__)
         return checkpoint
 
     def _checkpoints(self) -> LayoutCheckpointer:

@@ -13,7 +13,8 @@ names so that either loads into any other layout and into a plain model:
   small state rides along as ``extra``.
 
 A precision plugin's fp32 masters are consolidated by name too (``masters_by_name``), or, in a
-sharded checkpoint, *are* the model values written; its scaler state is kept as it is.
+sharded checkpoint, *are* the model values written; its scaler state is kept as it is. fp8
+delayed-scaling amax histories are kept per tensor rank (:mod:`.fp8_state`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.optim import Optimizer
 
 from llmlab.parallel.checkpoint import consolidated as C
 from llmlab.parallel.checkpoint.files import is_sharded
+from llmlab.parallel.checkpoint.fp8_state import AMAX_KEY, add_amax, restore_amax
 from llmlab.parallel.checkpoint.fsdp2_state import (
     fsdp2_full_optimizer_state,
     fsdp2_full_params,
@@ -106,7 +108,12 @@ class LayoutCheckpointer:
         if SHARDED_KEY in checkpoint:
             self.module.load_state_dict(checkpoint["state_dict"], strict=False)  # the rest
             self._load_sharded(checkpoint[SHARDED_KEY], optimizers)
-            return
+        else:
+            self._load_full_model_state(checkpoint, strict)
+        if AMAX_KEY in checkpoint:  # after the model state: it holds tensor rank 0's histories
+            restore_amax(self.module, checkpoint[AMAX_KEY], self.groups)
+
+    def _load_full_model_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
         named = C.named_state(self.module)
         slices = C.local_slices(checkpoint["state_dict"], named, self.groups.tensor, strict=strict)
         if self.zero is not None:
@@ -207,6 +214,19 @@ class LayoutCheckpointer:
         return self.masters.model_param_of() if self.masters is not None else {}
 
     # --------------------------------------------------------- the precision plugin
+    def prepare_save(self, checkpoint: dict[str, Any], plugin_key: str) -> None:
+        """Before writing (a collective): the plugin's state under ``plugin_key`` as
+        :meth:`precision_state` keeps it, and every tensor rank's fp8 amax histories."""
+        if plugin_key in checkpoint:
+            checkpoint[plugin_key] = self.precision_state(checkpoint[plugin_key])
+        add_amax(checkpoint, self.module, self.groups)
+
+    def prepare_load(self, checkpoint: dict[str, Any], plugin_key: str) -> None:
+        """After reading: the plugin's state as :meth:`load_precision_state` gives it back (the
+        amax histories follow the model state in :meth:`load_model_state`)."""
+        if plugin_key in checkpoint:
+            checkpoint[plugin_key] = self.load_precision_state(checkpoint[plugin_key])
+
     def precision_state(self, local: Mapping[str, Any]) -> dict[str, Any]:
         """A precision plugin's state with its fp32 masters by name, gathered (a collective);
         sharded, without them (they are the checkpoint's model values). Scaler state as is."""

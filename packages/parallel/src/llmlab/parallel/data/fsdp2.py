@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llmlab.parallel.data.zero_memory import model_state_stats, optimizer_state_bytes
 from llmlab.parallel.mesh import ProcessGroups
 from llmlab.parallel.parallelize import ModelTransforms
 from llmlab.parallel.precision.plugins import WholeModelMixedPrecision, WholeModelPrecision
@@ -287,17 +288,12 @@ class FSDP2Engine:
         shard = sum(p.to_local().nbytes for _, p in self._named)
         full_total = sum(p.numel() * p.element_size() for _, p in self._named)
         grads = sum(p.grad.to_local().nbytes for _, p in self._named if p.grad is not None)
-        optim = _state_bytes(self.optimizers)
+        optim = optimizer_state_bytes(self.optimizers)
         params = full_total if self.stage == 2 else shard
         largest = max(self._unit_bytes, default=0)
         gathered = full_total if self.stage == 2 else 2 * largest  # current + prefetched
         self._peak = max(self._peak, shard + grads + optim + gathered + largest)
-        return {
-            "memory/params_bytes": float(params),
-            "memory/grads_bytes": float(grads),
-            "memory/optim_bytes": float(optim),
-            "memory/peak_bytes": float(self._peak),
-        }
+        return model_state_stats(params, grads, optim, self._peak)
 
     def close(self) -> None:
         """Leave every unit sharded (the shards are what a checkpoint after fit reads)."""
@@ -307,17 +303,6 @@ class FSDP2Engine:
 def _rows_per_rank(p: Tensor, world: int) -> int:
     """``torch.chunk``'s row count, FSDP2's dim-0 split: ``ceil(rows / world)``."""
     return -(-p.shape[0] // world) if p.dim() > 0 else 1
-
-
-def _state_bytes(optimizers: Sequence[Optimizer]) -> int:
-    total = 0
-    for opt in optimizers:
-        for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, Tensor):
-                    local = v.to_local() if isinstance(v, DTensor) else v
-                    total += local.numel() * local.element_size()
-    return total
 
 
 def local_rows(value: Tensor, like: DTensor) -> Tensor:

@@ -1,6 +1,8 @@
-"""What a ZeRO engine's model state costs one rank, in bytes, now and at its peak.
+"""What a rank's model state costs, in bytes, now and at its peak, at every ZeRO stage.
 
-``memory_stats`` is what a strategy logs each step (``memory/*_bytes``):
+``memory_stats`` is what a strategy logs each step (``memory/*_bytes``): a ZeRO engine's
+(:class:`ZeroMemory`, FSDP2's engine) or, at ``zero=0``, :class:`ReplicatedMemory`'s, so that
+``zero=0`` and ``zero>=1`` runs compare key by key:
 
 * params: the compute parameters this rank keeps (full at stages 0-2, the shard at 3);
 * grads: gradient buffers kept across steps (full at 0-1, plus the shard at 1-3);
@@ -18,6 +20,56 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from llmlab.parallel.data.zero_layout import Unit
+from llmlab.parallel.norm import local_tensor
+
+
+def optimizer_state_bytes(optimizers: Sequence[Optimizer]) -> int:
+    """The bytes of the distinct tensors in ``optimizers``' state (a DTensor by its local shard)."""
+    seen: set[int] = set()
+    total = 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, Tensor):
+                    local = local_tensor(v)
+                    if local.data_ptr() not in seen:
+                        seen.add(local.data_ptr())
+                        total += local.numel() * local.element_size()
+    return total
+
+
+def model_state_stats(params: int, grads: int, optim: int, peak: int) -> dict[str, float]:
+    """The ``memory/*_bytes`` keys every engine logs (see the module docstring)."""
+    return {
+        "memory/params_bytes": float(params),
+        "memory/grads_bytes": float(grads),
+        "memory/optim_bytes": float(optim),
+        "memory/peak_bytes": float(peak),
+    }
+
+
+class ReplicatedMemory:
+    """``zero=0``: this rank keeps all of its tensor/pipeline share, unsharded over data -- the
+    parameters, their gradients, the optimizer state and a precision plugin's fp32 masters (with
+    their gradients). All of it lives across steps, so the peak is the largest sum seen."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        optimizers: Sequence[Optimizer],
+        masters: Sequence[Tensor] = (),
+    ) -> None:
+        self.params = list(params)
+        self.optimizers = list(optimizers)
+        self.masters = list(masters)
+        self.peak_bytes = 0
+
+    def memory_stats(self) -> dict[str, float]:
+        params = sum(p.nbytes for p in self.params)
+        grads = sum(t.grad.nbytes for t in [*self.params, *self.masters] if t.grad is not None)
+        optim = optimizer_state_bytes(self.optimizers) + sum(m.nbytes for m in self.masters)
+        self.peak_bytes = max(self.peak_bytes, params + grads + optim)
+        return model_state_stats(params, grads, optim, self.peak_bytes)
 
 
 class ZeroMemory:
@@ -45,15 +97,7 @@ class ZeroMemory:
 
     def measure_optimizer(self) -> None:
         """Re-measure the optimizer state's bytes (after a step, or after loading it)."""
-        seen: set[int] = set()
-        total = 0
-        for opt in self.optimizers:
-            for state in opt.state.values():
-                for v in state.values():
-                    if isinstance(v, Tensor) and v.data_ptr() not in seen:
-                        seen.add(v.data_ptr())
-                        total += v.numel() * v.element_size()
-        self.optim_bytes = total
+        self.optim_bytes = optimizer_state_bytes(self.optimizers)
         self.track(0)
 
     def stats(self) -> dict[str, float]:
@@ -65,12 +109,8 @@ class ZeroMemory:
             for u in self.units
         )
         self.measure_optimizer()
-        return {
-            "memory/params_bytes": float(params),
-            "memory/grads_bytes": float(grads),
-            "memory/optim_bytes": float(self.optim_bytes + self.masters_bytes()),
-            "memory/peak_bytes": float(self.peak_bytes),
-        }
+        optim = self.optim_bytes + self.masters_bytes()
+        return model_state_stats(params, grads, optim, self.peak_bytes)
 
     def padding_elements(self) -> int:
         """Zeros added so every unit splits into equal shards (at most ``n - 1`` per unit)."""
