@@ -92,6 +92,8 @@ def fit(
     transforms: Mapping[str, Any] | None = None,
     clip: float | None = None,
     lr: float = 1e-2,
+    warmup_steps: int = 1,
+    eps: float = 1e-8,
     callbacks: Sequence[Any] = (),
     prepare: Callable[[Any, Any], None] | None = None,
     ckpt_path: str | None = None,
@@ -131,7 +133,9 @@ def fit(
     if dist.is_initialized():
         os.environ["WORLD_SIZE"] = str(dist.get_world_size())  # Lightning's teardown removes it
     L.seed_everything(0)
-    task = CausalLMTask(model=dict(model), lr=lr, warmup_steps=1, max_steps=steps)
+    task = CausalLMTask(
+        model=dict(model), lr=lr, warmup_steps=warmup_steps, max_steps=steps, eps=eps
+    )
     if prepare is not None:
         prepare(strategy, task)
     else:
