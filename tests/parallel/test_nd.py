@@ -127,9 +127,9 @@ def _nd_runs(rank: int, world: int, root: str, cases: list[dict]) -> dict:
             "coords": strategy.groups.coords,
             "comm": dict(strategy.last_comm),
             "chunks": _chunk_shapes(strategy, case.get("model", MODEL)["n_layer"]),
-            "loss_scale": getattr(run["trainer"].precision_plugin.masters, "loss_scale", None)
-            if case.get("precision")
-            else None,
+            "loss_scale": getattr(
+                getattr(run["trainer"].precision_plugin, "masters", None), "loss_scale", None
+            ),
         }
         if case.get("save"):
             run["trainer"].save_checkpoint(os.path.join(root, case["save"]))
