@@ -14,7 +14,7 @@ correct reduction, so a bound loose enough for it could also hide a small real e
 the same amplification starts ~9 digits lower, so the test asserts far tighter than 1e-5, at
 every step: grad norms within 1e-9 (measured: 4e-14 at most), losses within 1e-6 (the recorded
 loss is cast to fp32, whose ulp at a loss of ~4 is 4.8e-7; measured: 0 or that one ulp).
-Making fp64 hold end to end took four fixes of silent fp32 casts (the clip norm, ZeRO's
+Making fp64 hold end to end took five fixes of silent fp32 casts (the clip norm, ZeRO's
 masters, the vocab-parallel and the task's cross-entropy, RMSNorm's statistics); the first
 alone left Llama's norm 1.9e-6 off. The loss of a V-shaped schedule comes from pipeline rank
 0 (the last virtual stage is there), and validation runs the V's forward-only schedule, so both
