@@ -74,8 +74,8 @@ def _torch_attention(
 
 def _torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # HF's LlamaRMSNorm step by step (statistics in fp32, rounded before the weight), so that
-    # logits match transformers to the last bits in any dtype.
-    xf = x.float()
+    # logits match transformers to the last bits in any dtype; fp64 stays fp64.
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 

@@ -68,19 +68,22 @@ def global_grad_norm(
         (local_tensor(g), w) for g, w in zip(grads, weights, strict=True) if g is not None and w > 0
     ]
     device = present[0][0].device if present else _device_of(grads)
+    # The norm comes back in fp32, or fp64 for fp64 gradients: rounding an fp64 model's norm to
+    # fp32 would round its clip coefficient, which a single-process run does not.
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g, _ in present) else torch.float32
     if norm_type == float("inf"):
-        local = torch.zeros((), device=device, dtype=torch.float32)
+        local = torch.zeros((), device=device, dtype=torch.float64)  # the same on every rank
         for g, _ in present:
-            local = torch.maximum(local, g.detach().abs().max().float())
+            local = torch.maximum(local, g.detach().abs().max().double())
         for group in groups:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        return local
+        return local.to(dtype)
     total = torch.zeros((), device=device, dtype=torch.float64)
     for g, w in present:
         total += w * g.detach().double().norm(norm_type) ** norm_type
     for group in groups:
         dist.all_reduce(total, group=group)
-    return (total ** (1.0 / norm_type)).float()
+    return (total ** (1.0 / norm_type)).to(dtype)
 
 
 def clip_by_total_norm_(grads: Iterable[Tensor | None], total: Tensor, max_norm: float) -> None:

@@ -127,6 +127,7 @@ def build_unit(
             "dtype and device before wrapping it"
         )
     dtype = params[0].dtype
+    master_dtype = torch.promote_types(master_dtype, dtype)  # never below the model: fp64 stays
     full = FlatBuffer([p.detach() for p in params], pad_to=world)
     start, end = full.bounds(rank, world)
     # Exact starting values: the higher-precision ones a precision plugin kept, else the

@@ -34,7 +34,12 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import (
+    DoublePrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+)
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
@@ -100,6 +105,12 @@ class WholeModelHalfPrecision(WholeModelClipping, HalfPrecision):
     """Lightning's ``bf16-true`` / ``16-true``, clipping by a norm a strategy gives."""
 
 
+class WholeModelDoublePrecision(WholeModelClipping, DoublePrecision):
+    """Lightning's ``64-true``, clipping by a norm a strategy gives. Its use: exactness tests,
+    where fp64 shrinks the summation-order rounding that separates two layouts' runs by ~9
+    decimal digits, so a real difference cannot hide under it."""
+
+
 def with_whole_model_clipping(plugin: Precision) -> Precision:
     """``plugin`` if it takes a strategy's norm (:class:`WholeModelClipping`), else Lightning's
     stock plugin of the same precision as the llmlab subclass that does; any other plugin as it
@@ -114,6 +125,8 @@ def with_whole_model_clipping(plugin: Precision) -> Precision:
         return WholeModelMixedPrecision(mixed.precision, mixed.device, mixed.scaler)
     if kind is HalfPrecision:
         return WholeModelHalfPrecision(plugin.precision)  # type: ignore[arg-type]
+    if kind is DoublePrecision:
+        return WholeModelDoublePrecision()
     return plugin
 
 

@@ -28,7 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> Tensor:
         vocab_local = logits.shape[-1]
         start = C.group_rank(group) * vocab_local
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays fp64
         local_max = logits.max(dim=-1).values
         global_max = C.all_reduce(local_max, group, "cross_entropy.max", op="max")
         shifted = logits - global_max.unsqueeze(-1)
