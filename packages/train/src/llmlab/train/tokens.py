@@ -341,8 +341,9 @@ def data_config_problems(
     cfg: Any, model: Mapping[str, Any] | None, tokenizer_vocab: int | None = None
 ) -> list[str]:
     """What the app refuses before any process starts, for ``data=tokens`` runs: document
-    masking where the document ids cannot reach attention (a pipeline, context parallelism), and a model vocabulary smaller than
-    the ids the data holds. ``cfg`` is the app's whole (Hydra) config."""
+    masking where the document ids cannot reach attention (a pipeline, context parallelism),
+    and a model vocabulary smaller than the ids the data holds. ``cfg`` is the app's whole
+    (Hydra) config."""
     from omegaconf import OmegaConf
 
     from llmlab.models.registry import ARCHITECTURES
