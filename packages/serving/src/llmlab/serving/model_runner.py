@@ -14,6 +14,15 @@ start so a masked slot never holds NaN. Its shapes come from a probe: one single
 through the model's own attention records each layer's ``k`` heads, head dim and dtype (the
 device is the model's).
 
+**The hot path.** A step that decodes one token of one sequence whose blocks lie one after
+another in the pool (a lone request: blocks are handed out in order) skips the general
+machinery: no ``PagedLayout``, the new key and value are written at their slot, and each layer
+runs the one SDPA call the reference would run, over a slice of the pool (see ``_PagedLayer``).
+Models that offer ``inference_forward`` (``llmlab.models.GPT``: ``forward`` without
+``nn.Module`` dispatch, bit-identical) are run through it while no module hook is registered.
+Measured on the serving benchmark's GPT-2 (batch 1, CPU): the step's non-matmul overhead was
+larger than its 17 matrix-vector products, which read ~21 MB of weights per token.
+
 On a CPU the runner first stores every linear weight of the model in the memory order that
 multiplies one row fastest on this machine (``llmlab.decoding.layout``; CUDA weights are left
 alone): a decode step is a chain of one-row products, bound by reading the weights.
@@ -24,8 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.modules import module as nn_module
 
 from llmlab.decoding.layout import tune_linear_layouts
 from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
@@ -40,9 +53,11 @@ class PagedBatch:
 
     input_ids: Tensor  # (1, N)
     positions: Tensor  # (1, N)
-    slot_mapping: Tensor  # (N,) pool slot of each new token
-    layout: PagedLayout  # block tables (padded with block 0, never read), query offsets, lengths
+    slot_mapping: Tensor | None  # (N,) pool slot of each new token (None on the hot path)
+    layout: PagedLayout | None  # block tables (padded with block 0), query offsets, lengths
     logits_indices: Tensor | int  # rows whose logits are wanted; 0: every row (no gather)
+    # the hot path (one decode, consecutive blocks): the new token's slot, where its keys are
+    single: tuple[int, slice] | None = None
 
 
 class KVPool:
@@ -86,6 +101,9 @@ class _PagedLayer:
             return self.fallback(q, k, v, causal=causal, dropout_p=dropout_p)
         keys, values = runner.pool.keys[self.layer], runner.pool.values[self.layer]
         heads, dim = keys.shape[2], keys.shape[3]
+        if batch.single is not None:
+            return self._single(q, k, v, keys.view(-1, heads, dim), values.view(-1, heads, dim),
+                                *batch.single)  # fmt: skip
         # (1, H_kv, N, D) -> (N, H_kv, D) rows written at their slots
         keys.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, k[0].transpose(0, 1))
         values.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, v[0].transpose(0, 1))
@@ -93,12 +111,34 @@ class _PagedLayer:
                               backend=runner.backend)  # fmt: skip
         return out.transpose(0, 1)[None]  # (1, H, N, D), as the model's attention returns
 
+    @staticmethod
+    def _single(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slot: int,
+                where: slice) -> Tensor:  # fmt: skip
+        """One decode token over consecutive blocks: the SDPA call ``paged_attention``'s
+        reference makes for it (same shapes, strides and scale: the same result), without the
+        layout, the checks and the dispatch that a general step needs.
+
+        ``q``/``k``/``v``: (1, H, 1, D) / (1, H_kv, 1, D); ``keys``/``values``: the flat pool
+        (slots, H_kv, D) of this layer; ``where``: the sequence's slots, the new one included.
+        """
+        keys[slot] = k[0, :, 0]
+        values[slot] = v[0, :, 0]
+        heads, dim = keys.shape[1], keys.shape[2]
+        kk = keys[where].view(1, -1, heads, dim).transpose(1, 2)
+        vv = values[where].view(1, -1, heads, dim).transpose(1, 2)
+        qq = q[0].transpose(0, 1)[:, :, None]  # (1, H, 1, D), the reference's view of q
+        o = F.scaled_dot_product_attention(qq, kk, vv, scale=1.0 / math.sqrt(dim),
+                                           enable_gqa=q.shape[1] != heads)  # fmt: skip
+        return o  # (1, H, 1, D): the reference's (1, H, D) output viewed back
+
 
 class ModelRunner:
     def __init__(self, model: Any, config: EngineConfig) -> None:
         check_paged_model(model)
         self.model = model
         self.config = config
+        # checked for hooks before each forward (see _lean_forward); fixed once built
+        self._modules = list(model.modules()) if hasattr(model, "modules") else []
         self.device = next(iter(model.parameters())).device
         # Batch-1 decoding reads every weight once per token: on a CPU the memory order of
         # each weight decides how fast (see llmlab.decoding.layout).
@@ -144,6 +184,10 @@ class ModelRunner:
     def prepare(self, chunks: list[Chunk]) -> PagedBatch:
         """The packed tensors of ``chunks`` (see the module docstring)."""
         bs = self.config.block_size
+        if len(chunks) == 1 and chunks[0].num_tokens == 1 and self.backend == "torch":
+            single = self._prepare_single(chunks[0])
+            if single is not None:
+                return single
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -190,10 +234,45 @@ class ModelRunner:
             self.pool.copy_blocks(copies)
         batch = self.prepare(chunks)
         self.batch = batch
+        forward = self._lean_forward() or self.model
         try:
-            logits = self.model(
+            logits = forward(
                 batch.input_ids, positions=batch.positions, logits_to_keep=batch.logits_indices
             )
         finally:
             self.batch = None
         return logits[0].float()
+
+    def _prepare_single(self, chunk: Chunk) -> PagedBatch | None:
+        """The hot path's batch: one decode token of a sequence whose blocks are consecutive
+        (None otherwise). Two one-element tensors and two host integers; nothing per layer."""
+        bs = self.config.block_size
+        seq, p = chunk.seq, chunk.start
+        table = seq.block_table
+        first, n = table[0], p // bs + 1
+        if table[n - 1] - first != n - 1 or table[:n] != list(range(first, first + n)):
+            return None
+        device = self.device
+        return PagedBatch(
+            input_ids=torch.tensor([[seq.token_ids[p]]], device=device),
+            positions=torch.tensor([[p]], device=device),
+            slot_mapping=None,
+            layout=None,
+            logits_indices=0,
+            single=(first * bs + p, slice(first * bs, first * bs + p + 1)),
+        )
+
+    def _lean_forward(self) -> Any:
+        """The model's ``inference_forward`` while it is safe to skip ``nn.Module`` dispatch:
+        eval mode and no hook anywhere (a hook would be silently skipped), else None."""
+        lean = getattr(self.model, "inference_forward", None)
+        if lean is None or self.model.training or _any_hooks(self._modules):
+            return None
+        return lean
+
+
+def _any_hooks(modules: list[torch.nn.Module]) -> bool:
+    """Whether a forward hook, global or on one of ``modules``, would run in a forward."""
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
