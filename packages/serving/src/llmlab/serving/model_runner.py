@@ -30,10 +30,9 @@ alone): a decode step is a chain of one-row products, bound by reading the weigh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import torch
 import torch.nn.functional as F
