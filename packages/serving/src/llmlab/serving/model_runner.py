@@ -55,8 +55,9 @@ class PagedBatch:
     slot_mapping: Tensor | None  # (N,) pool slot of each new token (None on the hot path)
     layout: PagedLayout | None  # block tables (padded with block 0), query offsets, lengths
     logits_indices: Tensor | int  # rows whose logits are wanted; 0: every row (no gather)
-    # the hot path (one decode, consecutive blocks): the new token's slot, where its keys are
-    single: tuple[int, slice] | None = None
+    # the hot path (one decode, consecutive blocks): the new token's slot, the sequence's first
+    # slot and its length (see _attend_single)
+    single: tuple[int, int, int] | None = None
 
 
 class KVPool:
@@ -92,17 +93,18 @@ class _PagedLayer:
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, dropout_p: float = 0.0
     ) -> Tensor:
         runner = self.runner
+        batch = runner.batch
+        if batch is not None and batch.single is not None:  # the hot path first
+            pool = runner.pool
+            return _attend_single(q, k, v, pool.keys[self.layer], pool.values[self.layer],
+                                  *batch.single)  # fmt: skip
         if runner.probe is not None:  # learning the pool's shapes
             runner.probe.append((k.shape[1], k.shape[3], k.dtype))
             return self.fallback(q, k, v, causal=causal, dropout_p=dropout_p)
-        batch = runner.batch
         if batch is None:  # not the engine's forward: the model's own attention
             return self.fallback(q, k, v, causal=causal, dropout_p=dropout_p)
         keys, values = runner.pool.keys[self.layer], runner.pool.values[self.layer]
         heads, dim = keys.shape[2], keys.shape[3]
-        if batch.single is not None:
-            return self._single(q, k, v, keys.view(-1, heads, dim), values.view(-1, heads, dim),
-                                *batch.single)  # fmt: skip
         # (1, H_kv, N, D) -> (N, H_kv, D) rows written at their slots
         keys.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, k[0].transpose(0, 1))
         values.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, v[0].transpose(0, 1))
@@ -110,25 +112,27 @@ class _PagedLayer:
                               backend=runner.backend)  # fmt: skip
         return out.transpose(0, 1)[None]  # (1, H, N, D), as the model's attention returns
 
-    @staticmethod
-    def _single(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slot: int,
-                where: slice) -> Tensor:  # fmt: skip
-        """One decode token over consecutive blocks: the SDPA call ``paged_attention``'s
-        reference makes for it (same shapes, strides and scale: the same result), without the
-        layout, the checks and the dispatch that a general step needs.
 
-        ``q``/``k``/``v``: (1, H, 1, D) / (1, H_kv, 1, D); ``keys``/``values``: the flat pool
-        (slots, H_kv, D) of this layer; ``where``: the sequence's slots, the new one included.
-        """
-        keys[slot] = k[0, :, 0]
-        values[slot] = v[0, :, 0]
-        heads, dim = keys.shape[1], keys.shape[2]
-        kk = keys[where].view(1, -1, heads, dim).transpose(1, 2)
-        vv = values[where].view(1, -1, heads, dim).transpose(1, 2)
-        qq = q[0].transpose(0, 1)[:, :, None]  # (1, H, 1, D), the reference's view of q
-        o = F.scaled_dot_product_attention(qq, kk, vv, scale=1.0 / math.sqrt(dim),
-                                           enable_gqa=q.shape[1] != heads)  # fmt: skip
-        return o  # (1, H, 1, D): the reference's (1, H, D) output viewed back
+def _attend_single(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slot: int,
+                   first: int, length: int) -> Tensor:  # fmt: skip
+    """One decode token over consecutive slots ``first .. first + length - 1`` of the pool
+    (``slot``, the new token's, is the last): the one SDPA call ``paged_attention``'s reference
+    makes for it, on tensors of the same shapes and strides (so the same result, bit for bit),
+    without the layout, the checks and the dispatch that a general step needs.
+
+    ``q``/``k``/``v``: (1, H, 1, D) / (1, H_kv, 1, D); ``keys``/``values``: this layer's pool
+    (num_blocks, block_size, H_kv, D). Returns (1, H, 1, D) as the model's attention does.
+    """
+    heads, dim = keys.shape[2], keys.shape[3]
+    flat_k, flat_v = keys.view(-1, heads, dim), values.view(-1, heads, dim)
+    flat_k[slot].copy_(k.reshape(heads, dim))
+    flat_v[slot].copy_(v.reshape(heads, dim))
+    # the reference's pool[first:first + length].view(1, -1, H_kv, D).transpose(1, 2), in one op
+    shape, strides = (1, heads, length, dim), (length * heads * dim, dim, heads * dim, 1)
+    kk = keys.as_strided(shape, strides, keys.storage_offset() + first * heads * dim)
+    vv = values.as_strided(shape, strides, values.storage_offset() + first * heads * dim)
+    return F.scaled_dot_product_attention(q, kk, vv, scale=1.0 / math.sqrt(dim),
+                                          enable_gqa=q.shape[1] != heads)  # fmt: skip
 
 
 class ModelRunner:
@@ -258,7 +262,7 @@ class ModelRunner:
             slot_mapping=None,
             layout=None,
             logits_indices=0,
-            single=(first * bs + p, slice(first * bs, first * bs + p + 1)),
+            single=(first * bs + p, first * bs, p + 1),
         )
 
     def _lean_forward(self) -> Any:
