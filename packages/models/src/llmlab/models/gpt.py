@@ -275,12 +275,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             attn, mlp, ln_1, ln_2 = block.attn, block.mlp, block.ln_1, block.ln_2
             B, T, _ = x.shape
+            heads, dim = attn.local_heads, attn.head_dim
             h = ln_1.ops.layer_norm(x, ln_1.weight, ln_1.bias, ln_1.eps)
-            qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
-            qkv = qkv.view(B, T, attn.local_heads, 3, attn.head_dim)
-            q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+            qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias).view(B, T, heads, 3, dim)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # forward's views, one call
             y = attn.ops.attention(q, k, v, causal=True, dropout_p=0.0)
-            y = y.transpose(1, 2).reshape(B, T, attn.local_heads * attn.head_dim)
+            y = y.transpose(1, 2).reshape(B, T, heads * dim)
             x = x + F.linear(y, attn.proj.weight, attn.proj.bias)
             h = ln_2.ops.layer_norm(x, ln_2.weight, ln_2.bias, ln_2.eps)
             h = mlp.ops.gelu(F.linear(h, mlp.fc.weight, mlp.fc.bias))

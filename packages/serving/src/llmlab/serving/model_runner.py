@@ -140,8 +140,10 @@ class ModelRunner:
         check_paged_model(model)
         self.model = model
         self.config = config
-        # checked for hooks before each forward (see _lean_forward); fixed once built
-        self._modules = list(model.modules()) if hasattr(model, "modules") else []
+        # every module's forward-hook dicts (registering or removing a hook mutates them in
+        # place), checked before each forward in one C-level pass (see _lean_forward)
+        modules = list(model.modules()) if hasattr(model, "modules") else []
+        self._hook_dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.device = next(iter(model.parameters())).device
         # Batch-1 decoding reads every weight once per token: on a CPU the memory order of
         # each weight decides how fast (see llmlab.decoding.layout).
@@ -269,13 +271,8 @@ class ModelRunner:
         """The model's ``inference_forward`` while it is safe to skip ``nn.Module`` dispatch:
         eval mode and no hook anywhere (a hook would be silently skipped), else None."""
         lean = getattr(self.model, "inference_forward", None)
-        if lean is None or self.model.training or _any_hooks(self._modules):
+        if lean is None or self.model.training:
             return None
-        return lean
-
-
-def _any_hooks(modules: list[torch.nn.Module]) -> bool:
-    """Whether a forward hook, global or on one of ``modules``, would run in a forward."""
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return None
+        return None if any(self._hook_dicts) else lean
