@@ -29,9 +29,13 @@ are scaled by the CPU seconds the process used over the wall seconds of its run.
 
 The hot path: one request, greedy, 256 new tokens, against HF ``generate`` and llmlab's
 ``generate`` (one thread, best CPU time of 4 interleaved rounds), with the engine's time per
-token broken down. The engine stores its weights in the memory order that multiplies one row
-fastest here (``EngineConfig.tune_weight_layouts``, see ``llmlab.decoding.layout``); the
-notes name the weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
+token broken down: the 16 linear layers, the LM head, paged attention, the rest of the forward,
+the engine's own bookkeeping, and the same matrix products timed alone (the fp32 floor: every
+token reads all the weights). The engine stores its weights in the memory order that multiplies
+one row fastest here (``EngineConfig.tune_weight_layouts``, see ``llmlab.decoding.layout``);
+the notes name the weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
+The engine's step at batch 1 is its hot path (``llmlab.serving.model_runner``: one SDPA call
+per layer on a slice of the pool, the model's ``inference_forward`` without module dispatch).
 
 Run: ``.venv/bin/python -m benchmarks.serving`` (``--smoke``: tiny sizes, seconds).
 """
