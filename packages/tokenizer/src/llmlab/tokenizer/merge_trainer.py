@@ -25,9 +25,11 @@ with the id layout each trainer chooses (HF's) it reproduces HF's merge list.
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from operator import add
 from typing import TypeVar
 
@@ -55,6 +57,20 @@ def spell(ids: Sequence[int]) -> str:
     return "".join(map(id_char, ids))
 
 
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector: training allocates hundreds of thousands of sets and
+    dicts that live to the end and form no cycles, and each generation-2 collection re-walks all
+    of them (a quarter of the merge loop's time on the 9.6 MB corpus)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def train_merges(
     words: list[str],
     counts: list[int],
@@ -71,6 +87,19 @@ def train_merges(
     a merge whose result already exists reuses that id (as HF does). Returns the merges as pairs
     of ids, in order.
     """
+    with paused_gc():
+        return _train(words, counts, tokens, vocab_size, concat, min_frequency, show_progress)
+
+
+def _train(
+    words: list[str],
+    counts: list[int],
+    tokens: list[T],
+    vocab_size: int,
+    concat: Callable[[T, T], T],
+    min_frequency: int,
+    show_progress: bool,
+) -> list[tuple[int, int]]:
     if len(tokens) + max(vocab_size - len(tokens), 0) > MAX_SYMBOLS:
         raise ValueError(f"vocab_size={vocab_size} exceeds the {MAX_SYMBOLS} symbols supported")
     token_ids: dict[T, int] = {t: i for i, t in enumerate(tokens)}
