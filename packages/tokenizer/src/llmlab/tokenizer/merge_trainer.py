@@ -25,14 +25,13 @@ with the id layout each trainer chooses (HF's) it reproduces HF's merge list.
 
 from __future__ import annotations
 
-import gc
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Sequence
 from operator import add
 from typing import TypeVar
 
+from llmlab.tokenizer.gcpause import paused_gc
 from llmlab.tokenizer.progress import Progress
 
 T = TypeVar("T", bound=Hashable)
@@ -57,20 +56,6 @@ def spell(ids: Sequence[int]) -> str:
     return "".join(map(id_char, ids))
 
 
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector: training allocates hundreds of thousands of sets and
-    dicts that live to the end and form no cycles, and each generation-2 collection re-walks all
-    of them (a quarter of the merge loop's time on the 9.6 MB corpus)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def train_merges(
     words: list[str],
     counts: list[int],
@@ -87,7 +72,7 @@ def train_merges(
     a merge whose result already exists reuses that id (as HF does). Returns the merges as pairs
     of ids, in order.
     """
-    with paused_gc():
+    with paused_gc():  # the where-sets are many, long-lived and acyclic (see gcpause)
         return _train(words, counts, tokens, vocab_size, concat, min_frequency, show_progress)
 
 
