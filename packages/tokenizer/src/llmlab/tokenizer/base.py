@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from llmlab.tokenizer.errors import UnknownTokenError
 from llmlab.tokenizer.gcpause import paused_gc
-from llmlab.tokenizer.pretokenize import iter_file_lines
+from llmlab.tokenizer.pretokenize import FileLines
 from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
 
 FORMAT_TAG = "llmlab-tokenizer"
@@ -82,7 +82,7 @@ class TokenizerBase:
     ) -> TokenizerBase:
         """``train`` on UTF-8 files read line by line, line endings kept (each line is one text,
         as HF's and sentencepiece's file trainers read them)."""
-        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
+        return cls.train(FileLines(paths), vocab_size, **kwargs)
 
     # ----------------------------------------------------------------- encoding
     def _encode_segment(self, text: str, at_start: bool) -> list[int]:

@@ -49,6 +49,8 @@ class BertWords:
     def __init__(self, tok: WordPieceTokenizer):
         self.options = (tok.clean_text, tok.handle_chinese_chars, tok.strip_accents, tok.lowercase)
 
+    line_agnostic = True  # a line break is whitespace to the normalizer and the pre-tokenizer
+
     def __call__(self, text: str) -> list[str]:
         return bert_text.pre_tokenize(bert_text.normalize(text, *self.options))
 
