@@ -70,15 +70,15 @@ def expand_tokens(tokens: Counter[str], findall: Callable[[str], list[str]]) -> 
 
 
 class WhitespaceBounded:
-    """A ``WHITESPACE_BOUNDED`` pattern as a two-level splitter (``count_units`` in the
-    workers, ``expand`` once at the end); picklable, only the pattern travels."""
+    """A ``WHITESPACE_BOUNDED`` pattern as a two-level splitter (``count_units`` per batch,
+    ``expand`` once at the end)."""
+
+    line_agnostic = True  # lines are cut at whitespace, which the pattern never matches
 
     def __init__(self, pattern: str):
         if pattern not in WHITESPACE_BOUNDED:
             raise ValueError(f"pattern {pattern!r} is not one of {sorted(WHITESPACE_BOUNDED)}")
         self.pattern = pattern
-
-    line_agnostic = True  # lines are cut at whitespace, which the pattern never matches
 
     def __call__(self, text: str) -> list[str]:
         return compiled(self.pattern).findall(text)

@@ -38,7 +38,7 @@ def byte_pieces() -> list[Piece]:
 
 
 def _simple_line(text: str) -> bool:
-    """Whether a line's words are "▁" + its space-separated tokens (``count_batch``)."""
+    """Whether a line's words are "▁" + its space-separated tokens (``count_units``)."""
     return (
         text[:1] not in ("", " ")
         and text[-1] != " "
