@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 import regex
 
 from llmlab.tokenizer.char_bpe import byte_token
-from llmlab.tokenizer.char_bpe_train import train_char_bpe
+from llmlab.tokenizer.char_bpe_train import char_counts, train_char_bpe
 from llmlab.tokenizer.pretokenize import count_chunks
 from llmlab.tokenizer.sp_normalizer import SPACE, SentencePieceNormalizer, valid_utf8
 
@@ -159,10 +159,7 @@ def train_pieces(
 
 def _covered(words: Counter[str], coverage: float) -> list[str]:
     """The most frequent characters covering ``coverage`` of all characters (``▁`` always)."""
-    counts: Counter[str] = Counter()
-    for word, n in words.items():
-        for c in word:
-            counts[c] += n
+    counts = char_counts(words)
     total = sum(counts.values())
     kept, running = [], 0
     for c, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -178,7 +175,7 @@ def _covered(words: Counter[str], coverage: float) -> list[str]:
 def _without(words: Counter[str], alphabet: list[str]) -> Counter[str]:
     """Words with the characters outside ``alphabet`` cut out (no piece may span them)."""
     allowed = set(alphabet)
-    if all(c in allowed for word in words for c in word):
+    if allowed.issuperset("".join(words)):  # every character kept (checked in C)
         return words
     cut = regex.compile("[^" + "".join(regex.escape(c) for c in sorted(allowed)) + "]+")
     out: Counter[str] = Counter()
