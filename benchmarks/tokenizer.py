@@ -16,7 +16,9 @@ Encoding (targets: at least the reference's speed): the byte-level fast path vs 
 whole corpus; end-of-word BPE, WordPiece and SentencePiece BPE on its first 2 MB vs HF
 (``encode_batch`` of the lines, its fastest call, all cores) and SentencePiece BPE vs
 sentencepiece (one thread); ids checked equal.
-llmlab's trainers count words in ``os.cpu_count()`` processes, as HF uses every core.
+llmlab's trainers are given ``workers=os.cpu_count()``, as HF uses every core: byte-level BPE
+counts words in that many processes; the other families count in two levels in one process
+(``pretokenize``: shipping their batches costs what counting them does).
 """
 
 from __future__ import annotations
@@ -405,10 +407,11 @@ def main(argv: list[str] | None = None) -> None:
         rows,
         notes=(
             f"Corpus: {megabytes:.1f} MB of Shakespeare, read line by line. Training: the best of "
-            f"{repeats} runs interleaved with the reference; llmlab counts words in {WORKERS} "
-            "processes (HF uses its threads); extra.equals_hf: the learned merges / vocabulary "
-            "equal HF's in order (given the initial id layout of an HF run, which HF draws from a "
-            "random hash order for end-of-word BPE and WordPiece). "
+            f"{repeats} runs interleaved with the reference; llmlab is given workers={WORKERS} "
+            "(HF uses its threads): byte-level BPE counts words in that many processes, the "
+            "other families in one (two-level counting); extra.equals_hf: the learned merges / "
+            "vocabulary equal HF's in order (given the initial id layout of an HF run, which HF "
+            "draws from a random hash order for end-of-word BPE and WordPiece). "
             f"Unigram: {unigram_mb:.1f} MB, one run each, no target (pure-Python EM; reported). "
             "Encoding: the whole corpus for byte-level "
             "BPE, its first 2 MB for the other families (lines), ids checked equal "

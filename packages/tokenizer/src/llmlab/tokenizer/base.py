@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from llmlab.tokenizer.errors import UnknownTokenError
-from llmlab.tokenizer.pretokenize import iter_file_lines
+from llmlab.tokenizer.gcpause import paused_gc
+from llmlab.tokenizer.pretokenize import FileLines
 from llmlab.tokenizer.special import SpecialSpec, check_disallowed, resolve_special, split_special
 
 FORMAT_TAG = "llmlab-tokenizer"
@@ -81,7 +82,7 @@ class TokenizerBase:
     ) -> TokenizerBase:
         """``train`` on UTF-8 files read line by line, line endings kept (each line is one text,
         as HF's and sentencepiece's file trainers read them)."""
-        return cls.train(iter_file_lines(paths), vocab_size, **kwargs)
+        return cls.train(FileLines(paths), vocab_size, **kwargs)
 
     # ----------------------------------------------------------------- encoding
     def _encode_segment(self, text: str, at_start: bool) -> list[int]:
@@ -120,13 +121,15 @@ class TokenizerBase:
     ) -> list[list[int]]:
         """``encode`` of each text. ``num_threads`` is used where encoding releases the GIL
         (the tiktoken fast path); pure-Python encoders run the texts one after the other."""
-        return [self.encode(t, allowed_special, disallowed_special) for t in texts]
+        with paused_gc():  # one new list per text (gcpause)
+            return [self.encode(t, allowed_special, disallowed_special) for t in texts]
 
     def encode_ordinary_batch(
         self, texts: Sequence[str], *, num_threads: int = 8
     ) -> list[list[int]]:
         """``encode_ordinary`` of each text (see ``encode_batch`` for ``num_threads``)."""
-        return [self.encode_ordinary(t) for t in texts]
+        with paused_gc():  # one new list per text (gcpause)
+            return [self.encode_ordinary(t) for t in texts]
 
     # ----------------------------------------------------------------- decoding
     def decode_bytes(self, ids: Iterable[int]) -> bytes:

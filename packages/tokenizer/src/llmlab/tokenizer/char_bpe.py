@@ -22,6 +22,7 @@ from itertools import chain
 from typing import Any
 
 from llmlab.tokenizer.bpe_encode import concat_cached
+from llmlab.tokenizer.gcpause import paused_gc
 
 Table = dict[tuple[int, int], tuple[float, int]]
 CACHE_LIMIT = 200_000
@@ -141,12 +142,17 @@ class CharBPEModel:
         """``encode_words`` of each list: the unseen words of all lists are merged in one pass,
         then each list is looked up in C (a batch of short texts pays no per-text set)."""
         cache = self._cache
-        unseen = set().union(*lists).difference(cache)
-        if len(cache) + len(unseen) > CACHE_LIMIT:
-            return [self.encode_words(words) for words in lists]
-        cache.update((word, self._merge(word)) for word in unseen)
         get = cache.__getitem__
-        return [list(chain.from_iterable(map(get, words))) for words in lists]
+        with paused_gc():  # one new list per text, beside a large cache of lists (gcpause)
+            try:  # every word seen before (a warm cache): no pass to find the unseen ones
+                return [list(chain.from_iterable(map(get, words))) for words in lists]
+            except KeyError:
+                pass
+            unseen = set().union(*lists).difference(cache)
+            if len(cache) + len(unseen) > CACHE_LIMIT:
+                return [self.encode_words(words) for words in lists]
+            cache.update((word, self._merge(word)) for word in unseen)
+            return [list(chain.from_iterable(map(get, words))) for words in lists]
 
     def symbols(self, word: str) -> list[int]:
         """The word's characters as ids before any merge (HF's ``merge_word`` start)."""

@@ -38,8 +38,8 @@ def train_char_bpe(
     """(tokens in id order, merges as id pairs) learned from ``{word: count}``."""
     prefix, suffix = continuing_subword_prefix or "", end_of_word_suffix or ""
     tokens: list[str] = list(dict.fromkeys(special_tokens))
-    char_counts = _char_counts(word_counts)
-    alphabet = _alphabet(char_counts, limit_alphabet, initial_alphabet)
+    char_freq = char_counts(word_counts)
+    alphabet = _alphabet(char_freq, limit_alphabet, initial_alphabet)
     known = set(tokens) | set(alphabet)  # HF keeps a character when its string is a token
 
     def form(c: str, position: str) -> str:
@@ -64,7 +64,7 @@ def train_char_bpe(
     # are dropped, keeping the others' places, as HF does.
     table = {}
     for where, chars in seen.items():
-        mapping: dict[str, str | None] = dict.fromkeys(char_counts.keys() - known)
+        mapping: dict[str, str | None] = dict.fromkeys(char_freq.keys() - known)
         mapping.update({c: id_char(ids[form(c, where)]) for c in chars & known})
         table[where] = str.maketrans(mapping)
     first, middle, last, alone = (table[k] for k in ("first", "middle", "last", "alone"))
@@ -86,7 +86,7 @@ def train_char_bpe(
     return tokens, merges
 
 
-def _char_counts(word_counts: Mapping[str, int]) -> Counter[str]:
+def char_counts(word_counts: Mapping[str, int]) -> Counter[str]:
     """How often each character occurs, counted in C: words are grouped by their count."""
     groups: dict[int, list[str]] = defaultdict(list)
     for word, n in word_counts.items():

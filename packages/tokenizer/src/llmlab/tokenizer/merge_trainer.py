@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Sequence
 from operator import add
 from typing import TypeVar
 
+from llmlab.tokenizer.gcpause import paused_gc
 from llmlab.tokenizer.progress import Progress
 
 T = TypeVar("T", bound=Hashable)
@@ -71,6 +72,19 @@ def train_merges(
     a merge whose result already exists reuses that id (as HF does). Returns the merges as pairs
     of ids, in order.
     """
+    with paused_gc():  # the where-sets are many, long-lived and acyclic (see gcpause)
+        return _train(words, counts, tokens, vocab_size, concat, min_frequency, show_progress)
+
+
+def _train(
+    words: list[str],
+    counts: list[int],
+    tokens: list[T],
+    vocab_size: int,
+    concat: Callable[[T, T], T],
+    min_frequency: int,
+    show_progress: bool,
+) -> list[tuple[int, int]]:
     if len(tokens) + max(vocab_size - len(tokens), 0) > MAX_SYMBOLS:
         raise ValueError(f"vocab_size={vocab_size} exceeds the {MAX_SYMBOLS} symbols supported")
     token_ids: dict[T, int] = {t: i for i, t in enumerate(tokens)}

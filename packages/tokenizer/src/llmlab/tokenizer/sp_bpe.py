@@ -34,6 +34,7 @@ from llmlab.tokenizer import hf_components, sp_model
 from llmlab.tokenizer.base import TokenizerBase, unknown_id, write_atomic
 from llmlab.tokenizer.char_bpe import CharBPEModel, Table, merges_table
 from llmlab.tokenizer.errors import TokenizerFileError
+from llmlab.tokenizer.gcpause import paused_gc
 from llmlab.tokenizer.sp_bpe_train import WORDS, Piece, train_pieces
 from llmlab.tokenizer.sp_hf import from_hf_fields, to_hf
 from llmlab.tokenizer.sp_normalizer import SPACE, SentencePieceNormalizer, split_matches
@@ -163,11 +164,12 @@ class SentencePieceBPETokenizer(TokenizerBase):
     ) -> list[list[int]]:
         """``encode_ordinary`` of each text; with sentencepiece's rules and no user-defined
         symbols, all texts' words go through the model in one batch."""
-        if self.hf_mode or self._user_split is not None or not self._splittable:
-            return [self.encode_ordinary(t) for t in texts]
-        findall = WORDS.findall
-        normalized = self.front.normalize_batch(texts)  # type: ignore[union-attr]
-        return self.bpe.encode_word_lists([findall(t) for t in normalized])
+        with paused_gc():  # a list per text (gcpause)
+            if self.hf_mode or self._user_split is not None or not self._splittable:
+                return [self.encode_ordinary(t) for t in texts]
+            findall = WORDS.findall
+            normalized = self.front.normalize_batch(texts)  # type: ignore[union-attr]
+            return self.bpe.encode_word_lists([findall(t) for t in normalized])
 
     def _split_user_defined(self, text: str) -> list[tuple[str, bool]]:
         return split_matches(text, self._user_split)

@@ -16,19 +16,22 @@ out, so that the ``.model`` llmlab writes loads in ``sentencepiece`` and encodes
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import regex
 
 from llmlab.tokenizer.char_bpe import byte_token
-from llmlab.tokenizer.char_bpe_train import train_char_bpe
+from llmlab.tokenizer.char_bpe_train import char_counts, train_char_bpe
 from llmlab.tokenizer.pretokenize import count_chunks
-from llmlab.tokenizer.sp_normalizer import SPACE, SentencePieceNormalizer
+from llmlab.tokenizer.sp_normalizer import SPACE, SentencePieceNormalizer, valid_utf8
 
 Piece = tuple[str, float, str]  # (text, score, kind): normal/unknown/control/user_defined/byte
-# Words of normalized text: cut before each "▁"-run that follows other text.
-WORDS = regex.compile(r"▁*[^▁]+|▁+")
+# Words of normalized text: cut before each "▁"-run that follows other text. (The standard
+# ``re`` module: no Unicode class to pin here, and it matches these short lines faster.)
+WORDS = re.compile(r"▁*[^▁]+|▁+")
 
 
 def byte_pieces() -> list[Piece]:
@@ -36,10 +39,21 @@ def byte_pieces() -> list[Piece]:
     return [(byte_token(b), 0.0, "byte") for b in range(256)]
 
 
+def _simple_line(text: str) -> bool:
+    """Whether a line's words are "▁" + its space-separated tokens (``count_units``)."""
+    return (
+        text[:1] not in ("", " ")
+        and text[-1] != " "
+        and SPACE not in text
+        and "\n" not in text
+        and "  " not in text
+    )
+
+
 class SentenceWords:
     """A sentence -> its training words (picklable, for worker processes)."""
 
-    _LINE_WORDS = regex.compile(r"▁*[^▁\n]+|▁+")  # WORDS that never cross a "\n"
+    _LINE_WORDS = re.compile(r"▁*[^▁\n]+|▁+")  # WORDS that never cross a "\n"
 
     def __init__(self, normalizer: SentencePieceNormalizer):
         self.normalizer = normalizer
@@ -50,17 +64,46 @@ class SentenceWords:
             and not n.remove_extra_whitespaces
             and n.escape_whitespaces
         )
+        self.prefixed = self.plain and n.add_dummy_prefix  # every word starts with "▁"
 
     def split_batch(self, texts: list[str]) -> list[str]:
         """The words of many sentences. With the plain normalizer (no charsmap, no user symbols,
         spaces kept) normalizing is ``replace`` and a prefix, so the sentences are joined with
         newlines (which no sentence contains) and split by one ``findall``."""
         lines = [t.rstrip("\r\n") for t in texts]
-        if not self.plain or any("\n" in t for t in lines):
+        if not self.plain or any("\n" in t for t in lines) or not valid_utf8("".join(lines)):
             return [w for text in texts for w in self(text)]
         prefix = SPACE if self.normalizer.add_dummy_prefix else ""
         joined = "\n".join(prefix + t.replace(" ", SPACE) for t in lines if t)
         return self._LINE_WORDS.findall(joined)
+
+    def count_units(self, texts: list[str], into: Counter[str]) -> Counter[str]:
+        """Count the words of a batch, each without its first "▁" when the words all have one
+        (the plain normalizer with the dummy prefix; ``expand`` puts it back once per distinct
+        word). Then a line that is not empty, has no "▁", newline or lone surrogate, no space at
+        either end and no two spaces in a row has one word per space-separated token: those
+        lines are joined by spaces and counted by ``str.split`` and ``Counter`` (in C). The
+        other lines go through ``split_batch``."""
+        if not self.prefixed:
+            into.update(self.split_batch(texts))
+            return into
+        lines = [t.rstrip("\r\n") for t in texts]
+        if not valid_utf8("".join(lines)):
+            into.update(w[1:] for w in self.split_batch(lines))
+            return into
+        flags = list(map(_simple_line, lines))
+        simple = list(itertools.compress(lines, flags))
+        if len(simple) < len(lines):
+            rest = [t for t, f in zip(lines, flags) if t and not f]
+            into.update(w[1:] for w in self.split_batch(rest))
+        if simple:
+            into.update(" ".join(simple).split(" "))
+        return into
+
+    def expand(self, units: Counter[str]) -> Counter[str]:
+        if not self.prefixed:
+            return units
+        return Counter({SPACE + u: n for u, n in units.items()})
 
     def __call__(self, text: str) -> list[str]:
         text = self.normalizer(text.rstrip("\r\n"))
@@ -116,10 +159,7 @@ def train_pieces(
 
 def _covered(words: Counter[str], coverage: float) -> list[str]:
     """The most frequent characters covering ``coverage`` of all characters (``▁`` always)."""
-    counts: Counter[str] = Counter()
-    for word, n in words.items():
-        for c in word:
-            counts[c] += n
+    counts = char_counts(words)
     total = sum(counts.values())
     kept, running = [], 0
     for c, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -135,7 +175,7 @@ def _covered(words: Counter[str], coverage: float) -> list[str]:
 def _without(words: Counter[str], alphabet: list[str]) -> Counter[str]:
     """Words with the characters outside ``alphabet`` cut out (no piece may span them)."""
     allowed = set(alphabet)
-    if all(c in allowed for word in words for c in word):
+    if allowed.issuperset("".join(words)):  # every character kept (checked in C)
         return words
     cut = regex.compile("[^" + "".join(regex.escape(c) for c in sorted(allowed)) + "]+")
     out: Counter[str] = Counter()

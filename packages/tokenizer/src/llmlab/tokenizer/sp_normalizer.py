@@ -93,7 +93,7 @@ class SentencePieceNormalizer:
     def normalize_batch(self, texts: Sequence[str]) -> list[str]:
         """``self(text)`` of each text; with the plain rules (identity, spaces kept, no user
         symbols) one list comprehension of ``replace`` and a prefix."""
-        if not self._plain or not _valid_utf8("".join(texts)):
+        if not self._plain or not valid_utf8("".join(texts)):
             return [self(t) for t in texts]
         space = SPACE if self.escape_whitespaces else " "
         prefix = space if self.add_dummy_prefix else ""
@@ -138,7 +138,7 @@ class SentencePieceNormalizer:
     def _normalize(self, text: str) -> str:
         if not text:
             return ""
-        if self._plain and _valid_utf8(text):
+        if self._plain and valid_utf8(text):
             # identity rule, no user symbols, spaces kept: a prefix and a replace
             space = SPACE if self.escape_whitespaces else " "
             return (
@@ -193,7 +193,7 @@ def split_matches(text: str, pattern: regex.Pattern | None) -> list[tuple[str, b
     return parts
 
 
-def _valid_utf8(text: str) -> bool:
+def valid_utf8(text: str) -> bool:
     """Whether ``text`` has no lone surrogate (sentencepiece would see invalid UTF-8)."""
     if text.isascii():
         return True

@@ -28,6 +28,7 @@ from llmlab.tokenizer.byte_level import unicode_to_bytes
 from llmlab.tokenizer.char_bpe import CharBPEModel, merges_table
 from llmlab.tokenizer.char_bpe_train import train_char_bpe
 from llmlab.tokenizer.errors import TokenizerFileError
+from llmlab.tokenizer.gcpause import paused_gc
 from llmlab.tokenizer.hf_schema import added_tokens, model_field, read_added, skeleton
 from llmlab.tokenizer.pretokenize import count_chunks
 
@@ -144,7 +145,8 @@ class WordBPETokenizer(TokenizerBase):
     ) -> list[list[int]]:
         """``encode_ordinary`` of each text, all texts' words through the model in one batch."""
         pipeline = self.pipeline
-        return self.bpe.encode_word_lists([pipeline(t) for t in texts])
+        with paused_gc():  # a list of words per text (gcpause)
+            return self.bpe.encode_word_lists([pipeline(t) for t in texts])
 
     # ----------------------------------------------------------------- decoding
     def decode_pieces(self, ids: Iterable[int]) -> list[bytes]:

@@ -11,6 +11,7 @@ characters where every non-initial character carries the ``##`` prefix (so a mer
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from llmlab.tokenizer.base import TokenizerBase, unknown_id
 from llmlab.tokenizer.bpe_encode import concat_cached
 from llmlab.tokenizer.char_bpe_train import train_char_bpe
 from llmlab.tokenizer.hf_schema import added_tokens, read_added, require, skeleton
-from llmlab.tokenizer.pretokenize import count_chunks
+from llmlab.tokenizer.pretokenize import count_chunks, count_tokens, expand_tokens
 from llmlab.tokenizer.special import SpecialSpec
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -48,11 +49,22 @@ class BertWords:
     def __init__(self, tok: WordPieceTokenizer):
         self.options = (tok.clean_text, tok.handle_chinese_chars, tok.strip_accents, tok.lowercase)
 
+    line_agnostic = True  # a line break is whitespace to the normalizer and the pre-tokenizer
+
     def __call__(self, text: str) -> list[str]:
         return bert_text.pre_tokenize(bert_text.normalize(text, *self.options))
 
     def split_batch(self, texts: list[str]) -> list[str]:
         return self("\n".join(texts))
+
+    def count_units(self, texts: list[str], into: Counter[str]) -> Counter[str]:
+        """The whitespace-separated tokens of the normalized batch (``expand`` splits them): the
+        BERT words never hold whitespace."""
+        return count_tokens(bert_text.normalize("\n".join(texts), *self.options), into)
+
+    @staticmethod
+    def expand(units: Counter[str]) -> Counter[str]:
+        return expand_tokens(units, bert_text.WORDS.findall)
 
 
 class WordPieceTokenizer(TokenizerBase):

@@ -1,0 +1,85 @@
+"""Two-level word counting (``pretokenize``): counting whitespace-separated tokens first and
+splitting each distinct one once must give exactly the counts of splitting every text, for each
+splitter that uses it, on text full of the cases that could tell them apart (str.split's extra
+separators U+001C..U+001F, Unicode spaces, "▁", leading/trailing/double spaces, CR LF, lone
+surrogates), and when files are read in blocks instead of lines."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmlab.tokenizer.patterns import compiled
+from llmlab.tokenizer.pretokenize import (
+    WHITESPACE_BOUNDED,
+    FileLines,
+    count_chunks,
+    iter_file_lines,
+)
+from llmlab.tokenizer.sp_bpe_train import SentenceWords
+from llmlab.tokenizer.sp_normalizer import SentencePieceNormalizer
+from llmlab.tokenizer.wordpiece import BertWords, WordPieceTokenizer
+from tests.tokenizer.corpus import MIXED
+
+TRICKY = list("ab Z9  \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u2000\u3000\u2581,.!'é\u0301中Σ")
+TEXTS = st.lists(
+    st.one_of(
+        st.lists(st.sampled_from([*TRICKY, "  ", "\r\n", "\ud800"]), max_size=30).map("".join),
+        st.text(max_size=20),
+    ),
+    max_size=40,
+)
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def splitters() -> dict[str, object]:
+    out: dict[str, object] = {p: p for p in sorted(WHITESPACE_BOUNDED)}
+    out["bert"] = BertWords(WordPieceTokenizer(["[UNK]"]))
+    out["bert-raw"] = BertWords(WordPieceTokenizer(["[UNK]"], clean_text=False, lowercase=False))
+    out["sentencepiece"] = SentenceWords(SentencePieceNormalizer())
+    out["sentencepiece-no-prefix"] = SentenceWords(SentencePieceNormalizer(add_dummy_prefix=False))
+    return out
+
+
+SPLITTERS = splitters()
+
+
+def one_by_one(texts: list[str], splitter) -> Counter[str]:
+    """The definition: every text split on its own, every chunk counted."""
+    split = compiled(splitter).findall if isinstance(splitter, str) else splitter
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(split(text))
+    return counts
+
+
+@pytest.mark.parametrize("name", sorted(SPLITTERS))
+@SETTINGS
+@given(texts=TEXTS)
+def test_two_level_counts_equal_splitting_each_text(name, texts):
+    splitter = SPLITTERS[name]
+    assert count_chunks(texts, splitter) == one_by_one(texts, splitter)
+
+
+@pytest.mark.parametrize("name", sorted(SPLITTERS))
+def test_mixed_corpus_by_lines(name):
+    lines = MIXED.splitlines(keepends=True) * 3 + ["a\x1cb c", "x\u2581y  z ", " ▁ "]
+    assert count_chunks(lines, SPLITTERS[name]) == one_by_one(lines, SPLITTERS[name])
+
+
+@pytest.mark.parametrize("name", sorted(SPLITTERS))
+def test_file_blocks_count_like_lines(tmp_path, name):
+    """``FileLines`` read in blocks (line-agnostic splitters) count as the lines do."""
+    paths = []
+    for i, text in enumerate([MIXED * 50, "a\x1cb\r\nc  d\n" * 3000 + "no newline at the end"]):
+        paths.append(tmp_path / f"{i}.txt")
+        paths[-1].write_bytes(text.encode("utf-8"))
+    blocks = list(FileLines(paths).blocks(size=1000))
+    assert "".join(blocks) == "".join(iter_file_lines(paths))
+    assert len(blocks) > 10 and all(b.endswith("\n") for b in blocks[:3])
+    splitter = SPLITTERS[name]
+    expected = one_by_one(list(iter_file_lines(paths)), splitter)
+    assert count_chunks(FileLines(paths), splitter) == expected
