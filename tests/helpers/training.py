@@ -97,12 +97,17 @@ def fit(
     callbacks: Sequence[Any] = (),
     prepare: Callable[[Any, Any], None] | None = None,
     ckpt_path: str | None = None,
+    batches: int | None = None,
+    stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
     norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
     app hands them: to the N-D strategy, or applied here to a replicated model;
     ``prepare(strategy, task)`` hands them over instead (the app's ``hand_model_transforms``);
-    ``ckpt_path`` resumes from a checkpoint (``master_norm`` is None when no step runs)."""
+    ``ckpt_path`` resumes from a checkpoint (``master_norm`` is None when no step runs).
+    ``batches``: global batches per epoch (default ``steps``: one epoch); ``stop_after``: the
+    trainer stops after this many steps while the learning-rate schedule still spans ``steps``
+    (the first half of a run that is saved and resumed)."""
     import lightning as L
     import torch.distributed as dist
 
@@ -143,7 +148,7 @@ def fit(
     trainer = rank_trainer(
         strategy,
         devices,
-        steps,
+        stop_after or steps,
         precision=precision,
         plugins=list(plugins) or None,
         gradient_clip_val=clip,
@@ -151,6 +156,8 @@ def fit(
         num_sanity_val_steps=0,
         callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record(), *callbacks],
     )
-    trainer.fit(task, datamodule=make_data(model["vocab_size"], steps), ckpt_path=ckpt_path)
+    trainer.fit(
+        task, datamodule=make_data(model["vocab_size"], batches or steps), ckpt_path=ckpt_path
+    )
     first_master = master[0] if master else None
     return {"losses": losses, "norms": norms, "master_norm": first_master, "trainer": trainer}
