@@ -292,7 +292,7 @@ class NDParallelStrategy(DDPStrategy):
         self._reducer = GradientReducer(parallel.params, parallel.tied, *data)
         plugin = self.precision_plugin
         masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
-        held = masters.masters if masters is not None else ()  # zero=0: what this rank holds
+        held = masters.masters if masters is not None and zero is None else ()  # zero=0 only
         replicated = ReplicatedMemory(parallel.params, self.optimizers, held)
         self._memory = zero if zero is not None else replicated
         self.checkpointer = LayoutCheckpointer(
