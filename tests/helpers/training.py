@@ -53,6 +53,9 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
     strategy = trainer.strategy
     plugin = trainer.precision_plugin
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    parallel = getattr(strategy, "parallel", None)
+    if parallel is not None and getattr(strategy, "zero_engine", None) is not None:
+        return float(strategy.global_grad_norm(optimizer))  # ZeRO: pieces of the masters
     masters = getattr(plugin, "masters", None)
     model_of = (
         {id(m): p for p, m in zip(masters.model_params, masters.masters, strict=True)}
@@ -60,8 +63,7 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
         else {}
     )
     total = torch.zeros((), dtype=torch.float64)
-    parallel = getattr(strategy, "parallel", None)
-    if parallel is not None and getattr(strategy, "zero_engine", None) is None:
+    if parallel is not None:
         d, t = strategy.groups.coords.data, strategy.groups.coords.tensor
         c = strategy.groups.coords.context  # context ranks hold equal gradients, as replicas
         duplicates = {id(p) for p in parallel.duplicates}
@@ -74,8 +76,6 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
             total += p.grad.double().pow(2).sum()
         dist.all_reduce(total)
         return float(total.sqrt())
-    if parallel is not None:  # ZeRO: the data group holds different pieces of the masters
-        return float(strategy.global_grad_norm(optimizer))
     for p in params:
         if p.grad is not None:
             total += p.grad.double().pow(2).sum()
@@ -98,16 +98,13 @@ def fit(
     prepare: Callable[[Any, Any], None] | None = None,
     ckpt_path: str | None = None,
     batches: int | None = None,
-    stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
     norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
     app hands them: to the N-D strategy, or applied here to a replicated model;
     ``prepare(strategy, task)`` hands them over instead (the app's ``hand_model_transforms``);
     ``ckpt_path`` resumes from a checkpoint (``master_norm`` is None when no step runs).
-    ``batches``: global batches per epoch (default ``steps``: one epoch); ``stop_after``: the
-    trainer stops after this many steps while the learning-rate schedule still spans ``steps``
-    (the first half of a run that is saved and resumed)."""
+    ``batches``: global batches per epoch (default ``steps``: one epoch)."""
     import lightning as L
     import torch.distributed as dist
 
@@ -148,7 +145,7 @@ def fit(
     trainer = rank_trainer(
         strategy,
         devices,
-        stop_after or steps,
+        steps,
         precision=precision,
         plugins=list(plugins) or None,
         gradient_clip_val=clip,

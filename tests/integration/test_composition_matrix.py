@@ -41,6 +41,7 @@ import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,17 +122,31 @@ def _fit_cell(cell: Cell, root: str, schedule: tuple[int, int]) -> dict:
             **kwargs,
         )
 
-    full = train()
+    sharded = cell.checkpoint == "sharded"
+    path = os.path.join(root, f"{cell.id}.ckpt")
+    full = train(callbacks=[_save_at_epoch_end(HALF, path)] if sharded else [])
     out = {k: full[k] for k in ("losses", "norms", "master_norm")}
-    if cell.checkpoint == "sharded":
-        path = os.path.join(root, f"{cell.id}.ckpt")
-        train(stop_after=HALF)["trainer"].save_checkpoint(path)
+    if sharded:
         resumed = train(ckpt_path=path)
         out["resumed"] = {"losses": resumed["losses"], "norms": resumed["norms"],
                           "sharded": is_sharded(path)}  # fmt: skip
     if cell.interpreted:
         out["triton"] = _triton_evidence()
     return out
+
+
+def _save_at_epoch_end(step: int, path: str) -> Any:
+    """A callback saving the checkpoint after the last batch of the epoch that ends at
+    ``step``, a point Lightning resumes from exactly (saved after ``fit`` returns, or in
+    ``on_train_epoch_end``, the resumed run replays the first batch: measured)."""
+    import lightning as L
+
+    class Save(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == step:
+                trainer.save_checkpoint(path)
+
+    return Save()
 
 
 def _run_jobs(rank: int, world: int, jobs: list[Job], root: str) -> dict[str, dict]:
