@@ -293,11 +293,11 @@ def _cost(cell: Cell) -> tuple[int, ...]:
             cell.devices)  # fmt: skip
 
 
-def pairwise(cells: list[Cell]) -> list[Cell]:
-    """A greedy pairwise-covering subset: repeatedly take the cell covering the most pairs not
-    yet covered (ties: a refused cell, then the cheaper one, then list order)."""
-    wanted = set().union(*(_pairs(c) for c in cells))
-    chosen: list[Cell] = []
+def pairwise(cells: list[Cell], seed: list[Cell] = ()) -> list[Cell]:
+    """A greedy pairwise-covering subset: ``seed``, then repeatedly the cell covering the most
+    pairs not yet covered (ties: a refused cell, then the cheaper one, then list order)."""
+    wanted = set().union(*(_pairs(c) for c in cells)) - set().union(*(_pairs(c) for c in seed))
+    chosen: list[Cell] = list(seed)
     while wanted:
         best = max(cells, key=lambda c: (len(_pairs(c) & wanted), bool(c.refused),
                                          tuple(-x for x in _cost(c))))  # fmt: skip
@@ -309,13 +309,6 @@ def pairwise(cells: list[Cell]) -> list[Cell]:
 @cache
 def supported_cells() -> list[Cell]:
     return [c for c in CELLS if not c.refused]
-
-
-@cache
-def pairwise_cells() -> list[Cell]:
-    """The default suite's pairwise cover of the supported cells (a refused cell exercises
-    nothing; every refusal is checked on the whole space by test_composition_space.py)."""
-    return pairwise(supported_cells())
 
 
 def _cell(spec: str) -> Cell:
@@ -334,3 +327,24 @@ REQUIRED: list[Cell] = [
     _cell("gpt pipeline-1f1b zero0 fp32 none triton"),
     *(_cell(f"gpt nd-dp2 zero1 {p} none torch eager sharded") for p in PRECISIONS),
 ]
+
+
+CHEAP = {"kernels": "torch", "compile": "eager", "checkpoint": "consolidated"}
+
+
+@cache
+def pairwise_cells() -> list[Cell]:
+    """``REQUIRED``, then a greedy pairwise cover of every supported cell (a refused cell
+    exercises nothing; every refusal is checked on the whole space by
+    test_composition_space.py)."""
+    return pairwise(supported_cells(), seed=REQUIRED)
+
+
+@cache
+def default_cells() -> list[Cell]:
+    """The default suite's cells: ``REQUIRED`` (which bring the interpreter, compile and the
+    sharded resume in), then a pairwise cover of the supported cells with the PyTorch kernels,
+    eager and consolidated checkpoints (the cover of every supported cell,
+    :func:`pairwise_cells`, is 80 cells with 9 compiled and 22 interpreted ones: ``slow``)."""
+    cheap = [c for c in supported_cells() if all(getattr(c, a) == v for a, v in CHEAP.items())]
+    return pairwise(cheap, seed=REQUIRED)

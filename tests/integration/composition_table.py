@@ -19,6 +19,7 @@ from tests.integration.composition_cells import (
     TOLERANCES,
     WHY_REFUSED,
     Cell,
+    default_cells,
     pairwise_cells,
 )
 
@@ -68,8 +69,10 @@ def table() -> str:
         "",
         f"{len(CELLS)} cells ({axes}; ZeRO and sharded checkpoints on the N-D layouts only): "
         f"{supported} supported, {len(CELLS) - supported} refused by `validate_config` with the "
-        f"reason. `make test` runs the {len(REQUIRED)} cells issue 24 names and a "
-        f"pairwise-covering {len(pairwise_cells())} of the supported ones; `make test-all` every "
+        f"reason. `make test` runs {len(default_cells())}: the {len(REQUIRED)} cells issue 24 "
+        f"names and a pairwise cover of the supported cells with the PyTorch kernels, eager and "
+        f"consolidated checkpoints; `make test-all` a pairwise cover of all supported cells "
+        f"({len(pairwise_cells())}) and every "
         f"supported cell. Relative tolerance against one process (loss / grad norms): {tol}.",
     ]
     return "\n".join(lines)

@@ -48,12 +48,14 @@ import pytest
 from tests.helpers.distributed import run_distributed
 from tests.integration.composition_cells import (
     CELLS,
+    CHEAP,
     REQUIRED,
     RESUME_TOLERANCE,
     STEPS,
     TOLERANCES,
     Cell,
     _pairs,
+    default_cells,
     pairwise_cells,
     supported_cells,
 )
@@ -240,9 +242,17 @@ def check_cells(cells: list[Cell], root: Path) -> None:
 
 
 # --------------------------------------------------------------------------- tests
-def test_pairwise_covers_every_pair_the_supported_cells_have() -> None:
-    covered = set().union(*(_pairs(c) for c in pairwise_cells()))
-    assert covered == set().union(*(_pairs(c) for c in supported_cells()))
+def _covered(cells: list[Cell]) -> set:
+    return set().union(*(_pairs(c) for c in cells))
+
+
+def test_the_default_and_pairwise_cells_cover_every_pair() -> None:
+    """Default suite: ``REQUIRED`` and every pair of the PyTorch-kernel, eager, consolidated
+    supported cells; ``slow``: every pair of every supported cell."""
+    cheap = [c for c in supported_cells() if all(getattr(c, a) == v for a, v in CHEAP.items())]
+    assert default_cells()[: len(REQUIRED)] == REQUIRED
+    assert _covered(default_cells()) >= _covered(cheap)
+    assert _covered(pairwise_cells()) == _covered(supported_cells())
     assert len(supported_cells()) + sum(bool(c.refused) for c in CELLS) == len(CELLS)
     assert all(not c.refused for c in REQUIRED), [c.id for c in REQUIRED if c.refused]
 
@@ -280,19 +290,24 @@ def test_a_resume_off_the_curve_or_a_reference_run_in_place_of_triton_fails() ->
 
 
 @pytest.mark.distributed
-def test_the_cells_issue_24_names_match_one_process(tmp_path: Path) -> None:
-    """Llama × 3-D × fp16_master, ZeRO-3 × fp8, compile × ZeRO-3, Triton-interpreter kernels ×
-    TP+SP and × pipeline, sharded save and resume × every precision."""
-    check_cells(REQUIRED, tmp_path)
+@pytest.mark.timeout(3600)
+def test_default_cells_match_one_process(tmp_path: Path) -> None:
+    """The cells issue 24 names — Llama × 3-D × fp16_master, ZeRO-3 × fp8, compile × ZeRO-3,
+    Triton-interpreter kernels × TP+SP and × pipeline, sharded save and resume × every
+    precision — and the pairwise cover of the PyTorch-kernel, eager, consolidated cells."""
+    check_cells(default_cells(), tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(4 * 3600)
 def test_pairwise_cells_match_one_process(tmp_path: Path) -> None:
     check_cells(pairwise_cells(), tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(0)
 def test_every_supported_cell_matches_one_process(tmp_path: Path) -> None:
     check_cells(supported_cells(), tmp_path)
 
