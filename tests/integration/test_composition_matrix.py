@@ -27,10 +27,14 @@ Two axes change what a cell runs:
   single-process reference too. Each such cell reports what ran: the interpreter live, the
   kernel modules imported, and no op that fell back to the PyTorch reference (asserted).
 
-Default suite: the cells issue 24 names (``REQUIRED``) and a pairwise-covering subset of the
-supported cells (every pair of axis values that some supported cell has, in at least one run
-cell; asserted here); every supported cell is ``slow``. DeepSpeed's own master norm lives inside
-its engine, so for it only the loss curve and its logged norm are compared.
+Default suite (``default_cells``): the cells issue 24 names (``REQUIRED``) and a pairwise cover
+of the supported cells with the PyTorch kernels, eager and consolidated checkpoints (every pair
+of axis values those cells have, in at least one run cell; asserted here). ``slow``: a pairwise
+cover of every supported cell (compile, interpreter and sharded resume included) and every
+supported cell. DeepSpeed's own master norm lives inside its engine, so for it only the loss
+curve and its logged norm are compared; the asynchronous parameter server logs no gradient norm
+(its servers reply one only in sync mode: ``train/grad_norm`` is NaN), so for it only the loss
+curve and the master norm are.
 """
 
 from __future__ import annotations
@@ -180,7 +184,8 @@ def _close(got: list[float], want: list[float], rel: float, what: str) -> None:
 def _check(cell: Cell, got: dict, want: dict) -> None:
     loss_rel, norm_rel = TOLERANCES[cell.precision]
     _close(got["losses"], want["losses"], loss_rel, f"{cell.id} loss")
-    _close(got["norms"], want["norms"], norm_rel, f"{cell.id} train/grad_norm")
+    if cell.strategy != "ps_async":  # async servers reply no whole-gradient norm: NaN logged
+        _close(got["norms"], want["norms"], norm_rel, f"{cell.id} train/grad_norm")
     if cell.strategy != "deepspeed":
         _close([got["master_norm"]], [want["master_norm"]], norm_rel, f"{cell.id} master norm")
     if cell.checkpoint == "sharded":
