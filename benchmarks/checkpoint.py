@@ -82,7 +82,7 @@ def _rank(rank: int, world: int, root: str, repeats: int, model: dict) -> dict[s
     paths = {"sharded": Path(root) / "sharded.ckpt", "consolidated": Path(root) / "full.ckpt"}
 
     def save(kind: str) -> None:
-        strategy.sharded_checkpoints = kind == "sharded"
+        strategy.checkpointer.sharded = kind == "sharded"  # the format this save writes
         trainer.save_checkpoint(paths[kind])
 
     def load(kind: str) -> None:

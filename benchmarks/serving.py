@@ -29,9 +29,13 @@ are scaled by the CPU seconds the process used over the wall seconds of its run.
 
 The hot path: one request, greedy, 256 new tokens, against HF ``generate`` and llmlab's
 ``generate`` (one thread, best CPU time of 4 interleaved rounds), with the engine's time per
-token broken down. The engine stores its weights in the memory order that multiplies one row
-fastest here (``EngineConfig.tune_weight_layouts``, see ``llmlab.decoding.layout``); the
-notes name the weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
+token broken down: the 16 linear layers, the LM head, paged attention, the rest of the forward,
+the engine's own bookkeeping, and the same matrix products timed alone (the fp32 floor: every
+token reads all the weights). The engine stores its weights in the memory order that multiplies
+one row fastest here (``EngineConfig.tune_weight_layouts``, see ``llmlab.decoding.layout``);
+the notes name the weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
+The engine's step at batch 1 is its hot path (``llmlab.serving.model_runner``: one SDPA call
+per layer on a slice of the pool, the model's ``inference_forward`` without module dispatch).
 
 Run: ``.venv/bin/python -m benchmarks.serving`` (``--smoke``: tiny sizes, seconds).
 """
@@ -273,42 +277,66 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
 
 
 def breakdown(llm, prompt: list[int], cfg, new_tokens: int) -> str:
-    """Where one engine token's CPU time goes: timers around the parts of a step."""
+    """Where one engine token's CPU time goes: timers around the parts of a step, and the
+    matrix products alone (the floor no bookkeeping can go under at fp32)."""
+    import torch.nn.functional as F
+
     engine = llm.engine
+    runner = engine.runner
+    module = sys.modules[type(runner).__module__]
+    vocab = engine.model.config.vocab_size
     spent: dict[str, float] = {}
 
-    def timed(name, fn):
+    def timed(name, fn, key=None):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             start = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[name] = spent.get(name, 0.0) + time.process_time() - start
+                part = key(*args) if key else name
+                spent[part] = spent.get(part, 0.0) + time.process_time() - start
 
         return wrapper
 
-    runner = engine.runner
-    originals = (runner.execute, runner.model.head.forward, sys.modules[type(runner).__module__])
-    module = originals[2]
-    attention = module.paged_attention
-    runner.execute = timed("forward", runner.execute)
-    runner.model.head.forward = timed("lm_head", runner.model.head.forward)
-    module.paged_attention = timed("attention", attention)
+    def linear_part(x, weight, *_):
+        return "lm_head" if weight.shape[0] == vocab else "linear"
+
+    patches = [(runner, "execute", timed("forward", runner.execute)),
+               (F, "linear", timed("", F.linear, linear_part)),
+               (module, "_attend_single", timed("attention", module._attend_single)),
+               (module, "paged_attention", timed("attention", module.paged_attention))]  # fmt: skip
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
+        for obj, name, fn in patches:
+            setattr(obj, name, fn)
         start = time.process_time()
         llm.generate([prompt], cfg, progress=False)
         total = (time.process_time() - start) / new_tokens * 1e3
     finally:
-        runner.execute, runner.model.head.forward = originals[0], originals[1]
-        module.paged_attention = attention
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
     ms = {k: v / new_tokens * 1e3 for k, v in spent.items()}
+    products = [
+        (m.weight, m.bias) for m in engine.model.modules() if isinstance(m, torch.nn.Linear)
+    ]
+    nbytes = sum(w.numel() * w.element_size() for w, _ in products)
+    rows = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w, _ in products}
+
+    def all_products():
+        for w, b in products:
+            F.linear(rows[w.shape[1]], w, b)
+
+    alone = best_cpu(lambda: [all_products() for _ in range(20)], 3) / 20 * 1e3
+    rest = ms["forward"] - ms["linear"] - ms["lm_head"] - ms["attention"]
     return (
-        f"Engine, greedy batch 1, per token: {total:.2f} ms = model forward {ms['forward']:.2f} "
-        f"(paged attention, 4 layers: {ms['attention']:.2f}; LM head 256x8192: "
-        f"{ms['lm_head']:.2f}; the 16 other linear layers and the rest: "
-        f"{ms['forward'] - ms['attention'] - ms['lm_head']:.2f}) + scheduler, sampling and "
-        f"bookkeeping {total - ms['forward']:.2f}."
+        f"Engine, greedy batch 1, per token (timers on): {total:.2f} ms = model forward "
+        f"{ms['forward']:.2f} (16 linear layers {ms['linear']:.2f}, LM head 256x{vocab} "
+        f"{ms['lm_head']:.2f}, paged attention (4 layers, KV write + SDPA) {ms['attention']:.2f}, "
+        f"the rest: embeddings, layer norms, GELU, residual adds, views, Python {rest:.2f}) + "
+        f"scheduler, sampling and bookkeeping {total - ms['forward']:.2f}. The same "
+        f"{len(products)} products alone, one after another: {alone:.2f} ms per token "
+        f"({nbytes / 1e6:.1f} MB of fp32 weights read at {nbytes / alone / 1e6:.0f} GB/s)."
     )
 
 

@@ -18,7 +18,14 @@ QUICK = [
 
 
 def train_env(output_dir: Path, wandb_mode: str = "offline", **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMLAB_RUN_")}
+    # WANDB_SERVICE: wandb writes its service's address into the environment of a process that
+    # started one (a test that logged in-process); a child inheriting it would share that
+    # service, which keeps a killed child's run "in use" and refuses its resumption.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("LLMLAB_RUN_") and k != "WANDB_SERVICE"
+    }
     env.update(
         LLMLAB_OUTPUT_DIR=str(output_dir),
         LLMLAB_EXPERIMENTS_DIR=str(REPO / "experiments"),

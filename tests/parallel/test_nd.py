@@ -14,7 +14,6 @@ runs several fits in turn.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,118 +22,22 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.tiny import rank_trainer, tiny_gpt_config, tiny_task, tiny_tokens
+from tests.helpers.nd import (
+    BATCH,
+    CLIP,
+    HALF,
+    LLAMA,
+    MODEL,
+    STEPS,
+    TOL,
+    T,
+    check_final_weights,
+    close,
+    fit,
+    global_batches,
+    nd_runs,
+)
 from tests.parallel.tensor.common import tp_step_bytes
-
-MODEL = tiny_gpt_config(n_layer=4, n_head=4, dropout=0.0)
-T = 16
-STEPS, HALF, BATCH, CLIP = 10, 5, 8, 0.05  # an epoch is HALF batches: resume at its end
-TOL = dict(atol=1e-5, rtol=0)
-
-
-LLAMA = dict(
-    arch="llama", vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
-    intermediate_size=96, dropout=0.0,
-)  # fmt: skip
-
-
-def make_task(model: dict = MODEL):
-    return tiny_task(model, max_steps=STEPS)
-
-
-def global_batches(count: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, MODEL["vocab_size"], (count, BATCH, T + 1), generator=g)
-
-
-def make_data():
-    """The global batches of ``global_batches`` (same generator, same order), HALF an epoch,
-    each data-parallel replica reading its rows."""
-    return tiny_tokens(HALF, val_batches=1, batch=BATCH, vocab_size=MODEL["vocab_size"], seq=T)
-
-
-def fit(
-    strategy,
-    devices: int,
-    max_steps: int,
-    ckpt_path: str | None = None,
-    model: dict = MODEL,
-    plugins: list | None = None,
-) -> dict:
-    import lightning as L
-    import torch.distributed as dist
-
-    from llmlab.train.telemetry import TrainingTelemetry
-
-    losses: list[float] = []
-    norms: list[float] = []
-
-    class Record(L.Callback):
-        """The global loss (a replica's loss averaged over replicas when the task's own step
-        returns it) and the logged gradient norm, per step."""
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            loss = outputs["loss"].detach().float().clone()
-            s = trainer.strategy
-            if devices > 1 and s.dims.pipeline == 1 and s.dims.data > 1:
-                dist.all_reduce(loss, group=s.groups.data)
-                loss /= s.dims.data
-            losses.append(float(loss))
-            norms.append(float(trainer.callback_metrics["train/grad_norm"]))
-
-    trainer = rank_trainer(
-        strategy,
-        devices,
-        max_steps,
-        gradient_clip_val=CLIP,
-        limit_val_batches=1,
-        val_check_interval=HALF,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record()],
-        plugins=plugins,
-    )
-    task = make_task(model)
-    trainer.fit(task, datamodule=make_data(), ckpt_path=ckpt_path)
-    return {"trainer": trainer, "losses": losses, "norms": norms}
-
-
-def _nd_runs(rank: int, world: int, root: str, cases: list[dict]) -> dict:
-    from llmlab.parallel.strategy import NDParallelStrategy
-
-    class SkipsDataReduction(NDParallelStrategy):
-        """The control: tied copies are summed, but every replica steps on its own gradient."""
-
-        def reduce_gradients(self) -> None:
-            import torch.distributed as dist
-
-            for p, group in self.parallel.tied:
-                dist.all_reduce(p.grad, group=group)
-
-    out = {}
-    for case in cases:
-        os.environ["WORLD_SIZE"] = str(world)  # Lightning's environment teardown removes it
-        cls = SkipsDataReduction if case.get("control") else NDParallelStrategy
-        strategy = cls(**case["layout"], timeline_every_n_steps=0)
-        ckpt = os.path.join(root, case["resume"]) if case.get("resume") else None
-        steps = case.get("steps", STEPS)
-        plugins = [case["precision"]()] if case.get("precision") else None
-        run = fit(strategy, world, steps, ckpt, case.get("model", MODEL), plugins)
-        result = {
-            "losses": run["losses"],
-            "norms": run["norms"],
-            "params": strategy.local_param_count,
-            "coords": strategy.groups.coords,
-            "comm": dict(strategy.last_comm),
-            "chunks": _chunk_shapes(strategy, case.get("model", MODEL)["n_layer"]),
-            "loss_scale": getattr(
-                getattr(run["trainer"].precision_plugin, "masters", None), "loss_scale", None
-            ),
-        }
-        if case.get("save"):
-            run["trainer"].save_checkpoint(os.path.join(root, case["save"]))
-        out[case["name"]] = result
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -149,40 +52,6 @@ def reference() -> dict:
         "norms": norms,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
     }
-
-
-def _close(got: list[float], want: list[float], what: str, tol: dict = TOL) -> None:
-    assert len(got) == len(want), (what, got)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **tol, msg=what)
-
-
-def _check_final_weights(path: Path, reference: dict) -> None:
-    from llmlab.models import GPT, GPTConfig
-
-    sd = torch.load(path, weights_only=False)["state_dict"]
-    plain = GPT(GPTConfig(**MODEL))
-    plain.load_state_dict({k.removeprefix("model."): v for k, v in sd.items()})
-    for k, v in plain.state_dict().items():
-        torch.testing.assert_close(v, reference["state"][k], **TOL, msg=k)
-    # The plain model decodes with those weights: equal logits to the single-process model.
-    ref = GPT(GPTConfig(**MODEL))
-    ref.load_state_dict(reference["state"])
-    x = global_batches(1, 7)[0, :, :-1]
-    with torch.no_grad():
-        torch.testing.assert_close(plain(x), ref(x), atol=1e-4, rtol=0)
-
-
-def _chunk_shapes(strategy, n_layer: int) -> list[tuple[bool, int, bool]]:
-    """(holds the embedding, blocks, holds the head) of each model piece this rank runs: one
-    piece without a pipeline, one per virtual stage with one."""
-    stage = strategy.parallel.stage
-    if stage is None:
-        return [(True, n_layer, True)]
-    last, local, shapes = n_layer + 1, iter(stage.local_layers), []
-    for chunk in stage.chunks:  # pipeline_layers() = [embed, *blocks, head]
-        idx = [next(local) for _ in chunk]
-        shapes.append((0 in idx, sum(0 < i < last for i in idx), last in idx))
-    return shapes
 
 
 def _analytical_tp(chunks: list[tuple[bool, int, bool]], sp: bool, m: int, data: int) -> int:
@@ -242,14 +111,14 @@ def test_3d_2x2x2_equals_single_process_and_checkpoints_into_other_layouts(
         {"name": "half", "layout": layout, "steps": HALF, "save": "half.ckpt"},
         {"name": "control", "layout": layout, "control": True},
     ]
-    results = run_distributed(_nd_runs, 8, str(tmp_path), cases, timeout=1500)
+    results = run_distributed(nd_runs, 8, str(tmp_path), cases, timeout=1500)
     for r in results:  # every rank logs the global loss and the global norm
-        _close(r["3d"]["losses"], reference["losses"], "3d loss")
-        _close(r["3d"]["norms"], reference["norms"], "3d train/grad_norm")
-        _close(r["half"]["losses"], reference["losses"][:HALF], "half loss")
-    _check_final_weights(tmp_path / "3d.ckpt", reference)
+        close(r["3d"]["losses"], reference["losses"], "3d loss")
+        close(r["3d"]["norms"], reference["norms"], "3d train/grad_norm")
+        close(r["half"]["losses"], reference["losses"][:HALF], "half loss")
+    check_final_weights(tmp_path / "3d.ckpt", reference)
     with pytest.raises(AssertionError):  # the control skips a reduction: it must not pass
-        _close(results[0]["control"]["losses"], reference["losses"], "control")
+        close(results[0]["control"]["losses"], reference["losses"], "control")
 
     # Each rank holds only its shard: one replica's shares add up to the model + duplicates.
     total, duplicates = _expected_shares()
@@ -276,13 +145,13 @@ def test_3d_2x2x2_equals_single_process_and_checkpoints_into_other_layouts(
         {"name": "pp2tp2", "layout": dict(pipeline=2, tensor=2, schedule="interleaved",
                                           microbatches=2)},
     ]  # fmt: skip
-    results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
+    results = run_distributed(nd_runs, 4, str(tmp_path), cases, timeout=1500)
     for r in results:
         for name in ("1x2x2", "2x1x2"):
-            _close(r[name]["losses"], reference["losses"][HALF:], f"resumed {name} loss")
-            _close(r[name]["norms"], reference["norms"][HALF:], f"resumed {name} grad_norm")
-        _close(r["pp2tp2"]["losses"], reference["losses"], "pp2tp2 interleaved loss")
-        _close(r["pp2tp2"]["norms"], reference["norms"], "pp2tp2 interleaved grad_norm")
+            close(r[name]["losses"], reference["losses"][HALF:], f"resumed {name} loss")
+            close(r[name]["norms"], reference["norms"][HALF:], f"resumed {name} grad_norm")
+        close(r["pp2tp2"]["losses"], reference["losses"], "pp2tp2 interleaved loss")
+        close(r["pp2tp2"]["norms"], reference["norms"], "pp2tp2 interleaved grad_norm")
     # tensor-parallel bytes of every stage shape: one stage holding both ends (2x1x2), and
     # first + middle, middle + last chunks (interleaved: two virtual stages per rank)
     shapes = _check_tp_comm(
@@ -323,7 +192,7 @@ def test_every_schedule_with_and_without_sequence_parallel_equals_single_process
         for schedule in MATRIX_SCHEDULES
         for sp in (False, True)
     ]
-    results = run_distributed(_nd_runs, 4 * data, str(tmp_path), cases, timeout=2400)
+    results = run_distributed(nd_runs, 4 * data, str(tmp_path), cases, timeout=2400)
     layouts = {c["name"]: c["layout"] for c in cases}
     shapes = _check_tp_comm(
         results,
@@ -333,9 +202,9 @@ def test_every_schedule_with_and_without_sequence_parallel_equals_single_process
     for case in cases:
         name = case["name"]
         for r in results:
-            _close(r[name]["losses"], reference["losses"], f"{name} loss")
-            _close(r[name]["norms"], reference["norms"], f"{name} train/grad_norm")
-        _check_final_weights(tmp_path / case["save"], reference)
+            close(r[name]["losses"], reference["losses"], f"{name} loss")
+            close(r[name]["norms"], reference["norms"], f"{name} train/grad_norm")
+        check_final_weights(tmp_path / case["save"], reference)
 
 
 @pytest.mark.distributed
@@ -362,12 +231,12 @@ def test_llama_with_grouped_query_attention_in_pp_x_tp_and_dp_x_tp(tmp_path: Pat
         {"name": "dp2tp2", "model": LLAMA, "layout": dict(data=2, tensor=2)},
     ]  # fmt: skip
     cases = [{**case, "precision": DoublePrecision} for case in cases]
-    results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
+    results = run_distributed(nd_runs, 4, str(tmp_path), cases, timeout=1500)
     for r in results:
         for case in cases:
             got, name = r[case["name"]], f"llama {case['name']}"
-            _close(got["losses"], run["losses"], f"{name} loss", dict(atol=1e-6, rtol=0))
-            _close(got["norms"], run["norms"], f"{name} grad_norm", dict(atol=1e-9, rtol=0))
+            close(got["losses"], run["losses"], f"{name} loss", dict(atol=1e-6, rtol=0))
+            close(got["norms"], run["norms"], f"{name} grad_norm", dict(atol=1e-9, rtol=0))
 
 
 # ---------------------------------------------------------------------- sharded checkpoints
@@ -377,7 +246,7 @@ def test_llama_with_grouped_query_attention_in_pp_x_tp_and_dp_x_tp(tmp_path: Pat
 # Oracles: the uninterrupted run (a resume in the same layout continues its curve within 1e-6;
 # in another layout within 1e-6 relative: see LAYOUT_TOL), the consolidated checkpoint the same
 # layout writes without ``sharded_checkpoints`` (equal bit for bit once consolidated), and the
-# single-process model (the plain GPT's logits within 1e-4, as ``_check_final_weights``).
+# single-process model (the plain GPT's logits within 1e-4, as ``check_final_weights``).
 #
 # A 2×2×2 checkpoint cannot resume as 1×2×2 with ``zero=3``: ZeRO-2/3 with a pipeline is refused
 # up front (``nd_options.ZERO_WITH_PIPELINE``), so the step-5 shards resume as 1×2×2 ``zero=1``
@@ -469,7 +338,7 @@ def test_2x2x2_zero1_sharded_checkpoint_resumes_in_other_layouts_and_consolidate
         {"name": "consolidated", "layout": LAYOUT_3D, "save": "consolidated.ckpt"},
         {"name": "zero0", "layout": dict(sharded, zero=0), "steps": 1, "save": "zero0.ckpt"},
     ]
-    results = run_distributed(_nd_runs, 8, str(tmp_path), cases, timeout=1500)
+    results = run_distributed(nd_runs, 8, str(tmp_path), cases, timeout=1500)
 
     # Each of the 8 ranks wrote its own shard file, and every element of every tensor (weights,
     # AdamW moments) was written exactly once: the chunks tile each tensor. Without ZeRO the data
@@ -488,10 +357,8 @@ def test_2x2x2_zero1_sharded_checkpoint_resumes_in_other_layouts_and_consolidate
 
     # Resumed in the same layout, the run continues the uninterrupted curve.
     for r in results:
-        _close(r["resumed"]["losses"], r["full"]["losses"][HALF:], "resumed loss", tol=RESUME_TOL)
-        _close(
-            r["resumed"]["norms"], r["full"]["norms"][HALF:], "resumed grad_norm", tol=RESUME_TOL
-        )
+        close(r["resumed"]["losses"], r["full"]["losses"][HALF:], "resumed loss", tol=RESUME_TOL)
+        close(r["resumed"]["norms"], r["full"]["norms"][HALF:], "resumed grad_norm", tol=RESUME_TOL)
 
     # Consolidated (the CLI, one process, no group) it is the plain GPT the consolidated
     # checkpoint of the same run holds, bit for bit, and decodes like the single-process model.
@@ -531,22 +398,22 @@ def test_2x2x2_zero1_sharded_checkpoint_resumes_in_other_layouts_and_consolidate
         *_llama_cases(),
     ]  # fmt: skip
     full = results[0]["full"]  # every rank logs the global loss and norm
-    results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
+    results = run_distributed(nd_runs, 4, str(tmp_path), cases, timeout=1500)
     for r in results:
         for name in ("1x2x2-zero1", "2x1x2-zero3", "4x1x1-zero2"):
-            _close(r[name]["losses"], full["losses"][HALF:], f"{name} loss", tol=LAYOUT_TOL)
-            _close(r[name]["norms"], full["norms"][HALF:], f"{name} grad_norm", tol=LAYOUT_TOL)
+            close(r[name]["losses"], full["losses"][HALF:], f"{name} loss", tol=LAYOUT_TOL)
+            close(r[name]["norms"], full["norms"][HALF:], f"{name} grad_norm", tol=LAYOUT_TOL)
         # fp16 with fp32 masters: the masters and the loss scaler come back, not the fp16
         # weights (resuming from those would miss by ~1e-4); into ZeRO's master shards too.
         for name, uninterrupted in (("fp16-resumed", "fp16-full"), ("fp16-zero1", "fp16d-full")):
-            _close(r[name]["losses"], r[uninterrupted]["losses"][HALF:], name, tol=RESUME_TOL)
-            _close(r[name]["norms"], r[uninterrupted]["norms"][HALF:], name, tol=RESUME_TOL)
+            close(r[name]["losses"], r[uninterrupted]["losses"][HALF:], name, tol=RESUME_TOL)
+            close(r[name]["norms"], r[uninterrupted]["norms"][HALF:], name, tol=RESUME_TOL)
         # Llama (untied, GQA), interleaved virtual stages, checkpoint-wrapped blocks: resumed as
         # is (exact) and as data × tensor with ZeRO-1 (the Llama N-D test's 1e-5 on losses).
         for name in ("ll-resumed", "ll-dp2tp2-zero1"):
             tol = RESUME_TOL if name == "ll-resumed" else TOL
-            _close(r[name]["losses"], r["ll-full"]["losses"][HALF:], name, tol=tol)
-        _close(r["ll-resumed"]["norms"], r["ll-full"]["norms"][HALF:], "ll norms", tol=RESUME_TOL)
+            close(r[name]["losses"], r["ll-full"]["losses"][HALF:], name, tol=tol)
+        close(r["ll-resumed"]["norms"], r["ll-full"]["norms"][HALF:], "ll norms", tol=RESUME_TOL)
         assert r["fp16-full"]["loss_scale"] > 2.0**16  # the scale grew: its state matters
         assert r["fp16-resumed"]["loss_scale"] == r["fp16-full"]["loss_scale"]
 

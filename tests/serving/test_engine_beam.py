@@ -14,8 +14,8 @@ import torch
 
 from llmlab.decoding import GenerationConfig, generate
 from llmlab.serving import EngineConfig, LLMEngine
+from tests.serving.engine_steps import drive
 from tests.serving.models import gpt_pair, random_prompts
-from tests.serving.test_engine_exactness import drive
 
 BEAM_CONFIGS = {
     "a": GenerationConfig(max_new_tokens=12, num_beams=4, num_return_sequences=2),

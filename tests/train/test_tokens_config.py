@@ -25,6 +25,13 @@ def test_document_masking_with_a_pipeline_is_refused_naming_the_option(layout):
     validate_config(compose_config(["experiment=gpt_tokens", *layout, "data.document_mask=false"]))
 
 
+def test_document_masking_with_context_parallelism_is_refused_naming_the_option():
+    layout = ["experiment=gpt_tokens", "strategy=nd", "strategy.context=2", "trainer.devices=2"]
+    with pytest.raises(ConfigError, match=r"document_mask=true cannot run with context .*=2\)"):
+        validate_config(compose_config(layout), tokenizer_vocab=257)
+    validate_config(compose_config([*layout, "data.document_mask=false"]), tokenizer_vocab=257)
+
+
 def test_a_model_vocabulary_smaller_than_the_data_ids_is_refused():
     cfg = compose_config(["experiment=gpt_tokens", "model.vocab_size=256"])
     with pytest.raises(ConfigError, match=r"model.vocab_size=256 is smaller than the .* 257 ids"):

@@ -1,7 +1,7 @@
 """ZB-H1, ZB-V and DualPipeV through the N-D strategy: 10 steps of a real ``lightning.Trainer``.
 
 Oracle: single-process Lightning training of the same task on the same global batches, with the
-same gradient clipping and the real ``TrainingTelemetry`` callback (``tests.parallel.test_nd``'s
+same gradient clipping and the real ``TrainingTelemetry`` callback (``tests.helpers.nd``'s
 ``fit``). Every layout must give, at each of 10 steps, the same loss and the same logged
 ``train/grad_norm`` within 1e-5.
 
@@ -36,15 +36,15 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import run_distributed
-from tests.parallel.test_nd import (
+from tests.helpers.nd import (
     CLIP,
     LLAMA,
     MODEL,
     STEPS,
-    _check_final_weights,
-    _close,
-    _nd_runs,
+    check_final_weights,
+    close,
     fit,
+    nd_runs,
 )
 
 GPT6 = {**MODEL, "n_layer": 6}  # [embed, 6 blocks, head]: 8 virtual stages for a V over 4 ranks
@@ -78,8 +78,8 @@ def _check(results: list[dict], cases: list[dict], references: dict[str, dict]) 
         ref = references[case["ref"]]
         for rank, r in enumerate(results):
             got, what = r[case["name"]], f"{case['name']} (rank {rank})"
-            _close(got["losses"], ref["losses"], f"{what} loss", LOSS_TOL)
-            _close(got["norms"], ref["norms"], f"{what} train/grad_norm", NORM_TOL)
+            close(got["losses"], ref["losses"], f"{what} loss", LOSS_TOL)
+            close(got["norms"], ref["norms"], f"{what} train/grad_norm", NORM_TOL)
 
 
 @pytest.mark.distributed
@@ -95,10 +95,10 @@ def test_split_schedules_in_nd_strategy_match_one_process(tmp_path: Path) -> Non
     ]  # fmt: skip
     references = {"gpt": _reference(MODEL), "llama": _reference(LLAMA)}
     cases = [{**case, "precision": _double} for case in cases]
-    results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=1500)
+    results = run_distributed(nd_runs, 4, str(tmp_path), cases, timeout=1500)
     _check(results, cases, references)
     # the V's consolidated checkpoint is the unsplit model's: it loads into a plain GPT
-    _check_final_weights(tmp_path / "zbv.ckpt", references["gpt"])
+    check_final_weights(tmp_path / "zbv.ckpt", references["gpt"])
 
 
 def _matrix_cases(pipeline: int) -> list[dict]:
@@ -132,11 +132,11 @@ def test_every_split_schedule_on_gpt_and_llama(tmp_path: Path, pipeline: int) ->
     models = {"gpt": GPT6, "llama": LLAMA6} if pipeline == 4 else {"gpt": MODEL, "llama": LLAMA}
     references = {f"{k}{pipeline}": _reference(model) for k, model in models.items()}
     cases = [{**case, "precision": _double} for case in cases]
-    results = run_distributed(_nd_runs, 4, str(tmp_path), cases, timeout=3000)
+    results = run_distributed(nd_runs, 4, str(tmp_path), cases, timeout=3000)
     _check(results, cases, references)
     for r, kind in ((r, k) for r in results for k in ("gpt", "llama")):
         control = r[f"{kind}-pp{pipeline}-1f1b"]  # the split backward is exact: any drift from
         for schedule in SPLIT:  # one process is the unsplit 1F1B's in the same layout
             got = r[f"{kind}-pp{pipeline}-{schedule}"]
             for key, tol in (("losses", LOSS_TOL), ("norms", NORM_TOL)):
-                _close(got[key], control[key], f"{kind} {schedule} vs 1f1b {key}", tol)
+                close(got[key], control[key], f"{kind} {schedule} vs 1f1b {key}", tol)

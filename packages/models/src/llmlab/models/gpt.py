@@ -254,6 +254,45 @@ class GPT(nn.Module):
             x = x[:, -logits_to_keep:]
         return self.head(x)
 
+    def inference_forward(
+        self, input_ids: Tensor, positions: Tensor, logits_to_keep: int | Tensor = 0
+    ) -> Tensor:
+        """``forward(input_ids, positions=positions, logits_to_keep=...)`` in eval mode, without
+        ``nn.Module`` dispatch: the same functions on the same tensors in the same order, so the
+        logits are bit-identical (the serving engine's hot path, see llmlab.serving).
+
+        Why: a batch-1 decode step of a small model is ~60 module calls and ~100 tiny ops
+        around 17 matrix-vector products; the calls' bookkeeping (hook checks, ``__getattr__``,
+        dropout no-ops) costs a third of the step on a CPU. Skipping ``Module.__call__`` also
+        skips hooks, so the caller must make sure none are registered (the engine checks;
+        tensor parallelism, which works through hooks, never comes here). No cache, no mask,
+        no dropout; ``positions`` (1, N) must lie below ``block_size`` (not checked: the caller
+        knows them on the host).
+        """
+        x = F.embedding(input_ids, self.embed.wte.weight) + F.embedding(
+            positions, self.embed.wpe.weight
+        )
+        for block in self.blocks:
+            attn, mlp, ln_1, ln_2 = block.attn, block.mlp, block.ln_1, block.ln_2
+            B, T, _ = x.shape
+            heads, dim = attn.local_heads, attn.head_dim
+            h = ln_1.ops.layer_norm(x, ln_1.weight, ln_1.bias, ln_1.eps)
+            qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias).view(B, T, heads, 3, dim)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # forward's views, one call
+            y = attn.ops.attention(q, k, v, causal=True, dropout_p=0.0)
+            y = y.transpose(1, 2).reshape(B, T, heads * dim)
+            x = x + F.linear(y, attn.proj.weight, attn.proj.bias)
+            h = ln_2.ops.layer_norm(x, ln_2.weight, ln_2.bias, ln_2.eps)
+            h = mlp.ops.gelu(F.linear(h, mlp.fc.weight, mlp.fc.bias))
+            x = x + F.linear(h, mlp.proj.weight, mlp.proj.bias)
+        if isinstance(logits_to_keep, Tensor):
+            x = x[:, logits_to_keep]
+        elif logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
+        ln_f = self.head.ln_f
+        x = ln_f.ops.layer_norm(x, ln_f.weight, ln_f.bias, ln_f.eps)
+        return F.linear(x, self.head.lm_head.weight, self.head.lm_head.bias)
+
     def decode_step(
         self, input_ids: Tensor, cache: KVCache, index: Tensor, positions: Tensor, key_mask: Tensor
     ) -> Tensor:

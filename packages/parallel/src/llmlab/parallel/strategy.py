@@ -292,9 +292,10 @@ class NDParallelStrategy(DDPStrategy):
         self._reducer = GradientReducer(parallel.params, parallel.tied, *data)
         plugin = self.precision_plugin
         masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
-        held = masters.masters if masters is not None and zero is None else ()  # zero=0 only
-        replicated = ReplicatedMemory(parallel.params, self.optimizers, held)
-        self._memory = zero if zero is not None else replicated
+        held = masters.masters if zero is None and masters is not None else ()  # zero=0's fp32
+        self._memory = (
+            ReplicatedMemory(parallel.params, self.optimizers, held) if zero is None else zero
+        )
         self.checkpointer = LayoutCheckpointer(
             self.lightning_module, self.model_attribute, groups, parallel.duplicates, zero,
             masters, self.sharded_checkpoints,

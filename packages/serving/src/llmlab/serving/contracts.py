@@ -1,10 +1,6 @@
 """What the serving engine needs from a model: the paged-attention contract.
 
-<<<<<<< HEAD
-See docs/architecture.md#contracts.
-=======
 (docs/architecture.md#contracts lists every contract of the repo.)
->>>>>>> serving-perf
 
 The consumer owns the contract; a model meets it structurally, without importing this package.
 ``llmlab.models.GPT`` and ``llmlab.models.Llama`` do, through doors they already have:
@@ -22,6 +18,10 @@ The consumer owns the contract; a model meets it structurally, without importing
   ``fn`` unchanged, so the model keeps working as before everywhere else.
 * ``config.block_size`` (the longest sequence the model takes) and ``config.vocab_size``;
   ``parameters()`` (where the model lives, as any ``nn.Module``).
+
+Optional, for the engine's hot path: ``inference_forward(input_ids, positions=,
+logits_to_keep=)``, the same logits as ``__call__`` bit for bit without ``nn.Module`` dispatch
+(``llmlab.models.GPT`` has it); the runner uses it in eval mode while no forward hook is set.
 
 Nothing else of the model is read: the KV pool's per-layer shapes (KV heads, head dim, dtype)
 are learned from one probing forward of a single token.

@@ -184,7 +184,9 @@ class LLMEngine:
             seqs += family
             rows += [row] * len(family)
         rules = [self._tracked[s.request.request_id].rules for s in seqs]
-        tokens = next_tokens(seqs, rules, logits[rows])
+        if rows != list(range(logits.shape[0])):  # forks and beams: a gather (a copy)
+            logits = logits[rows]
+        tokens = next_tokens(seqs, rules, logits)
         now = time.perf_counter()
         for seq, token in zip(seqs, tokens):
             tracked = self._tracked[seq.request.request_id]

@@ -95,7 +95,8 @@ class LLM:
                 if output.finished:
                     done[output.request_id] = Completion.of(output)
                     bar.update(1)
-            bar.set_postfix(tokens_per_s=f"{self.engine.stats.tokens_per_second:.0f}")
+            if not bar.disable:  # formatting it costs a few % of a batch-1 step
+                bar.set_postfix(tokens_per_s=f"{self.engine.stats.tokens_per_second:.0f}")
         bar.close()
         return [done[name] for name in names]
 

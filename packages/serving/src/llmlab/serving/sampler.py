@@ -52,7 +52,8 @@ def next_tokens(seqs: list[Sequence], rules: list[Rules], logits: Tensor) -> lis
     out: list[int] = [0] * len(seqs)
     plain = [i for i, r in enumerate(rules) if not r.sample and not r.processors]
     if plain:
-        picks = logits[plain].argmax(dim=-1).tolist()
+        rows = logits if len(plain) == len(seqs) else logits[plain]  # no copy when all are
+        picks = rows.argmax(dim=-1).tolist()
         for i, token in zip(plain, picks):
             out[i] = token
     for i, (seq, r) in enumerate(zip(seqs, rules)):

@@ -341,8 +341,9 @@ def data_config_problems(
     cfg: Any, model: Mapping[str, Any] | None, tokenizer_vocab: int | None = None
 ) -> list[str]:
     """What the app refuses before any process starts, for ``data=tokens`` runs: document
-    masking where the document ids cannot reach attention, and a model vocabulary smaller than
-    the ids the data holds. ``cfg`` is the app's whole (Hydra) config."""
+    masking where the document ids cannot reach attention (a pipeline, context parallelism),
+    and a model vocabulary smaller than the ids the data holds. ``cfg`` is the app's whole
+    (Hydra) config."""
     from omegaconf import OmegaConf
 
     from llmlab.models.registry import ARCHITECTURES
@@ -366,6 +367,13 @@ def data_config_problems(
             f"({target.rsplit('.', 1)[-1] or 'strategy'}, {pipeline} stages): stages pass one "
             "tensor between them, so the document ids would not reach the attention of later "
             "stages; use data.document_mask=false or a layout without a pipeline"
+        )
+    context = strategy.get("context") or 1
+    if context > 1:
+        problems.append(
+            f"data.document_mask=true cannot run with context parallelism (strategy.context="
+            f"{context}): ring attention passes key chunks between ranks without their document "
+            "ids; use data.document_mask=false or strategy.context=1"
         )
     arch = (
         (model or {}).get("arch", "gpt")

@@ -122,6 +122,9 @@ class StepAnatomy(L.Callback):
             return  # an accumulation micro-batch: keep summing
         end = time.perf_counter()
         events = self._timeline.drain() if self._timeline is not None else []
+        # A completion callback runs on the backend's thread, possibly a step late under load:
+        # only the part of an interval inside this step's window is this step's communication.
+        events = clip(events, self._batch_start, end)
         comm = union_length(events)
         hidden = sum(union_length(clip(events, lo, hi)) for lo, hi in self._bwd_windows)
         opt = end - self._opt_start if self._opt_start is not None else 0.0

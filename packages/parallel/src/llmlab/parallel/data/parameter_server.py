@@ -242,11 +242,15 @@ class ParameterServerStrategy(DDPStrategy):
             self._serve(optimizer)
         else:
             self._push_pull()
-            # The servers stepped for us. An empty step (no gradients, so no parameter and no
-            # state changes) tells torch's LR scheduler that the optimizer has stepped, which
-            # it otherwise warns about (the worker's schedule only mirrors the servers').
+            # The servers stepped for us. An empty step (gradients held aside, so no parameter
+            # and no state changes) tells torch's LR scheduler that the optimizer has stepped,
+            # which it otherwise warns about (the worker's schedule only mirrors the servers').
+            # The gradients come back after it: as after any step, callbacks may read them.
+            held = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
             optimizer.zero_grad(set_to_none=True)
             optimizer.step()
+            for p, grad in held:
+                p.grad = grad
             if self.mode == "sync":
                 self._log_grad_norm()
         return loss

@@ -1,0 +1,72 @@
+"""The engine's hot path (one decode over consecutive blocks, the model's ``inference_forward``)
+computes exactly what the general path computes: the same logits bit for bit, not merely within
+a tolerance, so greedy tokens cannot change with the path a step takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmlab.decoding import GenerationConfig
+from llmlab.serving.config import EngineConfig
+from llmlab.serving.model_runner import ModelRunner
+from llmlab.serving.scheduler import Chunk
+from llmlab.serving.sequence import Request
+from tests.serving.models import gpt_pair, llama, random_prompts
+
+CONFIG = EngineConfig(block_size=4, num_blocks=40, max_model_len=64)
+
+
+def test_inference_forward_is_forward_bit_for_bit():
+    model = gpt_pair()[1]
+    ids = torch.tensor(random_prompts(300, [13], seed=3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]])  # two packed sequences
+    with torch.inference_mode():
+        for keep in (0, 1, torch.tensor([6, 12])):
+            want = model(ids, positions=positions, logits_to_keep=keep)
+            got = model.inference_forward(ids, positions=positions, logits_to_keep=keep)
+            assert torch.equal(got, want), keep
+
+
+@pytest.mark.parametrize("which", ["gpt", "llama"])
+def test_one_decode_on_consecutive_blocks_equals_the_general_path_bit_for_bit(which):
+    model = gpt_pair()[1] if which == "gpt" else llama()
+    runner = ModelRunner(model, CONFIG)
+    prompt = random_prompts(200, [9], seed=4)[0]
+    # the same tokens twice: `a` on consecutive blocks (hot path), `b` scattered (a gather)
+    a, b = (Request(n, prompt, GenerationConfig(), i).new_sequence(0, prompt)
+            for i, n in enumerate("ab"))  # fmt: skip
+    a.block_table = [0, 1, 2, 3, 4]
+    b.block_table = [20, 7, 13, 30, 9]
+    la, lb = runner.execute([Chunk(a, 0, 9)]), runner.execute([Chunk(b, 0, 9)])
+    assert torch.equal(la, lb)
+    for _ in range(8):  # crosses two block boundaries (positions 12 and 16)
+        token = int(la[-1].argmax())
+        for seq in (a, b):
+            seq.token_ids.append(token)
+        steps = [Chunk(s, s.num_tokens - 1, 1) for s in (a, b)]
+        assert runner.prepare(steps[:1]).single is not None
+        assert runner.prepare(steps[1:]).single is None
+        la, lb = runner.execute(steps[:1]), runner.execute(steps[1:])
+        assert torch.equal(la, lb)
+    # and both equal a plain forward of the whole sequence (the usual 1e-5)
+    with torch.inference_mode():
+        plain = model(torch.tensor([a.token_ids]))[0, -1]
+    torch.testing.assert_close(la[0], plain, atol=1e-5, rtol=1e-5)
+
+
+def test_a_hook_turns_the_lean_forward_off():
+    model = gpt_pair()[1]
+    runner = ModelRunner(model, CONFIG)
+    assert runner._lean_forward() is not None
+    calls = []
+    handle = model.blocks[0].mlp.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        assert runner._lean_forward() is None
+        seq = Request("x", [5, 6, 7], GenerationConfig(), 0).new_sequence(0, [5, 6, 7])
+        seq.block_table = [0]
+        runner.execute([Chunk(seq, 0, 3)])
+        assert calls == [1]  # the hook ran: the model's own forward was used
+    finally:
+        handle.remove()
+    assert runner._lean_forward() is not None
