@@ -53,6 +53,9 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
     strategy = trainer.strategy
     plugin = trainer.precision_plugin
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    parallel = getattr(strategy, "parallel", None)
+    if parallel is not None and getattr(strategy, "zero_engine", None) is not None:
+        return float(strategy.global_grad_norm(optimizer))  # ZeRO: pieces of the masters
     masters = getattr(plugin, "masters", None)
     model_of = (
         {id(m): p for p, m in zip(masters.model_params, masters.masters, strict=True)}
@@ -60,8 +63,7 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
         else {}
     )
     total = torch.zeros((), dtype=torch.float64)
-    parallel = getattr(strategy, "parallel", None)
-    if parallel is not None and getattr(strategy, "zero_engine", None) is None:
+    if parallel is not None:
         d, t = strategy.groups.coords.data, strategy.groups.coords.tensor
         c = strategy.groups.coords.context  # context ranks hold equal gradients, as replicas
         duplicates = {id(p) for p in parallel.duplicates}
@@ -74,8 +76,6 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
             total += p.grad.double().pow(2).sum()
         dist.all_reduce(total)
         return float(total.sqrt())
-    if parallel is not None:  # ZeRO: the data group holds different pieces of the masters
-        return float(strategy.global_grad_norm(optimizer))
     for p in params:
         if p.grad is not None:
             total += p.grad.double().pow(2).sum()
@@ -97,12 +97,14 @@ def fit(
     callbacks: Sequence[Any] = (),
     prepare: Callable[[Any, Any], None] | None = None,
     ckpt_path: str | None = None,
+    batches: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
     norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
     app hands them: to the N-D strategy, or applied here to a replicated model;
     ``prepare(strategy, task)`` hands them over instead (the app's ``hand_model_transforms``);
-    ``ckpt_path`` resumes from a checkpoint (``master_norm`` is None when no step runs)."""
+    ``ckpt_path`` resumes from a checkpoint (``master_norm`` is None when no step runs).
+    ``batches``: global batches per epoch (default ``steps``: one epoch)."""
     import lightning as L
     import torch.distributed as dist
 
@@ -151,6 +153,8 @@ def fit(
         num_sanity_val_steps=0,
         callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record(), *callbacks],
     )
-    trainer.fit(task, datamodule=make_data(model["vocab_size"], steps), ckpt_path=ckpt_path)
+    trainer.fit(
+        task, datamodule=make_data(model["vocab_size"], batches or steps), ckpt_path=ckpt_path
+    )
     first_master = master[0] if master else None
     return {"losses": losses, "norms": norms, "master_norm": first_master, "trainer": trainer}

@@ -1,11 +1,13 @@
-"""Print the strategy × precision support table from the composition matrix test's own list.
+"""Print the composition matrix's support table from the matrix tests' own list of cells.
 
-``python -m tests.integration.composition_table`` writes markdown: one row per strategy, one
-column per precision; a cell says "✓" when every memory option (none, activation checkpointing,
-recompute attention) and both kernel backends are supported there (each checked against one
-process by ``tests/integration/test_composition_matrix.py``), else why it is refused. Nothing is
-typed by hand, so the table in docs/composing-strategies.md cannot drift from what the test
-checks.
+``python -m tests.integration.composition_table`` writes markdown: one row per layout (a
+strategy; the N-D layouts once per ZeRO stage and implementation), one column per value of the
+other axes that can be refused (precision, memory option, compile, sharded checkpoints). A
+column says "✓" when every cell of the row with that value is supported (trained and compared
+with one process by ``tests/integration/test_composition_matrix.py``), "✗ n" when every one is
+refused for reason n, and "◐ n" when some are; the reasons follow the table. ``validate_config``
+refuses exactly the listed cells (``test_composition_space.py``). Nothing is typed by hand, so
+the table in docs/composing-strategies.md cannot drift from what the tests check.
 """
 
 from __future__ import annotations
@@ -13,40 +15,65 @@ from __future__ import annotations
 from tests.integration.composition_cells import (
     AXES,
     CELLS,
-    PAIRWISE,
+    REQUIRED,
     TOLERANCES,
     WHY_REFUSED,
+    Cell,
+    default_cells,
+    pairwise_cells,
 )
 
+COLUMNS: list[tuple[str, str, str]] = [  # (axis, value, heading)
+    *(("precision", p, f"`{p}`") for p in AXES["precision"]),
+    ("memory", "activation_checkpointing", "act. ckpt"),
+    ("memory", "recompute_attention", "recompute attn"),
+    ("kernels", "triton", "`triton`"),
+    ("compile", "compile", "`compile`"),
+    ("checkpoint", "sharded", "sharded resume"),
+]
 
-def _summary(cells: list) -> str:
-    refused = sorted({WHY_REFUSED[c.refused] for c in cells if c.refused})
+
+def _rows() -> list[tuple[str, list[Cell]]]:
+    rows: dict[str, list[Cell]] = {}
+    for cell in CELLS:
+        name = f"`{cell.strategy}`" + (f" {cell.zero}" if cell.layout.nd else "")
+        rows.setdefault(name, []).append(cell)
+    return list(rows.items())
+
+
+def _summary(cells: list[Cell], reasons: list[str]) -> str:
+    if not cells:
+        return "—"
+    refused = sorted({reasons.index(c.refused) + 1 for c in cells if c.refused})
     if not refused:
         return "✓"
-    if len(refused) == 1 and all(c.refused for c in cells):
-        return f"refused: {refused[0]}"
-    return "partly refused: " + "; ".join(refused)
+    mark = "✗" if all(c.refused for c in cells) else "◐"
+    return f"{mark} " + ",".join(map(str, refused))
 
 
 def table() -> str:
-    strategies, precisions, memory, kernels = AXES
+    reasons = list(WHY_REFUSED)
     lines = [
-        "| strategy | " + " | ".join(f"`{p}`" for p in precisions) + " |",
-        "|---|" + "---|" * len(precisions),
+        "| layout | " + " | ".join(h for _, _, h in COLUMNS) + " |",
+        "|---|" + "---|" * len(COLUMNS),
     ]
-    for s in strategies:
-        row = [_summary([c for c in CELLS if c.strategy == s and c.precision == p])
-               for p in precisions]  # fmt: skip
-        lines.append(f"| `{s}` | " + " | ".join(row) + " |")
+    for name, cells in _rows():
+        row = [_summary([c for c in cells if getattr(c, a) == v], reasons) for a, v, _ in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
     supported = sum(not c.refused for c in CELLS)
+    axes = " × ".join(f"{a} ({len(v)})" for a, v in AXES.items())
     tol = ", ".join(f"{p} {loss:g} / {norm:g}" for p, (loss, norm) in TOLERANCES.items())
     lines += [
         "",
-        f"{len(CELLS)} cells ({len(strategies)} strategies × {len(precisions)} precisions × "
-        f"memory {', '.join(memory)} × kernels {', '.join(kernels)}): {supported} supported, "
-        f"{len(CELLS) - supported} refused by `validate_config` with the reason. "
-        f"`make test` runs a pairwise-covering {len(PAIRWISE)} of them; `make test-all` all. "
-        f"Relative tolerance against one process (loss / grad norms): {tol}.",
+        *(f"{i}. {WHY_REFUSED[r]}" for i, r in enumerate(reasons, 1)),
+        "",
+        f"{len(CELLS)} cells ({axes}; ZeRO and sharded checkpoints on the N-D layouts only): "
+        f"{supported} supported, {len(CELLS) - supported} refused by `validate_config` with the "
+        f"reason. `make test` runs {len(default_cells())}: the {len(REQUIRED)} cells issue 24 "
+        f"names and a pairwise cover of the supported cells with the PyTorch kernels, eager and "
+        f"consolidated checkpoints; `make test-all` a pairwise cover of all supported cells "
+        f"({len(pairwise_cells())}) and every "
+        f"supported cell. Relative tolerance against one process (loss / grad norms): {tol}.",
     ]
     return "\n".join(lines)
 
