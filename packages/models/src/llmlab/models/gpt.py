@@ -254,6 +254,16 @@ class GPT(nn.Module):
             x = x[:, -logits_to_keep:]
         return self.head(x)
 
+    def inference_forward_applies(self) -> bool:
+        """Whether :meth:`inference_forward` computes what ``forward`` does for this model: every
+        submodule is one of the classes it spells out. A replaced or wrapped layer (a LoRA
+        adapter, an fp8 or quantized Linear, any subclass) has a forward of its own, which the
+        direct calls would skip silently. Hooks are the caller's to check (they can come and go).
+        """
+        plain = (GPT, Embedding, Block, CausalSelfAttention, MLP, LayerNorm, Head,
+                 nn.Linear, nn.Embedding, nn.Dropout, nn.ModuleList)  # fmt: skip
+        return all(type(m) in plain for m in self.modules())
+
     def inference_forward(
         self, input_ids: Tensor, positions: Tensor, logits_to_keep: int | Tensor = 0
     ) -> Tensor:
@@ -265,7 +275,8 @@ class GPT(nn.Module):
         around 17 matrix-vector products; the calls' bookkeeping (hook checks, ``__getattr__``,
         dropout no-ops) costs a third of the step on a CPU. Skipping ``Module.__call__`` also
         skips hooks, so the caller must make sure none are registered (the engine checks;
-        tensor parallelism, which works through hooks, never comes here). No cache, no mask,
+        tensor parallelism, which works through hooks, never comes here), and
+        :meth:`inference_forward_applies` must hold. No cache, no mask,
         no dropout; ``positions`` (1, N) must lie below ``block_size`` (not checked: the caller
         knows them on the host).
         """

@@ -20,8 +20,10 @@ The consumer owns the contract; a model meets it structurally, without importing
   ``parameters()`` (where the model lives, as any ``nn.Module``).
 
 Optional, for the engine's hot path: ``inference_forward(input_ids, positions=,
-logits_to_keep=)``, the same logits as ``__call__`` bit for bit without ``nn.Module`` dispatch
-(``llmlab.models.GPT`` has it); the runner uses it in eval mode while no forward hook is set.
+logits_to_keep=)``, the same logits as ``__call__`` bit for bit without ``nn.Module`` dispatch,
+and ``inference_forward_applies()``, whether that holds for the model's current layers
+(``llmlab.models.GPT`` has both); the runner uses it when it applies at construction, in eval
+mode, while no forward hook is set.
 
 Nothing else of the model is read: the KV pool's per-layer shapes (KV heads, head dim, dtype)
 are learned from one probing forward of a single token.

@@ -145,6 +145,9 @@ class ModelRunner:
         # place), checked before each forward in one C-level pass (see _lean_forward)
         modules = list(model.modules()) if hasattr(model, "modules") else []
         self._hook_dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        # the model's own verdict on whether its lean forward covers all of its layers
+        applies = getattr(model, "inference_forward_applies", None)
+        self._lean = model.inference_forward if applies is not None and applies() else None
         self.device = next(iter(model.parameters())).device
         # Batch-1 decoding reads every weight once per token: on a CPU the memory order of
         # each weight decides how fast (see llmlab.decoding.layout).
@@ -270,8 +273,9 @@ class ModelRunner:
 
     def _lean_forward(self) -> Any:
         """The model's ``inference_forward`` while it is safe to skip ``nn.Module`` dispatch:
-        eval mode and no hook anywhere (a hook would be silently skipped), else None."""
-        lean = getattr(self.model, "inference_forward", None)
+        its layers are the ones it spells out (checked once, when the runner is built), eval
+        mode and no hook anywhere (a hook would be silently skipped), else None."""
+        lean = self._lean
         if lean is None or self.model.training:
             return None
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
