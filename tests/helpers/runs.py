@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmlab.parallel.launch import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 QUICK = [
     "trainer.max_steps=2",
@@ -27,6 +29,10 @@ def train_env(output_dir: Path, wandb_mode: str = "offline", **extra: str) -> di
         if not k.startswith("LLMLAB_RUN_") and k != "WANDB_SERVICE"
     }
     env.update(
+        # A multi-process run's rendezvous port, chosen outside the ephemeral range (see
+        # free_port): Lightning's own choice (bind(0)) races the gloo connections of other
+        # test workers' runs and fails with EADDRINUSE under a parallel suite.
+        MASTER_PORT=str(free_port()),
         LLMLAB_OUTPUT_DIR=str(output_dir),
         LLMLAB_EXPERIMENTS_DIR=str(REPO / "experiments"),
         WANDB_MODE=wandb_mode,

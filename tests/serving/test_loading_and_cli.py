@@ -10,7 +10,6 @@ get a message naming what is wrong and what would work.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from llmlab.decoding import generate
+from llmlab.parallel.launch import free_port
 from llmlab.serving.__main__ import main
 from llmlab.serving.loading import load
 from llmlab.tokenizer import BPETokenizer, ByteTokenizer, save
@@ -45,12 +45,6 @@ def checkpoint(tmp_path_factory) -> Path:
     path = root / "last.ckpt"
     trainer.save_checkpoint(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serving_a_training_checkpoint_from_the_command_line(checkpoint):

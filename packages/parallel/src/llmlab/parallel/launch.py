@@ -3,10 +3,10 @@
 A process launcher for the places where ``torchrun`` is too heavy: tests, benchmarks and
 notebooks that want to run ``fn(rank, world_size, *args)`` on every rank of a small CPU group and
 get the return values back. ``run_distributed`` spawns the ranks (``spawn`` start method, one
-free localhost port, ``torch.distributed`` initialised with gloo), waits for them, and returns
-their results in rank order -- or raises with the traceback of the first rank that failed,
-instead of a hang or a bare exit code. Multi-node training is Lightning's (``torchrun``/SLURM),
-not this.
+free localhost port below the ephemeral range, ``torch.distributed`` initialised with gloo),
+waits for them, and returns their results in rank order -- or raises with the traceback of the
+first rank that failed, instead of a hang or a bare exit code. Multi-node training is
+Lightning's (``torchrun``/SLURM), not this.
 """
 
 from __future__ import annotations
@@ -15,17 +15,48 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on 127.0.0.1 that is free now, chosen below the kernel's ephemeral range.
+
+    Why not ``bind(0)``: the OS hands those ports out of the ephemeral range, the same pool
+    every outgoing connection takes its source port from. Between choosing the port and the
+    rendezvous binding it, a gloo connection of any other process group on the machine (a
+    parallel test worker, another run) can take it, and ``init_process_group`` fails with
+    EADDRINUSE. A random port under that range is only ever held by someone who asked for it.
+    """
+    pick = random.SystemRandom()  # not the seeded module RNG: parallel callers must differ
+    below = _ephemeral_range_start()
+    for _ in range(200 if below > _LOWEST_PORT + 1000 else 0):
+        port = pick.randrange(_LOWEST_PORT, below)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded machine
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_LOWEST_PORT = 20000  # above the registered services commonly found on developer machines
+
+
+def _ephemeral_range_start() -> int:
+    """First port of the kernel's ephemeral range (Linux; 32768 where it cannot be read)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low
 
 
 def _worker(

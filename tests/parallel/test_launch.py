@@ -1,0 +1,43 @@
+"""``run_distributed``'s launcher: results in rank order, failures with their traceback, and a
+rendezvous port that cannot be taken by another process's outgoing connection."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from llmlab.parallel.launch import free_port, run_distributed
+
+
+def _rank_and_size(rank: int, world_size: int, offset: int) -> tuple[int, int]:
+    return rank + offset, world_size
+
+
+def _fails_on_rank_one(rank: int, world_size: int) -> None:
+    assert rank != 1, "rank one refuses"
+
+
+def test_results_come_back_in_rank_order():
+    assert run_distributed(_rank_and_size, 2, 10) == [(10, 2), (11, 2)]
+
+
+def test_a_failing_rank_raises_with_its_traceback():
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed:.*rank one refuses"):
+        run_distributed(_fails_on_rank_one, 2)
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound():
+    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not range_file.exists():
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range (not Linux)")
+    ephemeral_start = int(range_file.read_text().split()[0])
+    if ephemeral_start < 21000:
+        pytest.skip(f"ephemeral range starts at {ephemeral_start}: no room below it")
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1  # drawn at random: parallel callers do not collide by construction
+    for port in ports:
+        assert port < ephemeral_start  # bind(0) and outgoing connections never hand it out
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
