@@ -196,6 +196,19 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, str]:
     return run_dir.resolve(), run_id
 
 
+def choose_rendezvous_port() -> None:
+    """Fix ``MASTER_PORT`` for the processes this run spawns, unless someone already chose it.
+
+    Lightning would take a port from ``bind(0)``, out of the ephemeral range that every
+    outgoing connection also draws from: with another run's gloo traffic on the machine (a
+    sweep, a parallel test suite) the port can be gone by the time the rendezvous binds it.
+    ``free_port`` picks one below that range. torchrun and multi-node launches set their own.
+    """
+    from llmlab.parallel.launch import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
 # --------------------------------------------------------------------------- building
 def build(node: DictConfig, what: str, **app_args: Any) -> Any:
     """``node._target_(**node, **app_args)`` through Hydra, as plain Python values.
@@ -335,6 +348,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     precision, plugins = build_precision(cfg)
 
     run_dir, run_id = resolve_run(cfg)
+    choose_rendezvous_port()
     log.info("Run dir %s (W&B run %s)", run_dir, run_id)
     cfg.run_dir = str(run_dir)
     ckpt_path = checkpoint_to_resume(cfg, run_dir)
