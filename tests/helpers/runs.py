@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmlab.parallel.launch import free_port
-
 REPO = Path(__file__).resolve().parents[2]
+# What a launcher tells a process about its place in a job. Inherited by a new job they are
+# wrong: LOCAL_RANK makes Lightning believe its ranks were started externally (it waits for a
+# rank 1 nobody starts), MASTER_PORT points at a store another process may still hold.
+LAUNCH_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "NODE_RANK", "CROSS_RANK", "CROSS_SIZE",
+)  # fmt: skip
 QUICK = [
     "trainer.max_steps=2",
     "trainer.val_check_interval=2",
@@ -20,19 +25,17 @@ QUICK = [
 
 
 def train_env(output_dir: Path, wandb_mode: str = "offline", **extra: str) -> dict[str, str]:
-    # WANDB_SERVICE: wandb writes its service's address into the environment of a process that
-    # started one (a test that logged in-process); a child inheriting it would share that
-    # service, which keeps a killed child's run "in use" and refuses its resumption.
+    # Inherited from the pytest worker, these would be wrong for a new job: WANDB_SERVICE (wandb
+    # writes its service's address into a process that logged in-process; a child sharing it
+    # keeps a killed child's run "in use" and refuses its resumption) and the launch variables
+    # (left by an in-process run: Lightning's DeepSpeed strategy writes them).
+    dropped = {"WANDB_SERVICE", *LAUNCH_VARIABLES}
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("LLMLAB_RUN_") and k != "WANDB_SERVICE"
+        if not k.startswith(("LLMLAB_RUN_", "TORCHELASTIC_")) and k not in dropped
     }
     env.update(
-        # A multi-process run's rendezvous port, chosen outside the ephemeral range (see
-        # free_port): Lightning's own choice (bind(0)) races the gloo connections of other
-        # test workers' runs and fails with EADDRINUSE under a parallel suite.
-        MASTER_PORT=str(free_port()),
         LLMLAB_OUTPUT_DIR=str(output_dir),
         LLMLAB_EXPERIMENTS_DIR=str(REPO / "experiments"),
         WANDB_MODE=wandb_mode,

@@ -4,6 +4,8 @@ a tolerance, so greedy tokens cannot change with the path a step takes."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -81,7 +83,7 @@ def test_a_replaced_layer_turns_the_lean_forward_off():
         def forward(self, x):
             return 2.0 * super().forward(x)
 
-    model = gpt_pair()[1]
+    model = copy.deepcopy(gpt_pair()[1])  # the pair is cached: later tests compare it with HF
     old = model.blocks[0].mlp.fc
     new = Scaled(old.in_features, old.out_features, bias=old.bias is not None)
     new.load_state_dict(old.state_dict())
