@@ -28,7 +28,7 @@ def train_env(output_dir: Path, wandb_mode: str = "offline", **extra: str) -> di
     # Inherited from the pytest worker, these would be wrong for a new job: WANDB_SERVICE (wandb
     # writes its service's address into a process that logged in-process; a child sharing it
     # keeps a killed child's run "in use" and refuses its resumption) and the launch variables
-    # (left by an in-process run: Lightning's DeepSpeed strategy writes them).
+    # (left in the worker by an in-process fit with a distributed strategy).
     dropped = {"WANDB_SERVICE", *LAUNCH_VARIABLES}
     env = {
         k: v
