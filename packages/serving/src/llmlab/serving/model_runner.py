@@ -44,6 +44,7 @@ from llmlab.decoding.layout import tune_linear_layouts
 from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.contracts import AttentionFn, check_paged_model
+from llmlab.serving.linear import Linears
 from llmlab.serving.scheduler import Chunk
 
 
@@ -152,6 +153,10 @@ class ModelRunner:
         # Batch-1 decoding reads every weight once per token: on a CPU the memory order of
         # each weight decides how fast (see llmlab.decoding.layout).
         self.retuned = tune_linear_layouts(model) if config.tune_weight_layouts else []
+        # and multiplies through oneDNN on packed copies of the weights where that is faster
+        # (llmlab.serving.linear), in the lean forward only: the model's own forward is untouched
+        packed = self.device.type == "cpu" and config.onednn_linear and self._lean is not None
+        self.linear = Linears(model, enabled=packed)
         self.backend = config.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
@@ -243,11 +248,14 @@ class ModelRunner:
             self.pool.copy_blocks(copies)
         batch = self.prepare(chunks)
         self.batch = batch
-        forward = self._lean_forward() or self.model
+        lean = self._lean_forward()
         try:
-            logits = forward(
-                batch.input_ids, positions=batch.positions, logits_to_keep=batch.logits_indices
-            )
+            if lean is not None:
+                logits = lean(batch.input_ids, batch.positions, batch.logits_indices, self.linear)
+            else:
+                logits = self.model(
+                    batch.input_ids, positions=batch.positions, logits_to_keep=batch.logits_indices
+                )
         finally:
             self.batch = None
         return logits[0].float()
