@@ -31,6 +31,7 @@ alone): a decode step is a chain of one-row products, bound by reading the weigh
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -155,8 +156,9 @@ class ModelRunner:
         self.retuned = tune_linear_layouts(model) if config.tune_weight_layouts else []
         # and multiplies through oneDNN on packed copies of the weights where that is faster
         # (llmlab.serving.linear), in the lean forward only: the model's own forward is untouched
-        packed = self.device.type == "cpu" and config.onednn_linear and self._lean is not None
-        self.linear = Linears(model, enabled=packed)
+        takes = self._lean is not None and "linear" in inspect.signature(self._lean).parameters
+        self.linear = Linears(model, enabled=self.device.type == "cpu" and config.onednn_linear
+                              and takes)  # fmt: skip
         self.backend = config.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
@@ -251,7 +253,8 @@ class ModelRunner:
         lean = self._lean_forward()
         try:
             if lean is not None:
-                logits = lean(batch.input_ids, batch.positions, batch.logits_indices, self.linear)
+                extra = {"linear": self.linear} if self.linear.enabled else {}
+                logits = lean(batch.input_ids, batch.positions, batch.logits_indices, **extra)
             else:
                 logits = self.model(
                     batch.input_ids, positions=batch.positions, logits_to_keep=batch.logits_indices
