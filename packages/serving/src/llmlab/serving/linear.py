@@ -1,14 +1,14 @@
 """The engine's matrix products on a CPU: products of several rows through oneDNN, weights packed.
 
 A serving step multiplies a few rows (the decoding sequences, a prefill chunk) by every weight
-of the model. ``F.linear`` on a CPU goes to MKL's ``sgemm``, which on this AMD machine runs
-a generic code path (``MKL_VERBOSE`` names no AVX-512, where ``ONEDNN_VERBOSE`` says oneDNN uses
-it) and, for a handful of rows, costs about twice its one-row matrix-vector product; oneDNN takes the weight already in its own blocked format
-(``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU backend uses for
-frozen weights) and multiplies with ``torch.ops.mkldnn._linear_pointwise``. Measured on the
-serving benchmark's GPT-2 (one thread): the LM head (8192 × 256) takes 1.0 ms for 3 rows through
-MKL and 0.36 ms through oneDNN, 14 ms against 5.6 ms for 256 rows; the layers' weights are about
-2× faster from 4 rows on.
+of the model. ``F.linear`` on a CPU goes to MKL's ``sgemm``, which on this AMD machine runs a
+generic code path (``MKL_VERBOSE`` names no AVX-512, where ``ONEDNN_VERBOSE`` says oneDNN uses
+it) and, for a handful of rows, costs about twice its one-row matrix-vector product. oneDNN
+takes the weight already in its own blocked format (``torch.ops.mkldnn._reorder_linear_weight``,
+what ``torch.compile``'s CPU backend uses for frozen weights) and multiplies with
+``torch.ops.mkldnn._linear_pointwise``. Measured on the serving benchmark's GPT-2 (one thread):
+the LM head (8192 × 256) takes 1.0 ms for 3 rows through MKL and 0.36 ms through oneDNN, 14 ms
+against 5.6 ms for 256 rows; the layers' weights are about 2× faster from 4 rows on.
 
 Why one row stays with ``F.linear``: a lone request then decodes with the very products
 ``llmlab.decoding.generate`` and HF make (the hot path is unchanged, bit for bit), and MKL's
