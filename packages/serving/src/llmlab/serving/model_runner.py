@@ -23,10 +23,13 @@ Models that offer ``inference_forward`` (``llmlab.models.GPT``: ``forward`` with
 Why: on the serving benchmark's GPT-2 (batch 1, CPU) the general step's work around its 17
 matrix-vector products (~21 MB of weights read per token) cost about as much as the products;
 the hot path takes a step from 1.1-1.4x to ~1.0x the time of ``llmlab.decoding.generate``.
+A step of a few decodes (up to ``EACH_MAX_SEQS``, blocks anywhere) also skips the layout: one
+SDPA call per sequence over a view of the pool or its keys gathered (``_attend_each``).
 
 On a CPU the runner first stores every linear weight of the model in the memory order that
 multiplies one row fastest on this machine (``llmlab.decoding.layout``; CUDA weights are left
-alone): a decode step is a chain of one-row products, bound by reading the weights.
+alone): a decode step is a chain of one-row products, bound by reading the weights. Products of
+two rows or more go through oneDNN on packed copies of the weights (``llmlab.serving.linear``).
 """
 
 from __future__ import annotations
