@@ -8,7 +8,10 @@ short, a few long, as chat traffic is), greedy, no eos (every system does the sa
 systems serve it, each with the same KV memory (``STATIC_BATCH`` sequences of the longest
 prompt + output):
 
-* **continuous**: ``llmlab.serving.LLMEngine``, stepped as requests arrive;
+* **continuous**: ``llmlab.serving.LLMEngine``, stepped as requests arrive (its defaults: on a
+  CPU, products of two rows or more go through oneDNN on packed weights,
+  ``llmlab.serving.linear``; a second run with ``onednn_linear=False``, every product through
+  ``F.linear`` as the static system's, shows what the batching alone gives);
 * **static**: ``llmlab.decoding.generate`` over left-padded batches of ``STATIC_BATCH`` requests
   in arrival order; a batch starts when its last request has arrived and the previous batch is
   done, and runs until its longest request ends (token times from a forward hook);
@@ -126,13 +129,15 @@ class VirtualClock:
 
 
 # ------------------------------------------------------------------------------ systems
-def run_continuous(model, jobs: list[Job], num_blocks: int, max_len: int) -> Trace:
+def run_continuous(model, jobs: list[Job], num_blocks: int, max_len: int,
+                   onednn_linear: bool = True) -> Trace:  # fmt: skip
     from llmlab.decoding import GenerationConfig
     from llmlab.serving import EngineConfig, LLMEngine
 
     engine = LLMEngine(model, config=EngineConfig(
         block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=len(jobs),
-        max_num_batched_tokens=256, max_model_len=max_len))  # fmt: skip
+        max_num_batched_tokens=256, max_model_len=max_len,
+        onednn_linear=onednn_linear))  # fmt: skip
     trace = Trace("continuous")
     pending = list(enumerate(jobs))
     clock = VirtualClock()
@@ -373,10 +378,12 @@ def main() -> None:
         run_continuous(model, jobs[:2], num_blocks, longest)  # warm-up: first-call costs
         traces = [run_continuous(model, jobs, num_blocks, longest), run_static(model, jobs),
                   run_hf(hf, jobs, num_blocks)]  # fmt: skip
+        plain = run_continuous(model, jobs, num_blocks, longest, onednn_linear=False)
         hot_rows, profile = hot_path(hf, model, hot_tokens, repeats)
     cont, static, hf_cb = (t.summary(jobs) for t in traces)
+    plain_throughput = plain.summary(jobs)["throughput"]
     same = {t.name: sum(t.tokens[i] == traces[0].tokens[i] for i in range(len(jobs)))
-            for t in traces[1:]}  # fmt: skip
+            for t in (*traces[1:], plain)}  # fmt: skip
 
     def pair(name, key, other, other_name, higher, target=None, unit="s"):
         return Row(name, cont[key], other[key], other_name, unit, higher, target)
@@ -384,6 +391,8 @@ def main() -> None:
     rows = [
         pair("throughput: continuous vs static (same KV memory)", "throughput", static,
              "llmlab static batching", True, 2.0, "output tokens/s"),
+        Row("throughput: continuous, every product F.linear (onednn_linear=False) vs static",
+            plain_throughput, static["throughput"], "llmlab static batching", "output tokens/s"),
         pair("throughput: continuous vs HF continuous batching", "throughput", hf_cb,
              "HF generate_batch manager", True, 1.0, "output tokens/s"),
     ]  # fmt: skip
@@ -405,7 +414,8 @@ def main() -> None:
         f"{min(j.new_tokens for j in jobs)}-{max(j.new_tokens for j in jobs)}; KV memory for all: "
         f"{STATIC_BATCH} x {longest} token slots ({num_blocks} blocks of {BLOCK_SIZE}). GPT-2 "
         f"4x256 vocab 8192 (random), greedy, no eos, 1 thread, CPU-time clock. Requests with "
-        f"the engine's tokens: static {same['static']}/{len(jobs)}, HF {same['hf']}/{len(jobs)}. "
+        f"the engine's tokens: static {same['static']}/{len(jobs)}, HF {same['hf']}/{len(jobs)}, "
+        f"the engine with F.linear products {same['continuous']}/{len(jobs)}. "
         f"{profile}"
     )
     report("serving", rows, notes)

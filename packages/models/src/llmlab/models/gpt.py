@@ -19,6 +19,7 @@ reordering above) and logits match ``transformers.GPT2LMHeadModel``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +167,10 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+def _plain_linear(x: Tensor, module: nn.Linear) -> Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
 class _SlotWriter:
     """The cache seen by ``GPT.decode_step``: writes the new key/value at a tensor index and
     hands back the whole preallocated buffers (static shapes, no Python-int slicing)."""
@@ -265,7 +270,11 @@ class GPT(nn.Module):
         return all(type(m) in plain for m in self.modules())
 
     def inference_forward(
-        self, input_ids: Tensor, positions: Tensor, logits_to_keep: int | Tensor = 0
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        logits_to_keep: int | Tensor = 0,
+        linear: Callable[[Tensor, nn.Linear], Tensor] | None = None,
     ) -> Tensor:
         """``forward(input_ids, positions=positions, logits_to_keep=...)`` in eval mode, without
         ``nn.Module`` dispatch: the same functions on the same tensors in the same order, so the
@@ -279,7 +288,12 @@ class GPT(nn.Module):
         :meth:`inference_forward_applies` must hold. No cache, no mask,
         no dropout; ``positions`` (1, N) must lie below ``block_size`` (not checked: the caller
         knows them on the host).
+
+        ``linear(x, module)``: how each ``nn.Linear`` product is computed (default: ``F.linear``
+        of its weight and bias, as its forward does); the serving engine passes its own (oneDNN
+        on packed weights, ``llmlab.serving.linear``), equal up to fp32 rounding.
         """
+        lin = _plain_linear if linear is None else linear
         x = F.embedding(input_ids, self.embed.wte.weight) + F.embedding(
             positions, self.embed.wpe.weight
         )
@@ -288,21 +302,21 @@ class GPT(nn.Module):
             B, T, _ = x.shape
             heads, dim = attn.local_heads, attn.head_dim
             h = ln_1.ops.layer_norm(x, ln_1.weight, ln_1.bias, ln_1.eps)
-            qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias).view(B, T, heads, 3, dim)
+            qkv = lin(h, attn.qkv).view(B, T, heads, 3, dim)
             q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # forward's views, one call
             y = attn.ops.attention(q, k, v, causal=True, dropout_p=0.0)
             y = y.transpose(1, 2).reshape(B, T, heads * dim)
-            x = x + F.linear(y, attn.proj.weight, attn.proj.bias)
+            x = x + lin(y, attn.proj)
             h = ln_2.ops.layer_norm(x, ln_2.weight, ln_2.bias, ln_2.eps)
-            h = mlp.ops.gelu(F.linear(h, mlp.fc.weight, mlp.fc.bias))
-            x = x + F.linear(h, mlp.proj.weight, mlp.proj.bias)
+            h = mlp.ops.gelu(lin(h, mlp.fc))
+            x = x + lin(h, mlp.proj)
         if isinstance(logits_to_keep, Tensor):
             x = x[:, logits_to_keep]
         elif logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         ln_f = self.head.ln_f
         x = ln_f.ops.layer_norm(x, ln_f.weight, ln_f.bias, ln_f.eps)
-        return F.linear(x, self.head.lm_head.weight, self.head.lm_head.bias)
+        return lin(x, self.head.lm_head)
 
     def decode_step(
         self, input_ids: Tensor, cache: KVCache, index: Tensor, positions: Tensor, key_mask: Tensor

@@ -35,6 +35,9 @@ class EngineConfig:
     # CPU: store each linear weight in the memory order that multiplies one row faster here
     # (llmlab.decoding.layout; same values, rounding-level differences in the products)
     tune_weight_layouts: bool = True
+    # CPU: multiply through oneDNN on packed copies of the linear weights from the row count
+    # where that is faster here (llmlab.serving.linear; a second copy of those weights in memory)
+    onednn_linear: bool = True
 
     def resolved(self, model_context: int) -> EngineConfig:
         """A copy with ``max_model_len`` and ``num_blocks`` filled in, validated.
@@ -83,10 +86,11 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 positive(name)
-        need(
-            isinstance(self.tune_weight_layouts, bool),
-            f"tune_weight_layouts must be True or False, got {self.tune_weight_layouts!r}",
-        )
+        for name in ("tune_weight_layouts", "onednn_linear"):
+            need(
+                isinstance(getattr(self, name), bool),
+                f"{name} must be True or False, got {getattr(self, name)!r}",
+            )
         need(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend={self.attention_backend!r}; valid: {list(ATTENTION_BACKENDS)}",

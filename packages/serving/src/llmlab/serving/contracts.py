@@ -23,7 +23,9 @@ Optional, for the engine's hot path: ``inference_forward(input_ids, positions=,
 logits_to_keep=)``, the same logits as ``__call__`` bit for bit without ``nn.Module`` dispatch,
 and ``inference_forward_applies()``, whether that holds for the model's current layers
 (``llmlab.models.GPT`` has both); the runner uses it when it applies at construction, in eval
-mode, while no forward hook is set.
+mode, while no forward hook is set. If ``inference_forward`` takes ``linear=`` (a function
+``(x, module) -> x @ module.weight.T + module.bias`` for each ``nn.Linear``), the runner passes
+its own on a CPU (``llmlab.serving.linear``: oneDNN for products of two rows or more).
 
 Nothing else of the model is read: the KV pool's per-layer shapes (KV heads, head dim, dtype)
 are learned from one probing forward of a single token.

@@ -23,14 +23,18 @@ Models that offer ``inference_forward`` (``llmlab.models.GPT``: ``forward`` with
 Why: on the serving benchmark's GPT-2 (batch 1, CPU) the general step's work around its 17
 matrix-vector products (~21 MB of weights read per token) cost about as much as the products;
 the hot path takes a step from 1.1-1.4x to ~1.0x the time of ``llmlab.decoding.generate``.
+A step of a few decodes (up to ``EACH_MAX_SEQS``, blocks anywhere) also skips the layout: one
+SDPA call per sequence over a view of the pool or its keys gathered (``_attend_each``).
 
 On a CPU the runner first stores every linear weight of the model in the memory order that
 multiplies one row fastest on this machine (``llmlab.decoding.layout``; CUDA weights are left
-alone): a decode step is a chain of one-row products, bound by reading the weights.
+alone): a decode step is a chain of one-row products, bound by reading the weights. Products of
+two rows or more go through oneDNN on packed copies of the weights (``llmlab.serving.linear``).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +48,14 @@ from llmlab.decoding.layout import tune_linear_layouts
 from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.contracts import AttentionFn, check_paged_model
+from llmlab.serving.linear import Linears
 from llmlab.serving.scheduler import Chunk
+
+# decode-only steps of up to this many sequences attend one sequence at a time (_attend_each);
+# measured on the serving benchmark's GPT-2 (4 layers, per step): faster than the general path
+# for 1 to 8 decodes of unequal lengths (8 of 50-400 keys: 2.3 ms against 2.6), as fast for 8
+# equal ones, slower for 12 equal ones (3.1 ms against 2.6), where one padded call wins
+EACH_MAX_SEQS = 8
 
 
 @dataclass
@@ -59,6 +70,9 @@ class PagedBatch:
     # the hot path (one decode, consecutive blocks): the new token's slot, the sequence's first
     # slot and its length (see _attend_single)
     single: tuple[int, int, int] | None = None
+    # a step of a few decodes (see _attend_each): where each sequence's keys are, as
+    # (first slot, length) when its blocks are consecutive, else the slot of every key
+    each: list[tuple[int, int] | Tensor] | None = None
 
 
 class KVPool:
@@ -99,6 +113,10 @@ class _PagedLayer:
             pool = runner.pool
             return _attend_single(q, k, v, pool.keys[self.layer], pool.values[self.layer],
                                   *batch.single)  # fmt: skip
+        if batch is not None and batch.each is not None:  # a few decodes, one SDPA each
+            pool = runner.pool
+            return _attend_each(q, k, v, pool.keys[self.layer], pool.values[self.layer],
+                                batch.slot_mapping, batch.each, runner.scratch)  # fmt: skip
         if runner.probe is not None:  # learning the pool's shapes
             runner.probe.append((k.shape[1], k.shape[3], k.dtype))
             return self.fallback(q, k, v, causal=causal, dropout_p=dropout_p)
@@ -136,6 +154,46 @@ def _attend_single(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor
                                           enable_gqa=q.shape[1] != heads)  # fmt: skip
 
 
+def _attend_each(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slots: Tensor,
+                 each: list[tuple[int, int] | Tensor], scratch: Scratch) -> Tensor:  # fmt: skip
+    """``S`` decode tokens of ``S`` sequences, one SDPA call each over exactly its keys: a view
+    of the pool where its blocks are consecutive (as ``_attend_single``), else its keys gathered
+    into ``scratch``; no ``PagedLayout``, no padding, no mask.
+
+    Why: for a few decodes of unequal lengths the general path's bookkeeping (layout, length
+    groups, padded gathers, masks, scattering rows back) cost more than the attention itself
+    (measured on the serving benchmark's GPT-2, 4 layers: 3 decodes of 212, 53 and 182 keys
+    1.2 ms per step, 0.5-0.6 ms here). Each call is the one the reference makes for a sequence
+    alone in its length group, on tensors of the same shapes and strides.
+
+    ``q``/``k``/``v``: (1, H, S, D) / (1, H_kv, S, D); ``slots``: (S,) the new tokens' slots.
+    Returns (1, H, S, D) as the model's attention does.
+    """
+    heads, dim = keys.shape[2], keys.shape[3]
+    flat_k, flat_v = keys.view(-1, heads, dim), values.view(-1, heads, dim)
+    flat_k.index_copy_(0, slots, k[0].transpose(0, 1))
+    flat_v.index_copy_(0, slots, v[0].transpose(0, 1))
+    scale, gqa = 1.0 / math.sqrt(dim), q.shape[1] != heads
+    outs = []
+    for i, where in enumerate(each):
+        if isinstance(where, tuple):
+            first, length = where
+            shape, strides = (1, heads, length, dim), (length * heads * dim, dim, heads * dim, 1)
+            kk = keys.as_strided(shape, strides, keys.storage_offset() + first * heads * dim)
+            vv = values.as_strided(shape, strides, values.storage_offset() + first * heads * dim)
+        else:
+            n = where.numel()
+            kk = torch.index_select(flat_k, 0, where, out=scratch.rows("k", n, flat_k))
+            vv = torch.index_select(flat_v, 0, where, out=scratch.rows("v", n, flat_v))
+            kk, vv = (
+                kk.view(1, n, heads, dim).transpose(1, 2),
+                vv.view(1, n, heads, dim).transpose(1, 2),
+            )
+        outs.append(F.scaled_dot_product_attention(q[:, :, i : i + 1], kk, vv, scale=scale,
+                                                   enable_gqa=gqa))  # fmt: skip
+    return torch.cat(outs, dim=2)
+
+
 class ModelRunner:
     def __init__(self, model: Any, config: EngineConfig) -> None:
         check_paged_model(model)
@@ -152,11 +210,17 @@ class ModelRunner:
         # Batch-1 decoding reads every weight once per token: on a CPU the memory order of
         # each weight decides how fast (see llmlab.decoding.layout).
         self.retuned = tune_linear_layouts(model) if config.tune_weight_layouts else []
+        # and multiplies through oneDNN on packed copies of the weights where that is faster
+        # (llmlab.serving.linear), in the lean forward only: the model's own forward is untouched
+        takes = self._lean is not None and "linear" in inspect.signature(self._lean).parameters
+        self.linear = Linears(model, enabled=self.device.type == "cpu" and config.onednn_linear
+                              and takes)  # fmt: skip
         self.backend = config.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
         self.batch: PagedBatch | None = None
         self.scratch = Scratch()  # gather buffers reused by every forward
+        self._block_offsets = torch.arange(config.block_size, device=self.device)
         self.probe: list[tuple[int, int, torch.dtype]] | None = None
         self._num_layers = 0
         self.num_layers = model.swap_attention(self._wrap)
@@ -193,10 +257,10 @@ class ModelRunner:
     def prepare(self, chunks: list[Chunk]) -> PagedBatch:
         """The packed tensors of ``chunks`` (see the module docstring)."""
         bs = self.config.block_size
-        if len(chunks) == 1 and chunks[0].num_tokens == 1 and self.backend == "torch":
-            single = self._prepare_single(chunks[0])
-            if single is not None:
-                return single
+        few = self.backend == "torch" and len(chunks) <= EACH_MAX_SEQS
+        if few and all(c.num_tokens == 1 for c in chunks):
+            single = self._prepare_single(chunks[0]) if len(chunks) == 1 else None
+            return single or self._prepare_each(chunks)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -243,11 +307,15 @@ class ModelRunner:
             self.pool.copy_blocks(copies)
         batch = self.prepare(chunks)
         self.batch = batch
-        forward = self._lean_forward() or self.model
+        lean = self._lean_forward()
         try:
-            logits = forward(
-                batch.input_ids, positions=batch.positions, logits_to_keep=batch.logits_indices
-            )
+            if lean is not None:
+                extra = {"linear": self.linear} if self.linear.enabled else {}
+                logits = lean(batch.input_ids, batch.positions, batch.logits_indices, **extra)
+            else:
+                logits = self.model(
+                    batch.input_ids, positions=batch.positions, logits_to_keep=batch.logits_indices
+                )
         finally:
             self.batch = None
         return logits[0].float()
@@ -269,6 +337,33 @@ class ModelRunner:
             layout=None,
             logits_indices=0,
             single=(first * bs + p, first * bs, p + 1),
+        )
+
+    def _prepare_each(self, chunks: list[Chunk]) -> PagedBatch:
+        """A step of a few decodes (see ``_attend_each``): the new tokens' slots, and where
+        each sequence's keys are (first slot and length, or every key's slot)."""
+        bs = self.config.block_size
+        ids, positions, slots, each = [], [], [], []
+        for chunk in chunks:
+            seq, p = chunk.seq, chunk.start
+            n = p // bs + 1
+            table = seq.block_table[:n]
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(table[-1] * bs + p % bs)
+            if table[-1] - table[0] == n - 1 and table == list(range(table[0], table[0] + n)):
+                each.append((table[0] * bs, p + 1))
+            else:
+                blocks = torch.tensor(table, device=self.device)
+                each.append((blocks[:, None] * bs + self._block_offsets).view(-1)[: p + 1])
+        device = self.device
+        return PagedBatch(
+            input_ids=torch.tensor([ids], device=device),
+            positions=torch.tensor([positions], device=device),
+            slot_mapping=torch.tensor(slots, device=device),
+            layout=None,
+            logits_indices=0,
+            each=each,
         )
 
     def _lean_forward(self) -> Any:
