@@ -27,18 +27,23 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
-from operator import add
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import compress, repeat
+from operator import add, contains
 from typing import TypeVar
 
+import numpy as np
+
 from llmlab.tokenizer.gcpause import paused_gc
+from llmlab.tokenizer.merge_bulk import InitialPairs, merge_many
 from llmlab.tokenizer.progress import Progress
 
 T = TypeVar("T", bound=Hashable)
 
 _SURROGATES = 0xD800
 _SHIFT = 0x800  # size of the surrogate block U+D800..U+DFFF, which str cannot hold alone
-MAX_SYMBOLS = 0x110000 - _SHIFT
+MAX_SYMBOLS = 0x110000 - _SHIFT - 1  # the last code point is merge_bulk.SEP
+BULK = 30  # a merge rewriting this many words or more is done on arrays (merge_bulk)
 
 
 def id_char(i: int) -> str:
@@ -88,16 +93,11 @@ def _train(
     if len(tokens) + max(vocab_size - len(tokens), 0) > MAX_SYMBOLS:
         raise ValueError(f"vocab_size={vocab_size} exceeds the {MAX_SYMBOLS} symbols supported")
     token_ids: dict[T, int] = {t: i for i, t in enumerate(tokens)}
-    pair_counts: dict[str, int] = defaultdict(int)  # plain dict gets below
-    where: dict[str, set[int]] = defaultdict(set)
-    for wi, (word, count) in enumerate(zip(words, counts)):
-        for pair in map(add, word, word[1:]):
-            pair_counts[pair] += count
-            where[pair].add(wi)
-    # The best pair comes from two queues: the initial pairs sorted once (their counts only
-    # ever shrink, so this order stays valid up to lazy re-checks) and a small heap of the
-    # entries pushed later (grown pairs, re-queued stale ones). Keeping the ~10^5 initial pairs
-    # out of the heap makes every pop cheap.
+    weights = np.asarray(counts, dtype=np.int64)
+    first = InitialPairs(words, weights)
+    pair_counts = first.counts
+    # where[p]: words in which a merge made p (may repeat a word, or name one that lost p since)
+    where: defaultdict[str, list[int]] = defaultdict(list)
     initial = sorted((-c, p) for p, c in pair_counts.items() if c > 0)
     next_initial = 0
     heap: list[tuple[int, str]] = []
@@ -128,7 +128,9 @@ def _train(
             tokens.append(value)
             token_ids[value] = new
         merges.append((a, b))
-        _apply_merge(pair, id_char(new), reused, words, counts, pair_counts, where, heap)
+        _apply_merge(
+            pair, id_char(new), reused, (words, counts, weights), pair_counts, first, where, heap
+        )
         progress.update()
     progress.close()
     return merges
@@ -138,27 +140,56 @@ def _apply_merge(
     pair: str,
     n: str,
     reused: bool,
-    words: list[str],
-    counts: list[int],
+    corpus: tuple[list[str], list[int], np.ndarray],
     pair_counts: dict[str, int],
-    where: dict[str, set[int]],
+    first: InitialPairs,
+    where: defaultdict[str, list[int]],
     heap: list[tuple[int, str]],
 ) -> None:
     """Rewrite every word containing ``pair`` (``ab``) and update the pair counts in place.
 
-    Only the neighbourhood of each merge changes: in the rewritten word, an ``n`` preceded by
-    ``L`` was ``L a`` and is now ``L n`` (``b a`` and ``n n`` when ``L`` is itself a merge), and
-    an ``n`` followed by ``R`` was ``b R`` and is now ``n R``. The pair ``ab`` itself drops to
-    zero. Only pairs containing ``n`` can have grown, so only those get heap entries.
+    A word holds ``pair`` now only if it did initially (``first``) or a merge made it there
+    (``where``); those candidates are checked in C (``pair in word``). Many hits go to
+    ``merge_bulk.merge_many`` (arrays); a few are rewritten here, where only the neighbourhood of
+    each merge changes: an ``n`` preceded by ``L`` was ``L a`` and is now ``L n`` (``b a`` and
+    ``n n`` when ``L`` is itself a merge), and an ``n`` followed by ``R`` was ``b R`` and is now
+    ``n R``. The pair ``ab`` itself drops to zero. Only pairs containing ``n`` can have grown, so
+    only those get heap entries.
     """
+    words, counts, weights = corpus  # the counts as a list and as an array
+    candidates = first.pop(pair)
+    made = where.pop(pair, None)
+    if made:
+        candidates = list(set(made).union(candidates))
+    hits = list(
+        compress(candidates, map(contains, map(words.__getitem__, candidates), repeat(pair)))
+    )
+    if len(hits) >= BULK and not reused:
+        grown: Iterable[str] = merge_many(pair, n, hits, words, weights, pair_counts, where)
+    else:
+        grown = _merge_few(pair, n, reused, hits, words, counts, pair_counts, where)
+    pair_counts.pop(pair, None)
+    for p in grown:
+        heapq.heappush(heap, (-pair_counts[p], p))
+
+
+def _merge_few(
+    pair: str,
+    n: str,
+    reused: bool,
+    hits: list[int],
+    words: list[str],
+    counts: list[int],
+    pair_counts: dict[str, int],
+    where: defaultdict[str, list[int]],
+) -> set[str]:
+    """``_apply_merge`` for a few words, one by one; returns the pairs that grew."""
     a, b = pair
     ba, nn = b + a, n + n
     get = pair_counts.get
     grown: set[str] = set()
-    for wi in where.pop(pair, ()):
+    for wi in hits:
         old = words[wi]
-        if pair not in old:
-            continue  # stale index: an earlier merge consumed this pair
         new = old.replace(pair, n)
         words[wi] = new
         count = counts[wi]
@@ -168,7 +199,7 @@ def _apply_merge(
             for p in map(add, new, new[1:]):
                 pair_counts[p] = get(p, 0) + count
                 if n in p:
-                    where[p].add(wi)
+                    where[p].append(wi)
                     grown.add(p)
             continue
         last = len(new) - 1
@@ -183,7 +214,7 @@ def _apply_merge(
                     pair_counts[left + a] -= count
                     p = left + n
                 pair_counts[p] = get(p, 0) + count
-                where[p].add(wi)
+                where[p].append(wi)
                 grown.add(p)
             if j < last:
                 right = new[j + 1]
@@ -191,9 +222,7 @@ def _apply_merge(
                     pair_counts[b + right] -= count
                     p = n + right
                     pair_counts[p] = get(p, 0) + count
-                    where[p].add(wi)
+                    where[p].append(wi)
                     grown.add(p)
             j = new.find(n, j + 1)
-    pair_counts.pop(pair, None)
-    for p in grown:
-        heapq.heappush(heap, (-pair_counts[p], p))
+    return grown

@@ -1,0 +1,136 @@
+"""The array side of ``merge_trainer``: counting the initial pairs, and applying one merge to many
+words at once.
+
+Why: a merge with many words to rewrite cost about 3 µs of interpreted work per word (find each
+new symbol, update four pair counts, note the word under each new pair). The merges that touch
+30 words or more hold over 90 % of all rewrites on the benchmark corpus, so they are done here
+on arrays instead: the rewritten words are joined into one string (a separator, ``SEP``, between
+them), read as an array of code points, and every neighbour of the new symbol is found, weighted
+and summed by numpy. Interpreted work is then per distinct *pair* changed, not per word.
+
+A pair is keyed as ``left << 21 | right`` (code points fit in 21 bits); its name in the trainer's
+dictionaries is the 2-character string ``chr(left) + chr(right)``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import numpy as np
+
+SEP = "\U0010ffff"  # never a symbol: merge_trainer.MAX_SYMBOLS stops below it
+_SEP = ord(SEP)
+_BITS = 21
+_LOW = (1 << _BITS) - 1
+
+
+def _codes(words: Iterable[str]) -> np.ndarray:
+    """The words' characters as int64 code points, ``SEP`` before each word and after the last."""
+    text = SEP + SEP.join(words) + SEP
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+
+
+def _names(keys: np.ndarray) -> list[str]:
+    return [chr(k >> _BITS) + chr(k & _LOW) for k in keys.tolist()]
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` by sorting (numpy 2's hash-based ``unique`` was 40x slower here)."""
+    values = np.sort(values)
+    keep = np.empty(len(values), dtype=bool)
+    keep[:1] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
+def _sum_by_key(keys: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """Distinct keys (sorted), the summed weights of each, and each input's distinct index.
+
+    The sums run in float64, exact for totals below 2**53 (a corpus of that many words)."""
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    sums = np.bincount(inverse, weights=weights, minlength=len(uniq))
+    return uniq, sums.astype(np.int64).tolist(), inverse
+
+
+def _grouped(
+    group: np.ndarray, member: np.ndarray, n_groups: int, n_members: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each group, its distinct members: (members sorted by group, group boundaries)."""
+    joint = _distinct(group * n_members + member)
+    bounds = np.searchsorted(joint // n_members, np.arange(n_groups + 1))
+    return joint % n_members, bounds
+
+
+class InitialPairs:
+    """Every adjacent pair of the initial words: its weighted count and the words holding it.
+
+    The word lists are kept as one sorted array with boundaries and handed out (as a list) when a
+    pair is merged, so the ~10^5 initial pairs cost no Python container each."""
+
+    def __init__(self, words: list[str], counts: np.ndarray):
+        arr = _codes(words)
+        sep = arr == _SEP
+        word_of = np.cumsum(sep) - 1  # a character of word k sits after k + 1 separators
+        inner = ~(sep[:-1] | sep[1:])
+        keys = (arr[:-1][inner] << _BITS) | arr[1:][inner]
+        owner = word_of[:-1][inner]
+        uniq, sums, inverse = _sum_by_key(keys, counts[owner].astype(np.float64))
+        names = _names(uniq)
+        self.counts: dict[str, int] = dict(zip(names, sums))
+        self._index = dict(zip(names, range(len(names))))
+        self._words, self._bounds = _grouped(inverse, owner, len(uniq), max(len(words), 1))
+
+    def pop(self, pair: str) -> list[int]:
+        """The (distinct) words that held ``pair`` initially; ``[]`` when asked again."""
+        i = self._index.pop(pair, None)
+        if i is None:
+            return []
+        return self._words[self._bounds[i] : self._bounds[i + 1]].tolist()
+
+
+def merge_many(
+    pair: str,
+    n: str,
+    hits: list[int],
+    words: list[str],
+    counts: np.ndarray,
+    pair_counts: dict[str, int],
+    where: defaultdict[str, list[int]],
+) -> list[str]:
+    """Replace ``pair`` by ``n`` in the words ``hits`` (each holds it; ``n`` is in none of them)
+    and update ``pair_counts`` and ``where``; returns the pairs that grew (they contain ``n``).
+
+    The rule is ``merge_trainer._apply_merge``'s, on arrays: an ``n`` preceded by ``L`` turns
+    ``L a`` into ``L n`` (``b a`` into ``n n`` when ``L`` is ``n``), an ``n`` followed by ``R``
+    (not ``n``) turns ``b R`` into ``n R``.
+    """
+    a, b, c = ord(pair[0]), ord(pair[1]), ord(n)
+    new = [words[i].replace(pair, n) for i in hits]
+    for i, w in zip(hits, new):
+        words[i] = w
+    arr = _codes(new)
+    at = np.flatnonzero(arr == c)
+    owner = np.searchsorted(np.flatnonzero(arr == _SEP), at) - 1  # separators before, less one
+    weight = counts[np.asarray(hits)][owner].astype(np.float64)
+    left, right = arr[at - 1], arr[at + 1]
+    has_left = left != _SEP
+    has_right = (right != _SEP) & (right != c)
+    left, right = left[has_left], right[has_right]
+    lost = np.concatenate([(np.where(left == c, b, left) << _BITS) | a, (b << _BITS) | right])
+    gained = np.concatenate([(left << _BITS) | c, (c << _BITS) | right])
+    owners = np.concatenate([owner[has_left], owner[has_right]])
+    weights = np.concatenate([weight[has_left], weight[has_right]])
+    uniq, sums, _ = _sum_by_key(lost, weights)
+    for p, d in zip(_names(uniq), sums):
+        pair_counts[p] -= d
+    uniq, sums, inverse = _sum_by_key(gained, weights)
+    grown = _names(uniq)
+    get = pair_counts.get
+    for p, d in zip(grown, sums):
+        pair_counts[p] = get(p, 0) + d
+    members, bounds = _grouped(inverse, owners, len(uniq), len(hits))
+    holders, bounds = np.asarray(hits)[members].tolist(), bounds.tolist()
+    for k, p in enumerate(grown):
+        where[p].extend(holders[bounds[k] : bounds[k + 1]])
+    return grown
