@@ -105,23 +105,20 @@ def merge_many(
     pair: str,
     n: str,
     hits: list[int],
-    words: list[str],
+    new: list[str],
     counts: np.ndarray,
     pair_counts: dict[str, int],
     where: defaultdict[str, list[int]],
 ) -> list[int]:
-    """Replace ``pair`` by ``n`` in the words ``hits`` (each holds it; ``n`` is in none of them)
-    and update ``pair_counts`` and ``where``; returns queue entries (``entry``) for the pairs
-    that grew (they contain ``n``).
+    """Update ``pair_counts`` and ``where`` for the words ``hits``, in which ``pair`` was just
+    replaced by ``n`` (giving ``new``; ``n`` was in none of them before); returns queue entries
+    (``entry``) for the pairs that grew (they contain ``n``).
 
-    The rule is ``merge_trainer._apply_merge``'s, on arrays: an ``n`` preceded by ``L`` turns
+    The rule is ``merge_trainer._merge_few``'s, on arrays: an ``n`` preceded by ``L`` turns
     ``L a`` into ``L n`` (``b a`` into ``n n`` when ``L`` is ``n``), an ``n`` followed by ``R``
     (not ``n``) turns ``b R`` into ``n R``.
     """
     a, b, c = ord(pair[0]), ord(pair[1]), ord(n)
-    new = [words[i].replace(pair, n) for i in hits]
-    for i, w in zip(hits, new):
-        words[i] = w
     arr = _codes(new)
     at = np.flatnonzero(arr == c)
     owner = np.searchsorted(np.flatnonzero(arr == _SEP), at) - 1  # separators before, less one

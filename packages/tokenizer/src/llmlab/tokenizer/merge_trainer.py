@@ -30,10 +30,10 @@ with the id layout each trainer chooses (HF's) it reproduces HF's merge list.
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Sequence
 from itertools import compress, repeat
-from operator import add, contains
+from operator import add, ne
 from typing import TypeVar
 
 import numpy as np
@@ -153,10 +153,11 @@ def _apply_merge(
     """Rewrite every word containing ``pair`` (``ab``) and update the pair counts in place.
 
     A word holds ``pair`` now only if it did initially (``first``) or a merge made it there
-    (``where``); those candidates are checked in C (``pair in word``). Many hits go to
-    ``merge_bulk.merge_many`` (arrays); a few are rewritten here, where only the neighbourhood of
-    each merge changes: an ``n`` preceded by ``L`` was ``L a`` and is now ``L n`` (``b a`` and
-    ``n n`` when ``L`` is itself a merge), and an ``n`` followed by ``R`` was ``b R`` and is now
+    (``where``); those candidates are rewritten in C (``str.replace``), and the hits are the words
+    that changed. Their counts are updated on arrays when they are many
+    (``merge_bulk.merge_many``), else one by one (``_merge_few``): only the neighbourhood of each
+    merge changes: an ``n`` preceded by ``L`` was ``L a`` and is now ``L n`` (``b a`` and ``n n``
+    when ``L`` is itself a merge), and an ``n`` followed by ``R`` was ``b R`` and is now
     ``n R``. The pair ``ab`` itself drops to zero. Only pairs containing ``n`` can have grown, so
     only those get heap entries.
     """
@@ -165,13 +166,18 @@ def _apply_merge(
     made = where.pop(pair, None)
     if made:
         candidates = list(set(made).union(candidates))
-    hits = list(
-        compress(candidates, map(contains, map(words.__getitem__, candidates), repeat(pair)))
-    )
+    # Rewrite the candidates in C; those that held the pair are the ones that changed.
+    olds = list(map(words.__getitem__, candidates))
+    news = list(map(str.replace, olds, repeat(pair), repeat(n)))
+    changed = list(map(ne, olds, news))
+    hits = list(compress(candidates, changed))
+    news = list(compress(news, changed))
+    deque(map(words.__setitem__, hits, news), maxlen=0)
     if len(hits) >= BULK and not reused:
-        entries = merge_many(pair, n, hits, words, weights, pair_counts, where)
+        entries = merge_many(pair, n, hits, news, weights, pair_counts, where)
     else:
-        grown = _merge_few(pair, n, reused, hits, words, counts, pair_counts, where)
+        olds = list(compress(olds, changed))
+        grown = _merge_few(pair, n, reused, hits, olds, news, counts, pair_counts, where)
         entries = [entry(p, pair_counts[p]) for p in grown]
     pair_counts.pop(pair, None)
     for e in entries:
@@ -183,20 +189,19 @@ def _merge_few(
     n: str,
     reused: bool,
     hits: list[int],
-    words: list[str],
+    olds: list[str],
+    news: list[str],
     counts: list[int],
     pair_counts: dict[str, int],
     where: defaultdict[str, list[int]],
 ) -> set[str]:
-    """``_apply_merge`` for a few words, one by one; returns the pairs that grew."""
+    """``_apply_merge``'s count updates for a few rewritten words (``olds`` -> ``news``), one by
+    one; returns the pairs that grew."""
     a, b = pair
     ba, nn = b + a, n + n
     get = pair_counts.get
     grown: set[str] = set()
-    for wi in hits:
-        old = words[wi]
-        new = old.replace(pair, n)
-        words[wi] = new
+    for wi, old, new in zip(hits, olds, news):
         count = counts[wi]
         if reused and n in old:  # the merge re-made a token the word holds: recount it all
             for p in map(add, old, old[1:]):
