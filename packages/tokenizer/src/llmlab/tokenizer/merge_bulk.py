@@ -8,6 +8,10 @@ on arrays instead: the rewritten words are joined into one string (a separator, 
 them), read as an array of code points, and every neighbour of the new symbol is found, weighted
 and summed by numpy. Interpreted work is then per distinct *pair* changed, not per word.
 
+numpy is optional (the ``fast`` extra; the tokenizer's only required dependency is ``regex``):
+without it, ``InitialPairs`` counts in Python and every merge goes through
+``merge_trainer._merge_few``. The merges learned are the same either way.
+
 A pair is keyed as ``left << 21 | right`` (code points fit in 21 bits); its name in the trainer's
 dictionaries is the 2-character string ``chr(left) + chr(right)``.
 """
@@ -16,8 +20,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from operator import add
+from typing import Any
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - exercised by tests/test_wheels.py's bare environment
+    np = None
 
 SEP = "\U0010ffff"  # never a symbol: merge_trainer.MAX_SYMBOLS stops below it
 _SEP = ord(SEP)
@@ -37,17 +46,17 @@ def unpack(e: int) -> tuple[int, str]:
     return -(e >> _ENTRY), chr(e >> _BITS & _LOW) + chr(e & _LOW)
 
 
-def _codes(words: Iterable[str]) -> np.ndarray:
+def _codes(words: Iterable[str]) -> Any:
     """The words' characters as int64 code points, ``SEP`` before each word and after the last."""
     text = SEP + SEP.join(words) + SEP
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
 
 
-def _names(keys: np.ndarray) -> list[str]:
+def _names(keys: Any) -> list[str]:
     return [chr(k >> _BITS) + chr(k & _LOW) for k in keys.tolist()]
 
 
-def _distinct(values: np.ndarray) -> np.ndarray:
+def _distinct(values: Any) -> Any:
     """``np.unique(values)`` by sorting (numpy 2's hash-based ``unique`` was 40x slower here)."""
     values = np.sort(values)
     keep = np.empty(len(values), dtype=bool)
@@ -56,7 +65,7 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     return values[keep]
 
 
-def _sum_by_key(keys: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, list[int], np.ndarray]:
+def _sum_by_key(keys: Any, weights: Any) -> tuple[Any, list[int], Any]:
     """Distinct keys (sorted), the summed weights of each, and each input's distinct index.
 
     The sums run in float64, exact for totals below 2**53 (a corpus of that many words)."""
@@ -65,9 +74,7 @@ def _sum_by_key(keys: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, list
     return uniq, sums.astype(np.int64).tolist(), inverse
 
 
-def _grouped(
-    group: np.ndarray, member: np.ndarray, n_groups: int, n_members: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _grouped(group: Any, member: Any, n_groups: int, n_members: int) -> tuple[Any, Any]:
     """For each group, its distinct members: (members sorted by group, group boundaries)."""
     joint = _distinct(group * n_members + member)
     bounds = np.searchsorted(joint // n_members, np.arange(n_groups + 1))
@@ -80,21 +87,40 @@ class InitialPairs:
     The word lists are kept as one sorted array with boundaries and handed out (as a list) when a
     pair is merged, so the ~10^5 initial pairs cost no Python container each."""
 
-    def __init__(self, words: list[str], counts: np.ndarray):
+    def __init__(self, words: list[str], counts: list[int]):
+        self.weights: Any = None  # the counts as an int64 array, when numpy is there
+        if np is None:
+            self._count_in_python(words, counts)
+            return
+        self.weights = weights = np.asarray(counts, dtype=np.int64)
         arr = _codes(words)
         sep = arr == _SEP
         word_of = np.cumsum(sep) - 1  # a character of word k sits after k + 1 separators
         inner = ~(sep[:-1] | sep[1:])
         keys = (arr[:-1][inner] << _BITS) | arr[1:][inner]
         owner = word_of[:-1][inner]
-        uniq, sums, inverse = _sum_by_key(keys, counts[owner].astype(np.float64))
+        uniq, sums, inverse = _sum_by_key(keys, weights[owner].astype(np.float64))
         names = _names(uniq)
         self.counts: dict[str, int] = dict(zip(names, sums))
         self._index = dict(zip(names, range(len(names))))
         self._words, self._bounds = _grouped(inverse, owner, len(uniq), max(len(words), 1))
 
+    def _count_in_python(self, words: list[str], counts: list[int]) -> None:
+        pair_counts: defaultdict[str, int] = defaultdict(int)
+        holders: defaultdict[str, list[int]] = defaultdict(list)
+        for wi, (word, count) in enumerate(zip(words, counts)):
+            for pair in map(add, word, word[1:]):
+                pair_counts[pair] += count
+                held = holders[pair]
+                if not held or held[-1] != wi:
+                    held.append(wi)
+        self.counts = dict(pair_counts)
+        self._holders: dict[str, list[int]] | None = dict(holders)
+
     def pop(self, pair: str) -> list[int]:
         """The (distinct) words that held ``pair`` initially; ``[]`` when asked again."""
+        if self.weights is None:
+            return self._holders.pop(pair, [])
         i = self._index.pop(pair, None)
         if i is None:
             return []
@@ -106,7 +132,7 @@ def merge_many(
     n: str,
     hits: list[int],
     new: list[str],
-    counts: np.ndarray,
+    counts: Any,
     pair_counts: dict[str, int],
     where: defaultdict[str, list[int]],
 ) -> list[int]:

@@ -34,9 +34,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Sequence
 from itertools import compress, repeat
 from operator import add, ne
-from typing import TypeVar
-
-import numpy as np
+from typing import Any, TypeVar
 
 from llmlab.tokenizer.gcpause import paused_gc
 from llmlab.tokenizer.merge_bulk import InitialPairs, entry, merge_many, unpack
@@ -97,8 +95,8 @@ def _train(
     if len(tokens) + max(vocab_size - len(tokens), 0) > MAX_SYMBOLS:
         raise ValueError(f"vocab_size={vocab_size} exceeds the {MAX_SYMBOLS} symbols supported")
     token_ids: dict[T, int] = {t: i for i, t in enumerate(tokens)}
-    weights = np.asarray(counts, dtype=np.int64)
-    first = InitialPairs(words, weights)
+    first = InitialPairs(words, counts)
+    weights = first.weights  # None without numpy: every merge is then done one word at a time
     pair_counts = first.counts
     # where[p]: words in which a merge made p (may repeat a word, or name one that lost p since)
     where: defaultdict[str, list[int]] = defaultdict(list)
@@ -144,7 +142,7 @@ def _apply_merge(
     pair: str,
     n: str,
     reused: bool,
-    corpus: tuple[list[str], list[int], np.ndarray],
+    corpus: tuple[list[str], list[int], Any],
     pair_counts: dict[str, int],
     first: InitialPairs,
     where: defaultdict[str, list[int]],
@@ -173,7 +171,7 @@ def _apply_merge(
     hits = list(compress(candidates, changed))
     news = list(compress(news, changed))
     deque(map(words.__setitem__, hits, news), maxlen=0)
-    if len(hits) >= BULK and not reused:
+    if len(hits) >= BULK and not reused and weights is not None:
         entries = merge_many(pair, n, hits, news, weights, pair_counts, where)
     else:
         olds = list(compress(olds, changed))
