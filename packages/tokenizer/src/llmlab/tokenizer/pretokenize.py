@@ -12,11 +12,13 @@ Patterns whose matches never touch whitespace (``WHITESPACE_BOUNDED``) and split
 *distinct* unit of the whole corpus is split into chunks, once, at the end — natural text repeats
 its tokens so often that this is several times faster than matching every occurrence. Such a
 batch costs about what shipping it to another process does (pickling the lines, then the
-worker's counts back and merging them), so two-level counting stays in this process whatever
-``workers`` says: on the 9.6 MB corpus with 2 cores, 2 processes were no faster than one, and
-slower when the machine was busy. Line-agnostic splitters (``line_agnostic``: a line break is
-whitespace to them like any other) read ``FileLines`` in blocks of about 1 MB instead of line by
-line.
+worker's counts back and merging them), so for texts in memory two-level counting stays in this
+process whatever ``workers`` says. Files (``FileLines``) are counted differently with
+``workers > 1``: each process reads its own byte range of every file (``FileLines.part``, cut at
+line starts) and only the counts come back, which gains from the second core for every splitter
+(on the 9.6 MB corpus, byte-level counting went from 0.66 s with batches shipped to 0.58 s with
+one core busy elsewhere). Line-agnostic splitters (``line_agnostic``: a line break is
+whitespace to them like any other) read in blocks of about 1 MB instead of line by line.
 """
 
 from __future__ import annotations
