@@ -138,9 +138,7 @@ def count_chunks(texts: Iterable[str], pattern: Splitter, workers: int = 1) -> C
         pattern = WhitespaceBounded(pattern)
     total: Counter[str] = Counter()
     if workers > 1 and isinstance(texts, FileLines) and texts.paths:
-        total = _count_file_parts(texts, pattern, workers)
-        expand = getattr(pattern, "expand", None)
-        return total if expand is None else expand(total)
+        return _count_file_parts(texts, pattern, workers)
     if getattr(pattern, "count_units", None) is not None:
         workers = 1  # C-speed batches: shipping them costs what counting them does
     if getattr(pattern, "line_agnostic", False) and isinstance(texts, FileLines):
@@ -199,7 +197,9 @@ def _count_parallel(
 
 
 def _count_part(splitter: Splitter, parts: list[tuple[str, int, int]]) -> Counter[str]:
-    """Count the lines of byte ranges of files (``FileLines.part``) as ``count_chunks`` would."""
+    """Count the lines of byte ranges of files (``FileLines.part``) as ``count_chunks`` would,
+    chunks and not units: ``expand`` is linear in the counts, so each process expands its own
+    units (in parallel) and the chunk counts are added."""
     counts: Counter[str] = Counter()
     for path, start, end in parts:
         if getattr(splitter, "line_agnostic", False):
@@ -208,7 +208,8 @@ def _count_part(splitter: Splitter, parts: list[tuple[str, int, int]]) -> Counte
         else:
             for batch in _batches(FileLines.part(path, start, end), BATCH):
                 _count_batch((splitter, batch), into=counts)
-    return counts
+    expand = getattr(splitter, "expand", None)
+    return counts if expand is None else expand(counts)
 
 
 def _part_worker(splitter: Splitter, parts: list[tuple[str, int, int]], results: Any) -> None:
