@@ -46,10 +46,12 @@ def unpack(e: int) -> tuple[int, str]:
     return -(e >> _ENTRY), chr(e >> _BITS & _LOW) + chr(e & _LOW)
 
 
-def _codes(words: Iterable[str]) -> Any:
-    """The words' characters as int64 code points, ``SEP`` before each word and after the last."""
+def _codes(words: Iterable[str], wide: bool = True) -> Any:
+    """The words' characters as code points (int64, or uint32 when not ``wide``), ``SEP``
+    before each word and after the last."""
     text = SEP + SEP.join(words) + SEP
-    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    return codes.astype(np.int64) if wide else codes
 
 
 def _names(keys: Any) -> list[str]:
@@ -145,11 +147,12 @@ def merge_many(
     (not ``n``) turns ``b R`` into ``n R``.
     """
     a, b, c = ord(pair[0]), ord(pair[1]), ord(n)
-    arr = _codes(new)
+    arr = _codes(new, wide=False)
     at = np.flatnonzero(arr == c)
     owner = np.searchsorted(np.flatnonzero(arr == _SEP), at) - 1  # separators before, less one
-    weight = counts[np.asarray(hits)][owner].astype(np.float64)
-    left, right = arr[at - 1], arr[at + 1]
+    rows = np.array(hits)
+    weight = counts[rows[owner]].astype(np.float64)
+    left, right = arr[at - 1].astype(np.int64), arr[at + 1].astype(np.int64)
     has_left = left != _SEP
     has_right = (right != _SEP) & (right != c)
     left, right = left[has_left], right[has_right]
@@ -168,7 +171,7 @@ def merge_many(
         pair_counts[p] = total = get(p, 0) + d
         entries.append(k - (total << _ENTRY))
     members, bounds = _grouped(inverse, owners, len(uniq), len(hits))
-    holders, bounds = np.asarray(hits)[members].tolist(), bounds.tolist()
+    holders, bounds = rows[members].tolist(), bounds.tolist()
     for k, p in enumerate(grown):
         where[p].extend(holders[bounds[k] : bounds[k + 1]])
     return entries
