@@ -138,7 +138,12 @@ def count_chunks(texts: Iterable[str], pattern: Splitter, workers: int = 1) -> C
         pattern = WhitespaceBounded(pattern)
     total: Counter[str] = Counter()
     if workers > 1 and isinstance(texts, FileLines) and texts.paths:
-        return _count_file_parts(texts, pattern, workers)
+        return _count_parts(_file_parts(texts, workers), pattern)
+    in_memory = isinstance(texts, list) and len(texts) >= BATCH * workers
+    if workers > 1 and in_memory and not _has_threads():  # fork: the worker inherits the list
+        n = len(texts)
+        cuts = [n * k // workers for k in range(workers + 1)]
+        return _count_parts([[texts[i:j]] for i, j in itertools.pairwise(cuts)], pattern)
     if getattr(pattern, "count_units", None) is not None:
         workers = 1  # C-speed batches: shipping them costs what counting them does
     if getattr(pattern, "line_agnostic", False) and isinstance(texts, FileLines):
@@ -196,41 +201,52 @@ def _count_parallel(
     return total
 
 
-def _count_part(splitter: Splitter, parts: list[tuple[str, int, int]]) -> Counter[str]:
-    """Count the lines of byte ranges of files (``FileLines.part``) as ``count_chunks`` would,
-    chunks and not units: ``expand`` is linear in the counts, so each process expands its own
-    units (in parallel) and the chunk counts are added."""
+Part = list[tuple[str, int, int] | list[str]]  # byte ranges of files, or lists of texts
+
+
+def _count_part(splitter: Splitter, part: Part) -> Counter[str]:
+    """Count a part of the input (``FileLines.part`` byte ranges of files, or lists of texts) as
+    ``count_chunks`` would, chunks and not units: ``expand`` is linear in the counts, so each
+    process expands its own units (in parallel) and the chunk counts are added."""
     counts: Counter[str] = Counter()
-    for path, start, end in parts:
-        if getattr(splitter, "line_agnostic", False):
-            for block in FileLines.part(path, start, end, lines=False):
+    for piece in part:
+        if isinstance(piece, list):
+            for batch in _batches(piece, BATCH):
+                _count_batch((splitter, batch), into=counts)
+        elif getattr(splitter, "line_agnostic", False):
+            for block in FileLines.part(*piece, lines=False):
                 _count_batch((splitter, [block]), into=counts)
         else:
-            for batch in _batches(FileLines.part(path, start, end), BATCH):
+            for batch in _batches(FileLines.part(*piece), BATCH):
                 _count_batch((splitter, batch), into=counts)
     expand = getattr(splitter, "expand", None)
     return counts if expand is None else expand(counts)
 
 
-def _part_worker(splitter: Splitter, parts: list[tuple[str, int, int]], results: Any) -> None:
-    """Count some parts of the files; send the counts (or the error) back."""
+def _part_worker(splitter: Splitter, part: Part, results: Any) -> None:
+    """Count a part of the input; send the counts (or the error) back."""
     try:
-        results.put(("ok", _count_part(splitter, parts)))
+        results.put(("ok", _count_part(splitter, part)))
     except BaseException as exc:  # reported in the parent, which raises it
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _count_file_parts(files: FileLines, pattern: Splitter, workers: int) -> Counter[str]:
-    """Count files in ``workers`` processes (this one too), each *reading* its own part of
-    every file: nothing but the counts crosses between processes, so counting batches at C
-    speed (two-level splitters) gains from the second core too, which shipping the text to a
-    worker did not."""
-    parts: list[list[tuple[str, int, int]]] = [[] for _ in range(workers)]
+def _file_parts(files: FileLines, workers: int) -> list[Part]:
+    """One byte range of every file per process."""
+    parts: list[Part] = [[] for _ in range(workers)]
     for path in files.paths:
         size = Path(path).stat().st_size
         cuts = [size * k // workers for k in range(workers + 1)]
         for k in range(workers):
             parts[k].append((str(path), cuts[k], cuts[k + 1]))
+    return parts
+
+
+def _count_parts(parts: list[Part], pattern: Splitter) -> Counter[str]:
+    """Count ``parts[0]`` here and each other part in a process of its own. Each process *reads*
+    its own part (files: its byte range; a list of texts: inherited by ``fork``) and nothing but
+    the counts crosses between processes, so counting batches at C speed (two-level splitters)
+    gains from the second core too, which shipping the text to a worker did not."""
     ctx = multiprocessing.get_context("spawn" if _has_threads() else "fork")
     results = ctx.Queue()
     procs = [
