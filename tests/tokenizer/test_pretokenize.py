@@ -111,13 +111,3 @@ def test_files_counted_by_parts_in_two_processes_equal_one(tmp_path, name):
     splitter = SPLITTERS.get(name) or resolve_pattern(name)
     expected = one_by_one(list(iter_file_lines(paths)), splitter)
     assert count_chunks(FileLines(paths), splitter, workers=2) == expected
-
-
-@pytest.mark.parametrize("name", ["sentencepiece", r"\w+|[^\w\s]+", "gpt4"])
-def test_list_counted_by_a_forked_worker_equals_one_process(name):
-    """``workers=2`` on a list of texts long enough to be split: the forked worker counts its
-    half of the list; the counts equal one process's."""
-    lines = [*MIXED.splitlines(keepends=True), "x\u2581y  z ", " ▁ ", ""] * 400
-    assert len(lines) >= 2 * 4096
-    splitter = SPLITTERS.get(name) or resolve_pattern(name)
-    assert count_chunks(lines, splitter, workers=2) == one_by_one(lines, splitter)

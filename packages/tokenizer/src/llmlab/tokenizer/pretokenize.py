@@ -12,15 +12,12 @@ Patterns whose matches never touch whitespace (``WHITESPACE_BOUNDED``) and split
 *distinct* unit of the whole corpus is split into chunks, once, at the end — natural text repeats
 its tokens so often that this is several times faster than matching every occurrence. Such a
 batch costs about what shipping it to another process does (pickling the lines, then the
-worker's counts back and merging them), so with ``workers > 1`` no text is shipped where it can
-be avoided: for files (``FileLines``) each process reads its own byte range of every file
-(``FileLines.part``, cut at line starts), and a ``list`` of texts is split between processes
-that inherit it by ``fork``; each process expands its own units and only chunk counts come back.
-This gains from the second core for every splitter (on the 9.6 MB corpus, byte-level counting
-went from 0.66 s with batches shipped to 0.58 s, with one core busy elsewhere). Other iterables
-(or ``spawn``, when threads are running) fall back to shipping batches, except for two-level
-splitters, which then count in this process.
-Line-agnostic splitters (``line_agnostic``: a line break is
+worker's counts back and merging them), so for texts in memory two-level counting stays in this
+process whatever ``workers`` says. Files (``FileLines``) are counted differently with
+``workers > 1``: each process reads its own byte range of every file (``FileLines.part``, cut at
+line starts) and only the counts come back, which gains from the second core for every splitter
+(on the 9.6 MB corpus, byte-level counting went from 0.66 s with batches shipped to 0.58 s with
+one core busy elsewhere). Line-agnostic splitters (``line_agnostic``: a line break is
 whitespace to them like any other) read in blocks of about 1 MB instead of line by line.
 """
 
@@ -141,12 +138,7 @@ def count_chunks(texts: Iterable[str], pattern: Splitter, workers: int = 1) -> C
         pattern = WhitespaceBounded(pattern)
     total: Counter[str] = Counter()
     if workers > 1 and isinstance(texts, FileLines) and texts.paths:
-        return _count_parts(_file_parts(texts, workers), pattern)
-    in_memory = isinstance(texts, list) and len(texts) >= BATCH * workers
-    if workers > 1 and in_memory and not _has_threads():  # fork: the worker inherits the list
-        n = len(texts)
-        cuts = [n * k // workers for k in range(workers + 1)]
-        return _count_parts([[texts[i:j]] for i, j in itertools.pairwise(cuts)], pattern)
+        return _count_file_parts(texts, pattern, workers)
     if getattr(pattern, "count_units", None) is not None:
         workers = 1  # C-speed batches: shipping them costs what counting them does
     if getattr(pattern, "line_agnostic", False) and isinstance(texts, FileLines):
@@ -204,52 +196,41 @@ def _count_parallel(
     return total
 
 
-Part = list[tuple[str, int, int] | list[str]]  # byte ranges of files, or lists of texts
-
-
-def _count_part(splitter: Splitter, part: Part) -> Counter[str]:
-    """Count a part of the input (``FileLines.part`` byte ranges of files, or lists of texts) as
-    ``count_chunks`` would, chunks and not units: ``expand`` is linear in the counts, so each
-    process expands its own units (in parallel) and the chunk counts are added."""
+def _count_part(splitter: Splitter, parts: list[tuple[str, int, int]]) -> Counter[str]:
+    """Count the lines of byte ranges of files (``FileLines.part``) as ``count_chunks`` would,
+    chunks and not units: ``expand`` is linear in the counts, so each process expands its own
+    units (in parallel) and the chunk counts are added."""
     counts: Counter[str] = Counter()
-    for piece in part:
-        if isinstance(piece, list):
-            for batch in _batches(piece, BATCH):
-                _count_batch((splitter, batch), into=counts)
-        elif getattr(splitter, "line_agnostic", False):
-            for block in FileLines.part(*piece, lines=False):
+    for path, start, end in parts:
+        if getattr(splitter, "line_agnostic", False):
+            for block in FileLines.part(path, start, end, lines=False):
                 _count_batch((splitter, [block]), into=counts)
         else:
-            for batch in _batches(FileLines.part(*piece), BATCH):
+            for batch in _batches(FileLines.part(path, start, end), BATCH):
                 _count_batch((splitter, batch), into=counts)
     expand = getattr(splitter, "expand", None)
     return counts if expand is None else expand(counts)
 
 
-def _part_worker(splitter: Splitter, part: Part, results: Any) -> None:
-    """Count a part of the input; send the counts (or the error) back."""
+def _part_worker(splitter: Splitter, parts: list[tuple[str, int, int]], results: Any) -> None:
+    """Count some parts of the files; send the counts (or the error) back."""
     try:
-        results.put(("ok", _count_part(splitter, part)))
+        results.put(("ok", _count_part(splitter, parts)))
     except BaseException as exc:  # reported in the parent, which raises it
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _file_parts(files: FileLines, workers: int) -> list[Part]:
-    """One byte range of every file per process."""
-    parts: list[Part] = [[] for _ in range(workers)]
+def _count_file_parts(files: FileLines, pattern: Splitter, workers: int) -> Counter[str]:
+    """Count files in ``workers`` processes (this one too), each *reading* its own part of
+    every file: nothing but the counts crosses between processes, so counting batches at C
+    speed (two-level splitters) gains from the second core too, which shipping the text to a
+    worker did not."""
+    parts: list[list[tuple[str, int, int]]] = [[] for _ in range(workers)]
     for path in files.paths:
         size = Path(path).stat().st_size
         cuts = [size * k // workers for k in range(workers + 1)]
         for k in range(workers):
             parts[k].append((str(path), cuts[k], cuts[k + 1]))
-    return parts
-
-
-def _count_parts(parts: list[Part], pattern: Splitter) -> Counter[str]:
-    """Count ``parts[0]`` here and each other part in a process of its own. Each process *reads*
-    its own part (files: its byte range; a list of texts: inherited by ``fork``) and nothing but
-    the counts crosses between processes, so counting batches at C speed (two-level splitters)
-    gains from the second core too, which shipping the text to a worker did not."""
     ctx = multiprocessing.get_context("spawn" if _has_threads() else "fork")
     results = ctx.Queue()
     procs = [
