@@ -7,12 +7,13 @@ surrogates), and when files are read in blocks instead of lines."""
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmlab.tokenizer.patterns import compiled
+from llmlab.tokenizer.patterns import compiled, resolve_pattern
 from llmlab.tokenizer.pretokenize import (
     WHITESPACE_BOUNDED,
     FileLines,
@@ -83,3 +84,30 @@ def test_file_blocks_count_like_lines(tmp_path, name):
     splitter = SPLITTERS[name]
     expected = one_by_one(list(iter_file_lines(paths)), splitter)
     assert count_chunks(FileLines(paths), splitter) == expected
+
+
+def test_file_parts_hold_every_line_once(tmp_path):
+    """``FileLines.part``: consecutive byte ranges, cut anywhere (inside a line, inside a UTF-8
+    sequence, on a newline), give the file's lines in order, each once."""
+    path = tmp_path / "f.txt"
+    text = "é中\n\nab\r\ncd\n" * 40 + MIXED + "tail without newline"
+    path.write_bytes(text.encode("utf-8"))
+    size = path.stat().st_size
+    lines = list(iter_file_lines([path]))
+    for cuts in ([0, size], [0, 1, size], [0, 2, 3, 4, size], [*range(0, size, 7), size]):
+        got = [ln for a, b in pairwise(cuts) for ln in FileLines.part(str(path), a, b)]
+        assert got == lines, cuts
+        blocks = [x for a, b in pairwise(cuts) for x in FileLines.part(str(path), a, b, False)]
+        assert "".join(blocks) == text
+
+
+@pytest.mark.parametrize("name", [*sorted(WHITESPACE_BOUNDED), "bert", "gpt4"])
+def test_files_counted_by_parts_in_two_processes_equal_one(tmp_path, name):
+    """``workers=2`` on files: each process reads its own part; the counts equal one process's."""
+    paths = []
+    for i, text in enumerate([MIXED * 20, "a\x1cb\r\nc  d\n" * 500 + "no newline at the end", ""]):
+        paths.append(tmp_path / f"{i}.txt")
+        paths[-1].write_bytes(text.encode("utf-8"))
+    splitter = SPLITTERS.get(name) or resolve_pattern(name)
+    expected = one_by_one(list(iter_file_lines(paths)), splitter)
+    assert count_chunks(FileLines(paths), splitter, workers=2) == expected

@@ -34,11 +34,14 @@ def train_char_bpe(
     initial_tokens: Sequence[str] | None = None,
     min_frequency: int = 0,
     show_progress: bool = False,
+    char_freq: Counter[str] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]]:
-    """(tokens in id order, merges as id pairs) learned from ``{word: count}``."""
+    """(tokens in id order, merges as id pairs) learned from ``{word: count}``. ``char_freq``:
+    ``char_counts(word_counts)`` when the caller has it already (it costs a pass over the words)."""
     prefix, suffix = continuing_subword_prefix or "", end_of_word_suffix or ""
     tokens: list[str] = list(dict.fromkeys(special_tokens))
-    char_freq = char_counts(word_counts)
+    if char_freq is None:
+        char_freq = char_counts(word_counts)
     alphabet = _alphabet(char_freq, limit_alphabet, initial_alphabet)
     known = set(tokens) | set(alphabet)  # HF keeps a character when its string is a token
 

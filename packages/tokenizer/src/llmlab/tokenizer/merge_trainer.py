@@ -6,17 +6,21 @@ sequence of symbol ids. One merge replaces every occurrence of the best adjacent
 by a new symbol. Instead of recounting the corpus after each merge:
 
 - ``pair_counts[p]`` holds the count-weighted number of occurrences of pair ``p``;
-- ``where[p]`` holds the indices of the words that contain ``p`` (a superset: entries may be
-  stale, a word is re-checked before it is touched);
-- a max-queue gives the best pair. It is *lazy*: an entry whose count no longer matches
-  ``pair_counts`` is re-queued with the current count when popped. Only pairs containing the new
-  symbol can grow, so only those get a fresh entry after a merge.
+- the words that contain ``p`` are found among a superset (entries may be stale; each is
+  re-checked, in C, before it is touched): the words that held ``p`` initially
+  (``merge_bulk.InitialPairs``, arrays) and ``where[p]``, the words in which a merge made ``p``
+  (lists: appending is cheaper than a set's add, duplicates are dropped once, when ``p`` merges);
+- a max-queue gives the best pair. Its entries are plain ints (``merge_bulk.entry``): a pop
+  compares ints instead of tuples, which halved its time. It is *lazy*: an entry whose count no
+  longer matches ``pair_counts`` is re-queued with the current count when popped. Only pairs
+  containing the new symbol can grow, so only those get a fresh entry after a merge.
 
 Speed: each word is kept as a Python ``str`` with one character per symbol id (``chr`` of the id,
 shifted past the surrogate block). A merge of a word is then ``word.replace(ab, n)``, which is
 exactly BPE's left-to-right, non-overlapping rule and runs in C; the word's adjacent pairs are the
 2-character strings ``map(str.__add__, w, w[1:])``, also produced in C. A pair's 2-character
-string compares like the tuple of its ids, so the heap's tie-break is unchanged.
+string compares like the tuple of its ids, so the heap's tie-break is unchanged. A merge that
+rewrites ``BULK`` words or more updates the counts on arrays instead (``merge_bulk.merge_many``).
 
 Tie-break (documented and deterministic): the pair with the highest count wins; among equal
 counts, the smaller ``(a, b)`` tuple of ids wins. This is HF ``tokenizers``' BpeTrainer rule, and
@@ -26,19 +30,22 @@ with the id layout each trainer chooses (HF's) it reproduces HF's merge list.
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Sequence
-from operator import add
-from typing import TypeVar
+from itertools import compress, repeat
+from operator import add, ne
+from typing import Any, TypeVar
 
 from llmlab.tokenizer.gcpause import paused_gc
+from llmlab.tokenizer.merge_bulk import InitialPairs, entry, merge_many, unpack
 from llmlab.tokenizer.progress import Progress
 
 T = TypeVar("T", bound=Hashable)
 
 _SURROGATES = 0xD800
 _SHIFT = 0x800  # size of the surrogate block U+D800..U+DFFF, which str cannot hold alone
-MAX_SYMBOLS = 0x110000 - _SHIFT
+MAX_SYMBOLS = 0x110000 - _SHIFT - 1  # the last code point is merge_bulk.SEP
+BULK = 30  # a merge rewriting this many words or more is done on arrays (merge_bulk)
 
 
 def id_char(i: int) -> str:
@@ -88,34 +95,29 @@ def _train(
     if len(tokens) + max(vocab_size - len(tokens), 0) > MAX_SYMBOLS:
         raise ValueError(f"vocab_size={vocab_size} exceeds the {MAX_SYMBOLS} symbols supported")
     token_ids: dict[T, int] = {t: i for i, t in enumerate(tokens)}
-    pair_counts: dict[str, int] = defaultdict(int)  # plain dict gets below
-    where: dict[str, set[int]] = defaultdict(set)
-    for wi, (word, count) in enumerate(zip(words, counts)):
-        for pair in map(add, word, word[1:]):
-            pair_counts[pair] += count
-            where[pair].add(wi)
-    # The best pair comes from two queues: the initial pairs sorted once (their counts only
-    # ever shrink, so this order stays valid up to lazy re-checks) and a small heap of the
-    # entries pushed later (grown pairs, re-queued stale ones). Keeping the ~10^5 initial pairs
-    # out of the heap makes every pop cheap.
-    initial = sorted((-c, p) for p, c in pair_counts.items() if c > 0)
+    first = InitialPairs(words, counts)
+    weights = first.weights  # None without numpy: every merge is then done one word at a time
+    pair_counts = first.counts
+    # where[p]: words in which a merge made p (may repeat a word, or name one that lost p since)
+    where: defaultdict[str, list[int]] = defaultdict(list)
+    initial = sorted(entry(p, c) for p, c in pair_counts.items() if c > 0)
     next_initial = 0
-    heap: list[tuple[int, str]] = []
+    heap: list[int] = []
 
     merges: list[tuple[int, int]] = []
     progress = Progress("bpe merges", max(vocab_size - len(token_ids), 0), show_progress)
     while len(tokens) < vocab_size:
         if heap and (next_initial == len(initial) or heap[0] < initial[next_initial]):
-            neg_count, pair = heapq.heappop(heap)
+            queued, pair = unpack(heapq.heappop(heap))
         elif next_initial < len(initial):
-            neg_count, pair = initial[next_initial]
+            queued, pair = unpack(initial[next_initial])
             next_initial += 1
         else:
             break
         current = pair_counts.get(pair, 0)
-        if -neg_count != current:  # stale entry: re-queue with the true count
+        if queued != current:  # stale entry: re-queue with the true count
             if current > 0:
-                heapq.heappush(heap, (-current, pair))
+                heapq.heappush(heap, entry(pair, current))
             continue
         if current < 1 or current < min_frequency:
             break
@@ -128,7 +130,9 @@ def _train(
             tokens.append(value)
             token_ids[value] = new
         merges.append((a, b))
-        _apply_merge(pair, id_char(new), reused, words, counts, pair_counts, where, heap)
+        _apply_merge(
+            pair, id_char(new), reused, (words, counts, weights), pair_counts, first, where, heap
+        )
         progress.update()
     progress.close()
     return merges
@@ -138,29 +142,64 @@ def _apply_merge(
     pair: str,
     n: str,
     reused: bool,
-    words: list[str],
-    counts: list[int],
+    corpus: tuple[list[str], list[int], Any],
     pair_counts: dict[str, int],
-    where: dict[str, set[int]],
-    heap: list[tuple[int, str]],
+    first: InitialPairs,
+    where: defaultdict[str, list[int]],
+    heap: list[int],
 ) -> None:
     """Rewrite every word containing ``pair`` (``ab``) and update the pair counts in place.
 
-    Only the neighbourhood of each merge changes: in the rewritten word, an ``n`` preceded by
-    ``L`` was ``L a`` and is now ``L n`` (``b a`` and ``n n`` when ``L`` is itself a merge), and
-    an ``n`` followed by ``R`` was ``b R`` and is now ``n R``. The pair ``ab`` itself drops to
-    zero. Only pairs containing ``n`` can have grown, so only those get heap entries.
+    A word holds ``pair`` now only if it did initially (``first``) or a merge made it there
+    (``where``); those candidates are rewritten in C (``str.replace``), and the hits are the words
+    that changed. Their counts are updated on arrays when they are many
+    (``merge_bulk.merge_many``), else one by one (``_merge_few``): only the neighbourhood of each
+    merge changes: an ``n`` preceded by ``L`` was ``L a`` and is now ``L n`` (``b a`` and ``n n``
+    when ``L`` is itself a merge), and an ``n`` followed by ``R`` was ``b R`` and is now
+    ``n R``. The pair ``ab`` itself drops to zero. Only pairs containing ``n`` can have grown, so
+    only those get heap entries.
     """
+    words, counts, weights = corpus  # the counts as a list and as an array
+    candidates = first.pop(pair)
+    made = where.pop(pair, None)
+    if made:
+        candidates = list(set(made).union(candidates))
+    # Rewrite the candidates in C; those that held the pair are the ones that changed.
+    olds = list(map(words.__getitem__, candidates))
+    news = list(map(str.replace, olds, repeat(pair), repeat(n)))
+    changed = list(map(ne, olds, news))
+    hits = list(compress(candidates, changed))
+    news = list(compress(news, changed))
+    deque(map(words.__setitem__, hits, news), maxlen=0)
+    if len(hits) >= BULK and not reused and weights is not None:
+        entries = merge_many(pair, n, hits, news, weights, pair_counts, where)
+    else:
+        olds = list(compress(olds, changed))
+        grown = _merge_few(pair, n, reused, hits, olds, news, counts, pair_counts, where)
+        entries = [entry(p, pair_counts[p]) for p in grown]
+    pair_counts.pop(pair, None)
+    for e in entries:
+        heapq.heappush(heap, e)
+
+
+def _merge_few(
+    pair: str,
+    n: str,
+    reused: bool,
+    hits: list[int],
+    olds: list[str],
+    news: list[str],
+    counts: list[int],
+    pair_counts: dict[str, int],
+    where: defaultdict[str, list[int]],
+) -> set[str]:
+    """``_apply_merge``'s count updates for a few rewritten words (``olds`` -> ``news``), one by
+    one; returns the pairs that grew."""
     a, b = pair
     ba, nn = b + a, n + n
     get = pair_counts.get
     grown: set[str] = set()
-    for wi in where.pop(pair, ()):
-        old = words[wi]
-        if pair not in old:
-            continue  # stale index: an earlier merge consumed this pair
-        new = old.replace(pair, n)
-        words[wi] = new
+    for wi, old, new in zip(hits, olds, news):
         count = counts[wi]
         if reused and n in old:  # the merge re-made a token the word holds: recount it all
             for p in map(add, old, old[1:]):
@@ -168,7 +207,7 @@ def _apply_merge(
             for p in map(add, new, new[1:]):
                 pair_counts[p] = get(p, 0) + count
                 if n in p:
-                    where[p].add(wi)
+                    where[p].append(wi)
                     grown.add(p)
             continue
         last = len(new) - 1
@@ -183,7 +222,7 @@ def _apply_merge(
                     pair_counts[left + a] -= count
                     p = left + n
                 pair_counts[p] = get(p, 0) + count
-                where[p].add(wi)
+                where[p].append(wi)
                 grown.add(p)
             if j < last:
                 right = new[j + 1]
@@ -191,9 +230,7 @@ def _apply_merge(
                     pair_counts[b + right] -= count
                     p = n + right
                     pair_counts[p] = get(p, 0) + count
-                    where[p].add(wi)
+                    where[p].append(wi)
                     grown.add(p)
             j = new.find(n, j + 1)
-    pair_counts.pop(pair, None)
-    for p in grown:
-        heapq.heappush(heap, (-pair_counts[p], p))
+    return grown

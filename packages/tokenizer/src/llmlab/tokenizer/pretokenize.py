@@ -12,15 +12,18 @@ Patterns whose matches never touch whitespace (``WHITESPACE_BOUNDED``) and split
 *distinct* unit of the whole corpus is split into chunks, once, at the end — natural text repeats
 its tokens so often that this is several times faster than matching every occurrence. Such a
 batch costs about what shipping it to another process does (pickling the lines, then the
-worker's counts back and merging them), so two-level counting stays in this process whatever
-``workers`` says: on the 9.6 MB corpus with 2 cores, 2 processes were no faster than one, and
-slower when the machine was busy. Line-agnostic splitters (``line_agnostic``: a line break is
-whitespace to them like any other) read ``FileLines`` in blocks of about 1 MB instead of line by
-line.
+worker's counts back and merging them), so for texts in memory two-level counting stays in this
+process whatever ``workers`` says. Files (``FileLines``) are counted differently with
+``workers > 1``: each process reads its own byte range of every file (``FileLines.part``, cut at
+line starts) and only the counts come back, which gains from the second core for every splitter
+(on the 9.6 MB corpus, byte-level counting went from 0.66 s with batches shipped to 0.58 s with
+one core busy elsewhere). Line-agnostic splitters (``line_agnostic``: a line break is
+whitespace to them like any other) read in blocks of about 1 MB instead of line by line.
 """
 
 from __future__ import annotations
 
+import io
 import itertools
 import multiprocessing
 import re
@@ -133,9 +136,11 @@ def count_chunks(texts: Iterable[str], pattern: Splitter, workers: int = 1) -> C
         raise ValueError(f"workers must be >= 1, got {workers}")
     if isinstance(pattern, str) and pattern in WHITESPACE_BOUNDED:
         pattern = WhitespaceBounded(pattern)
+    total: Counter[str] = Counter()
+    if workers > 1 and isinstance(texts, FileLines) and texts.paths:
+        return _count_file_parts(texts, pattern, workers)
     if getattr(pattern, "count_units", None) is not None:
         workers = 1  # C-speed batches: shipping them costs what counting them does
-    total: Counter[str] = Counter()
     if getattr(pattern, "line_agnostic", False) and isinstance(texts, FileLines):
         jobs = ((pattern, [block]) for block in texts.blocks())
     else:
@@ -191,6 +196,64 @@ def _count_parallel(
     return total
 
 
+def _count_part(splitter: Splitter, parts: list[tuple[str, int, int]]) -> Counter[str]:
+    """Count the lines of byte ranges of files (``FileLines.part``) as ``count_chunks`` would,
+    chunks and not units: ``expand`` is linear in the counts, so each process expands its own
+    units (in parallel) and the chunk counts are added."""
+    counts: Counter[str] = Counter()
+    for path, start, end in parts:
+        if getattr(splitter, "line_agnostic", False):
+            for block in FileLines.part(path, start, end, lines=False):
+                _count_batch((splitter, [block]), into=counts)
+        else:
+            for batch in _batches(FileLines.part(path, start, end), BATCH):
+                _count_batch((splitter, batch), into=counts)
+    expand = getattr(splitter, "expand", None)
+    return counts if expand is None else expand(counts)
+
+
+def _part_worker(splitter: Splitter, parts: list[tuple[str, int, int]], results: Any) -> None:
+    """Count some parts of the files; send the counts (or the error) back."""
+    try:
+        results.put(("ok", _count_part(splitter, parts)))
+    except BaseException as exc:  # reported in the parent, which raises it
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _count_file_parts(files: FileLines, pattern: Splitter, workers: int) -> Counter[str]:
+    """Count files in ``workers`` processes (this one too), each *reading* its own part of
+    every file: nothing but the counts crosses between processes, so counting batches at C
+    speed (two-level splitters) gains from the second core too, which shipping the text to a
+    worker did not."""
+    parts: list[list[tuple[str, int, int]]] = [[] for _ in range(workers)]
+    for path in files.paths:
+        size = Path(path).stat().st_size
+        cuts = [size * k // workers for k in range(workers + 1)]
+        for k in range(workers):
+            parts[k].append((str(path), cuts[k], cuts[k + 1]))
+    ctx = multiprocessing.get_context("spawn" if _has_threads() else "fork")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_part_worker, args=(pattern, part, results), daemon=True)
+        for part in parts[1:]
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        total = _count_part(pattern, parts[0])
+        for _ in procs:
+            status, counts = results.get()
+            if status != "ok":
+                raise RuntimeError(f"a counting worker failed: {counts}")
+            total.update(counts)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+    return total
+
+
 def _has_threads() -> bool:
     return threading.active_count() > 1
 
@@ -212,6 +275,26 @@ class FileLines:
 
     def __iter__(self) -> Iterator[str]:
         return iter_file_lines(self.paths)
+
+    @staticmethod
+    def part(path: str, start: int, end: int, lines: bool = True) -> Iterator[str]:
+        """The lines of ``path`` that *begin* in bytes ``[start, end)`` (so consecutive parts
+        hold every line once), one by one, or (``lines=False``) in blocks of whole lines."""
+        with open(path, "rb") as f:
+            if start > 0:
+                f.seek(start - 1)
+                f.readline()  # the line holding byte start - 1 belongs to the part before
+            while (pos := f.tell()) < end:
+                data = f.read(min(end - pos, 1 << 20))
+                if not data:
+                    break
+                if not data.endswith(b"\n"):
+                    data += f.readline()  # a line begun in the part ends in it
+                if lines:
+                    for line in io.BytesIO(data):
+                        yield line.decode("utf-8")
+                else:
+                    yield data.decode("utf-8")
 
     def blocks(self, size: int = 1 << 20) -> Iterator[str]:
         """The files' text in pieces of about ``size`` bytes, each ending after a ``\\n`` (or at

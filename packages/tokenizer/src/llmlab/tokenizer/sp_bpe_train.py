@@ -138,8 +138,11 @@ def train_pieces(
     if len(set(names)) != len(names):
         raise ValueError(f"control, unknown and user-defined pieces must be distinct: {names}")
     words = count_chunks(texts, SentenceWords(normalizer), workers=workers)
-    alphabet = _covered(words, character_coverage)
-    words = _without(words, alphabet)
+    freq = char_counts(words)
+    alphabet = _covered(freq, character_coverage)
+    kept = _without(words, alphabet)
+    freq = freq if kept is words else None  # still the words' character counts?
+    words = kept
     needed = len(meta) + len(alphabet)
     if vocab_size < needed:
         raise ValueError(
@@ -147,7 +150,11 @@ def train_pieces(
             f"{len(alphabet)} characters need at least {needed}"
         )
     tokens, _ = train_char_bpe(
-        words, vocab_size - len(meta), min_frequency=min_frequency, show_progress=show_progress
+        words,
+        vocab_size - len(meta),
+        min_frequency=min_frequency,
+        show_progress=show_progress,
+        char_freq=freq,
     )
     taken = set(names)
     merged = [t for t in tokens if len(t) > 1 and t not in taken]
@@ -157,9 +164,9 @@ def train_pieces(
     return pieces
 
 
-def _covered(words: Counter[str], coverage: float) -> list[str]:
-    """The most frequent characters covering ``coverage`` of all characters (``▁`` always)."""
-    counts = char_counts(words)
+def _covered(counts: Counter[str], coverage: float) -> list[str]:
+    """The most frequent characters (``counts``: ``char_counts`` of the words) covering
+    ``coverage`` of all characters (``▁`` always)."""
     total = sum(counts.values())
     kept, running = [], 0
     for c, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
