@@ -88,19 +88,16 @@ def test_a_replaced_layer_turns_the_lean_forward_off():
     new = Scaled(old.in_features, old.out_features, bias=old.bias is not None)
     new.load_state_dict(old.state_dict())
     model.blocks[0].mlp.fc = new
-    try:  # the model is shared (cached) by other tests: put the layer back afterwards
-        assert not model.inference_forward_applies()
-        runner = ModelRunner(model, CONFIG)
-        assert runner._lean_forward() is None
-        seq = Request("x", [5, 6, 7], GenerationConfig(), 0).new_sequence(0, [5, 6, 7])
-        seq.block_table = [0]
-        got = runner.execute([Chunk(seq, 0, 3)])
-        ids, positions = torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]])
-        with torch.inference_mode():
-            want = model(ids)[0, -1:]
-            # what the lean path would give
-            skipped = model.inference_forward(ids, positions)[0, -1:]
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert not torch.allclose(skipped, want, atol=1e-3)  # so the comparison can fail
-    finally:
-        model.blocks[0].mlp.fc = old
+    assert not model.inference_forward_applies()
+    runner = ModelRunner(model, CONFIG)
+    assert runner._lean_forward() is None
+    seq = Request("x", [5, 6, 7], GenerationConfig(), 0).new_sequence(0, [5, 6, 7])
+    seq.block_table = [0]
+    got = runner.execute([Chunk(seq, 0, 3)])
+    ids, positions = torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]])
+    with torch.inference_mode():
+        want = model(ids)[0, -1:]
+        # what the lean path would give
+        skipped = model.inference_forward(ids, positions)[0, -1:]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(skipped, want, atol=1e-3)  # so the comparison can fail
