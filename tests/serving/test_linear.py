@@ -4,6 +4,8 @@ again rather than read stale."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,10 +42,14 @@ def test_a_weight_changed_after_packing_is_packed_again():
     x = torch.randn(1, 4, 32)
     with torch.no_grad():
         layer.weight.mul_(-2.0)  # in place: the version counter moves
-    torch.testing.assert_close(linears(x, layer), F.linear(x, layer.weight, layer.bias))
+    got = linears(x, layer)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert (layer in linears._packed) == onednn_available()  # the copy packed its own weight
     with torch.no_grad():
         layer.weight.data = torch.randn(16, 32)  # replaced: new storage
-    torch.testing.assert_close(linears(x, layer), F.linear(x, layer.weight, layer.bias))
+    got = linears(x, layer)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert (layer in linears._packed) == onednn_available()  # the copy packed its own weight
 
 
 def test_disabled_or_other_modules_use_f_linear():
@@ -63,3 +69,18 @@ def test_the_runner_packs_on_cpu_unless_told_not_to():
     assert ModelRunner(gpt_pair()[1], config).linear.enabled
     off = EngineConfig(block_size=4, num_blocks=40, max_model_len=64, onednn_linear=False)
     assert not ModelRunner(gpt_pair()[1], off).linear.enabled
+
+
+def test_a_served_model_can_still_be_deep_copied():
+    """The runner's attention lives in the model, so a copy of the model copies the runner;
+    the copy's products pack the copied weights (oneDNN's packed tensors cannot be copied)."""
+    model = copy.deepcopy(gpt_pair()[1])
+    runner = ModelRunner(model, EngineConfig(block_size=8, num_blocks=8, max_model_len=64))
+    twin = copy.deepcopy(model)
+    linears = copy.deepcopy(runner.linear)
+    assert linears.enabled == runner.linear.enabled
+    layer = twin.blocks[0].mlp.fc
+    x = torch.randn(3, layer.in_features)
+    got = linears(x, layer)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert (layer in linears._packed) == onednn_available()  # the copy packed its own weight

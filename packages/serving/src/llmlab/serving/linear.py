@@ -71,18 +71,28 @@ class Linears:
         if not enabled or not onednn_available():
             return
         for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if type(module) is not nn.Linear or not isinstance(weight, Tensor):
-                continue
-            if weight.device.type == "cpu" and weight.dtype == torch.float32:
-                self._packed[module] = _Packed(_pack(weight), _version(weight))
+            if _packable(module):
+                self._packed[module] = _Packed(_pack(module.weight), _version(module.weight))
+
+    def __deepcopy__(self, memo: dict) -> Linears:
+        """An engine's model holds its runner (the attention it swapped in), so copying the
+        model copies this; oneDNN's packed tensors cannot be copied. The copy packs the
+        copied modules' weights as it first meets them."""
+        clone = Linears.__new__(Linears)
+        clone._packed = {}
+        clone._lazy = self.enabled
+        return clone
+
+    _lazy = False  # a copy: pack modules when first met
 
     @property
     def enabled(self) -> bool:
-        return bool(self._packed)
+        return bool(self._packed) or self._lazy
 
     def __call__(self, x: Tensor, module: nn.Linear) -> Tensor:
         packed = self._packed.get(module)
+        if packed is None and self._lazy and _packable(module):
+            packed = self._packed[module] = _Packed(_pack(module.weight), _version(module.weight))
         if packed is None or x.numel() < MIN_ROWS * x.shape[-1]:
             return F.linear(x, module.weight, module.bias)
         weight = module.weight
@@ -91,3 +101,14 @@ class Linears:
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), packed.weight, module.bias, "none", [], ""
         )
+
+
+def _packable(module: nn.Module) -> bool:
+    """A float32 CPU ``nn.Linear`` (exactly that class: a subclass has a forward of its own)."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module) is nn.Linear
+        and isinstance(weight, Tensor)
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+    )
