@@ -30,6 +30,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -172,9 +173,7 @@ def _count_parallel(
     results = ctx.Queue()
     inboxes = [ctx.Queue(maxsize=4) for _ in range(workers - 1)]
     procs = [ctx.Process(target=_worker, args=(pattern, q, results), daemon=True) for q in inboxes]
-    for proc in procs:
-        proc.start()
-    try:
+    with _started(procs):
         for i, job in enumerate(jobs):
             slot = i % workers
             if slot == 0:
@@ -183,16 +182,30 @@ def _count_parallel(
                 inboxes[slot - 1].put(job[1])
         for inbox in inboxes:
             inbox.put(None)
-        for _ in procs:
-            status, counts = results.get()
-            if status != "ok":
-                raise RuntimeError(f"a counting worker failed: {counts}")
-            total.update(counts)
+        return _add_worker_counts(total, results, len(procs))
+
+
+@contextmanager
+def _started(procs: list[Any]) -> Iterator[None]:
+    """Start the counting processes; whatever happens, do not leave one running."""
+    for proc in procs:
+        proc.start()
+    try:
+        yield
     finally:
         for proc in procs:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.terminate()
+
+
+def _add_worker_counts(total: Counter[str], results: Any, n: int) -> Counter[str]:
+    """Add the counts of ``n`` workers to ``total``; a worker's error is raised here."""
+    for _ in range(n):
+        status, counts = results.get()
+        if status != "ok":
+            raise RuntimeError(f"a counting worker failed: {counts}")
+        total.update(counts)
     return total
 
 
@@ -237,21 +250,8 @@ def _count_file_parts(files: FileLines, pattern: Splitter, workers: int) -> Coun
         ctx.Process(target=_part_worker, args=(pattern, part, results), daemon=True)
         for part in parts[1:]
     ]
-    for proc in procs:
-        proc.start()
-    try:
-        total = _count_part(pattern, parts[0])
-        for _ in procs:
-            status, counts = results.get()
-            if status != "ok":
-                raise RuntimeError(f"a counting worker failed: {counts}")
-            total.update(counts)
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-    return total
+    with _started(procs):
+        return _add_worker_counts(_count_part(pattern, parts[0]), results, len(procs))
 
 
 def _has_threads() -> bool:
