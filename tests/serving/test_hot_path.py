@@ -31,11 +31,14 @@ def test_inference_forward_is_forward_bit_for_bit():
 
 
 @pytest.mark.parametrize("which", ["gpt", "llama"])
-def test_one_decode_on_consecutive_blocks_equals_the_general_path_bit_for_bit(which):
+def test_one_decode_on_consecutive_blocks_equals_the_general_path_bit_for_bit(which, monkeypatch):
+    from llmlab.serving import model_runner
+
+    monkeypatch.setattr(model_runner, "EACH_MAX_SEQS", 0)  # `b` takes the general path
     model = gpt_pair()[1] if which == "gpt" else llama()
     runner = ModelRunner(model, CONFIG)
     prompt = random_prompts(200, [9], seed=4)[0]
-    # the same tokens twice: `a` on consecutive blocks (hot path), `b` scattered (a gather)
+    # the same tokens twice: `a` on consecutive blocks (hot path), `b` scattered (the layout)
     a, b = (Request(n, prompt, GenerationConfig(), i).new_sequence(0, prompt)
             for i, n in enumerate("ab"))  # fmt: skip
     a.block_table = [0, 1, 2, 3, 4]
@@ -101,3 +104,35 @@ def test_a_replaced_layer_turns_the_lean_forward_off():
         skipped = model.inference_forward(ids, positions)[0, -1:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(skipped, want, atol=1e-3)  # so the comparison can fail
+
+
+def test_a_few_decodes_one_sdpa_each_equal_the_general_path(monkeypatch):
+    """Decode-only steps of up to EACH_MAX_SEQS sequences attend one sequence at a time (a pool
+    view for consecutive blocks, a gather otherwise): the logits of the general path's layout,
+    padding and masks (which the same step takes with the shortcut off) within fp32 rounding,
+    and the same greedy tokens."""
+    from llmlab.serving import model_runner
+
+    model = gpt_pair()[1]
+    runner = ModelRunner(model, CONFIG)
+    prompts = random_prompts(300, [9, 5, 14], seed=5)
+    seqs = [Request(str(i), p, GenerationConfig(), i).new_sequence(0, p)
+            for i, p in enumerate(prompts)]  # fmt: skip
+    seqs[0].block_table = [0, 1, 2, 3]  # consecutive: a view of the pool
+    seqs[1].block_table = [21, 8]  # scattered: a gather
+    seqs[2].block_table = [30, 11, 12, 5, 26]
+    for seq in seqs:
+        runner.execute([Chunk(seq, 0, seq.num_tokens)])
+    for _ in range(3):  # decode steps, crossing a block boundary
+        for seq in seqs:
+            seq.token_ids.append(int(seq.token_ids[-1] * 7 % 300))
+        step = [Chunk(s, s.num_tokens - 1, 1) for s in seqs]
+        assert runner.prepare(step).each is not None
+        each = runner.execute(step)
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "EACH_MAX_SEQS", 0)
+            assert runner.prepare(step).each is None
+            general = runner.execute(step)  # rewrites the same keys and values at the same slots
+        # fp32 rounding only (2e-6 here): unmasked SDPA calls against the layout's masked ones
+        torch.testing.assert_close(each, general, atol=1e-5, rtol=1e-5)
+        assert torch.equal(each.argmax(-1), general.argmax(-1))

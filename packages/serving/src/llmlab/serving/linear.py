@@ -59,6 +59,10 @@ class _Packed:
     weight: Tensor  # oneDNN's blocked copy of the module's weight
     version: tuple[int, int]  # the module weight's (version counter, data pointer) when packed
 
+    @classmethod
+    def of(cls, weight: Tensor) -> _Packed:
+        return cls(_pack(weight), _version(weight))
+
 
 class Linears:
     """The runner's product function, ``linears(x, module)``: ``F.linear`` for one row, oneDNN
@@ -68,11 +72,12 @@ class Linears:
 
     def __init__(self, model: nn.Module, enabled: bool = True) -> None:
         self._packed: dict[nn.Linear, _Packed] = {}
+        self._lazy = False  # a copy's (see __deepcopy__): pack modules when first met
         if not enabled or not onednn_available():
             return
         for module in model.modules():
             if _packable(module):
-                self._packed[module] = _Packed(_pack(module.weight), _version(module.weight))
+                self._packed[module] = _Packed.of(module.weight)
 
     def __deepcopy__(self, memo: dict) -> Linears:
         """An engine's model holds its runner (the attention it swapped in), so copying the
@@ -83,8 +88,6 @@ class Linears:
         clone._lazy = self.enabled
         return clone
 
-    _lazy = False  # a copy: pack modules when first met
-
     @property
     def enabled(self) -> bool:
         return bool(self._packed) or self._lazy
@@ -92,7 +95,7 @@ class Linears:
     def __call__(self, x: Tensor, module: nn.Linear) -> Tensor:
         packed = self._packed.get(module)
         if packed is None and self._lazy and _packable(module):
-            packed = self._packed[module] = _Packed(_pack(module.weight), _version(module.weight))
+            packed = self._packed[module] = _Packed.of(module.weight)
         if packed is None or x.numel() < MIN_ROWS * x.shape[-1]:
             return F.linear(x, module.weight, module.bias)
         weight = module.weight

@@ -123,13 +123,26 @@ class _PagedLayer:
         if batch is None:  # not the engine's forward: the model's own attention
             return self.fallback(q, k, v, causal=causal, dropout_p=dropout_p)
         keys, values = runner.pool.keys[self.layer], runner.pool.values[self.layer]
-        heads, dim = keys.shape[2], keys.shape[3]
-        # (1, H_kv, N, D) -> (N, H_kv, D) rows written at their slots
-        keys.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, k[0].transpose(0, 1))
-        values.view(-1, heads, dim).index_copy_(0, batch.slot_mapping, v[0].transpose(0, 1))
+        _write_kv(keys, values, batch.slot_mapping, k, v)
         out = paged_attention(q[0].transpose(0, 1), keys, values, batch.layout,
                               backend=runner.backend)  # fmt: skip
         return out.transpose(0, 1)[None]  # (1, H, N, D), as the model's attention returns
+
+
+def _write_kv(keys: Tensor, values: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """Write the step's keys and values, (1, H_kv, N, D), as pool rows at their ``slots`` (N,)."""
+    heads, dim = keys.shape[2], keys.shape[3]
+    keys.view(-1, heads, dim).index_copy_(0, slots, k[0].transpose(0, 1))
+    values.view(-1, heads, dim).index_copy_(0, slots, v[0].transpose(0, 1))
+
+
+def _pool_span(pool: Tensor, first: int, length: int) -> Tensor:
+    """Slots ``first .. first + length - 1`` of a layer's pool (num_blocks, block_size, H_kv, D)
+    as (1, H_kv, length, D): the reference's ``pool[...].view(1, -1, H_kv, D).transpose(1, 2)``
+    of consecutive blocks, in one op and with the same strides."""
+    heads, dim = pool.shape[2], pool.shape[3]
+    shape, strides = (1, heads, length, dim), (length * heads * dim, dim, heads * dim, 1)
+    return pool.as_strided(shape, strides, pool.storage_offset() + first * heads * dim)
 
 
 def _attend_single(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slot: int,
@@ -146,10 +159,7 @@ def _attend_single(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor
     flat_k, flat_v = keys.view(-1, heads, dim), values.view(-1, heads, dim)
     flat_k[slot].copy_(k.reshape(heads, dim))
     flat_v[slot].copy_(v.reshape(heads, dim))
-    # the reference's pool[first:first + length].view(1, -1, H_kv, D).transpose(1, 2), in one op
-    shape, strides = (1, heads, length, dim), (length * heads * dim, dim, heads * dim, 1)
-    kk = keys.as_strided(shape, strides, keys.storage_offset() + first * heads * dim)
-    vv = values.as_strided(shape, strides, values.storage_offset() + first * heads * dim)
+    kk, vv = _pool_span(keys, first, length), _pool_span(values, first, length)
     return F.scaled_dot_product_attention(q, kk, vv, scale=1.0 / math.sqrt(dim),
                                           enable_gqa=q.shape[1] != heads)  # fmt: skip
 
@@ -163,24 +173,20 @@ def _attend_each(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, 
     Why: for a few decodes of unequal lengths the general path's bookkeeping (layout, length
     groups, padded gathers, masks, scattering rows back) cost more than the attention itself
     (measured on the serving benchmark's GPT-2, 4 layers: 3 decodes of 212, 53 and 182 keys
-    1.2 ms per step, 0.5-0.6 ms here). Each call is the one the reference makes for a sequence
-    alone in its length group, on tensors of the same shapes and strides.
+    1.2 ms per step, 0.5-0.6 ms here). Unmasked calls where the general path masks padded
+    groups: the logits agree within fp32 rounding (2e-6 in tests/serving/test_hot_path.py).
 
     ``q``/``k``/``v``: (1, H, S, D) / (1, H_kv, S, D); ``slots``: (S,) the new tokens' slots.
     Returns (1, H, S, D) as the model's attention does.
     """
+    _write_kv(keys, values, slots, k, v)
     heads, dim = keys.shape[2], keys.shape[3]
     flat_k, flat_v = keys.view(-1, heads, dim), values.view(-1, heads, dim)
-    flat_k.index_copy_(0, slots, k[0].transpose(0, 1))
-    flat_v.index_copy_(0, slots, v[0].transpose(0, 1))
     scale, gqa = 1.0 / math.sqrt(dim), q.shape[1] != heads
     outs = []
     for i, where in enumerate(each):
         if isinstance(where, tuple):
-            first, length = where
-            shape, strides = (1, heads, length, dim), (length * heads * dim, dim, heads * dim, 1)
-            kk = keys.as_strided(shape, strides, keys.storage_offset() + first * heads * dim)
-            vv = values.as_strided(shape, strides, values.storage_offset() + first * heads * dim)
+            kk, vv = _pool_span(keys, *where), _pool_span(values, *where)
         else:
             n = where.numel()
             kk = torch.index_select(flat_k, 0, where, out=scratch.rows("k", n, flat_k))
@@ -257,10 +263,12 @@ class ModelRunner:
     def prepare(self, chunks: list[Chunk]) -> PagedBatch:
         """The packed tensors of ``chunks`` (see the module docstring)."""
         bs = self.config.block_size
-        few = self.backend == "torch" and len(chunks) <= EACH_MAX_SEQS
-        if few and all(c.num_tokens == 1 for c in chunks):
+        if self.backend == "torch" and all(c.num_tokens == 1 for c in chunks):  # decodes only
             single = self._prepare_single(chunks[0]) if len(chunks) == 1 else None
-            return single or self._prepare_each(chunks)
+            if single is not None:
+                return single
+            if len(chunks) <= EACH_MAX_SEQS:
+                return self._prepare_each(chunks)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -325,9 +333,8 @@ class ModelRunner:
         (None otherwise). Two one-element tensors and two host integers; nothing per layer."""
         bs = self.config.block_size
         seq, p = chunk.seq, chunk.start
-        table = seq.block_table
-        first, n = table[0], p // bs + 1
-        if table[n - 1] - first != n - 1 or table[:n] != list(range(first, first + n)):
+        first = _consecutive_start(seq.block_table, p // bs + 1)
+        if first is None:
             return None
         device = self.device
         return PagedBatch(
@@ -351,8 +358,9 @@ class ModelRunner:
             ids.append(seq.token_ids[p])
             positions.append(p)
             slots.append(table[-1] * bs + p % bs)
-            if table[-1] - table[0] == n - 1 and table == list(range(table[0], table[0] + n)):
-                each.append((table[0] * bs, p + 1))
+            first = _consecutive_start(table, n)
+            if first is not None:
+                each.append((first * bs, p + 1))
             else:
                 blocks = torch.tensor(table, device=self.device)
                 each.append((blocks[:, None] * bs + self._block_offsets).view(-1)[: p + 1])
@@ -376,3 +384,12 @@ class ModelRunner:
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return None
         return None if any(self._hook_dicts) else lean
+
+
+def _consecutive_start(table: list[int], n: int) -> int | None:
+    """The first block of ``table[:n]`` when those blocks are consecutive in the pool (a view
+    then reaches them all), else None."""
+    first = table[0]
+    if table[n - 1] - first != n - 1 or table[:n] != list(range(first, first + n)):
+        return None
+    return first
