@@ -31,6 +31,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -142,17 +143,28 @@ def count_chunks(texts: Iterable[str], pattern: Splitter, workers: int = 1) -> C
         return _count_file_parts(texts, pattern, workers)
     if getattr(pattern, "count_units", None) is not None:
         workers = 1  # C-speed batches: shipping them costs what counting them does
-    if getattr(pattern, "line_agnostic", False) and isinstance(texts, FileLines):
-        jobs = ((pattern, [block]) for block in texts.blocks())
-    else:
-        jobs = ((pattern, batch) for batch in _batches(texts, BATCH))
+    jobs = _jobs(pattern, texts)
     if workers == 1:
         for job in jobs:
             _count_batch(job, into=total)
     else:
         total = _count_parallel(pattern, jobs, workers, total)
-    expand = getattr(pattern, "expand", None)
-    return total if expand is None else expand(total)
+    return _expanded(pattern, total)
+
+
+def _jobs(splitter: Splitter, texts: Iterable[str]) -> Iterator[tuple[Splitter, list[str]]]:
+    """Batches of lines, or, for a line-agnostic splitter reading files (anything with
+    ``blocks()``), blocks of about 1 MB of whole lines."""
+    blocks = getattr(texts, "blocks", None)
+    if getattr(splitter, "line_agnostic", False) and blocks is not None:
+        return ((splitter, [block]) for block in blocks())
+    return ((splitter, batch) for batch in _batches(texts, BATCH))
+
+
+def _expanded(splitter: Splitter, counts: Counter[str]) -> Counter[str]:
+    """Chunk counts from unit counts (two-level splitters' ``expand``; linear in the counts)."""
+    expand = getattr(splitter, "expand", None)
+    return counts if expand is None else expand(counts)
 
 
 def _worker(splitter: Splitter, inbox: Any, results: Any) -> None:
@@ -209,23 +221,34 @@ def _add_worker_counts(total: Counter[str], results: Any, n: int) -> Counter[str
     return total
 
 
-def _count_part(splitter: Splitter, parts: list[tuple[str, int, int]]) -> Counter[str]:
-    """Count the lines of byte ranges of files (``FileLines.part``) as ``count_chunks`` would,
-    chunks and not units: ``expand`` is linear in the counts, so each process expands its own
-    units (in parallel) and the chunk counts are added."""
+@dataclass(frozen=True)
+class _FilePart:
+    """The lines that begin in bytes ``[start, end)`` of a file, read as ``FileLines`` reads
+    whole files: line by line, or in blocks (``FileLines.part``)."""
+
+    path: str
+    start: int
+    end: int
+
+    def __iter__(self) -> Iterator[str]:
+        return FileLines.part(self.path, self.start, self.end)
+
+    def blocks(self) -> Iterator[str]:
+        return FileLines.part(self.path, self.start, self.end, lines=False)
+
+
+def _count_part(splitter: Splitter, parts: list[_FilePart]) -> Counter[str]:
+    """Count parts of files as ``count_chunks`` would, chunks and not units: ``expand`` is
+    linear in the counts, so each process expands its own units (in parallel) and the chunk
+    counts are added."""
     counts: Counter[str] = Counter()
-    for path, start, end in parts:
-        if getattr(splitter, "line_agnostic", False):
-            for block in FileLines.part(path, start, end, lines=False):
-                _count_batch((splitter, [block]), into=counts)
-        else:
-            for batch in _batches(FileLines.part(path, start, end), BATCH):
-                _count_batch((splitter, batch), into=counts)
-    expand = getattr(splitter, "expand", None)
-    return counts if expand is None else expand(counts)
+    for part in parts:
+        for job in _jobs(splitter, part):
+            _count_batch(job, into=counts)
+    return _expanded(splitter, counts)
 
 
-def _part_worker(splitter: Splitter, parts: list[tuple[str, int, int]], results: Any) -> None:
+def _part_worker(splitter: Splitter, parts: list[_FilePart], results: Any) -> None:
     """Count some parts of the files; send the counts (or the error) back."""
     try:
         results.put(("ok", _count_part(splitter, parts)))
@@ -238,12 +261,12 @@ def _count_file_parts(files: FileLines, pattern: Splitter, workers: int) -> Coun
     every file: nothing but the counts crosses between processes, so counting batches at C
     speed (two-level splitters) gains from the second core too, which shipping the text to a
     worker did not."""
-    parts: list[list[tuple[str, int, int]]] = [[] for _ in range(workers)]
+    parts: list[list[_FilePart]] = [[] for _ in range(workers)]
     for path in files.paths:
         size = Path(path).stat().st_size
         cuts = [size * k // workers for k in range(workers + 1)]
         for k in range(workers):
-            parts[k].append((str(path), cuts[k], cuts[k + 1]))
+            parts[k].append(_FilePart(str(path), cuts[k], cuts[k + 1]))
     ctx = multiprocessing.get_context("spawn" if _has_threads() else "fork")
     results = ctx.Queue()
     procs = [
