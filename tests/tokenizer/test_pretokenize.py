@@ -111,3 +111,20 @@ def test_files_counted_by_parts_in_two_processes_equal_one(tmp_path, name):
     splitter = SPLITTERS.get(name) or resolve_pattern(name)
     expected = one_by_one(list(iter_file_lines(paths)), splitter)
     assert count_chunks(FileLines(paths), splitter, workers=2) == expected
+
+
+@pytest.mark.parametrize("name", [*sorted(SPLITTERS), "gpt4"])
+def test_a_list_counted_in_forked_slices_equals_one_process(name, monkeypatch):
+    """``workers=3`` on a list of texts: each forked process counts its slice (inherited, not
+    shipped); the counts equal one process's, and the slices, taken, hold every text once."""
+    from llmlab.tokenizer import pretokenize
+
+    lines = MIXED.splitlines(keepends=True) * 4 + ["a\x1cb c", "x\u2581y  z ", " ▁ ", ""]
+    splitter = SPLITTERS.get(name) or resolve_pattern(name)
+    real, taken = pretokenize._list_parts, []
+    monkeypatch.setattr(
+        pretokenize, "_list_parts", lambda t, w: taken.append(real(t, w)) or taken[-1]
+    )
+    assert count_chunks(lines, splitter, workers=3) == one_by_one(lines, splitter)
+    [parts] = taken
+    assert len(parts) == 3 and [t for [part] in parts for t in part] == lines

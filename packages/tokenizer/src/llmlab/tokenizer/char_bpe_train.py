@@ -71,12 +71,16 @@ def train_char_bpe(
         mapping.update({c: id_char(ids[form(c, where)]) for c in chars & known})
         table[where] = str.maketrans(mapping)
     first, middle, last, alone = (table[k] for k in ("first", "middle", "last", "alone"))
-    words = [
-        w.translate(alone)
-        if len(w) == 1
-        else w[0].translate(first) + w[1:-1].translate(middle) + w[-1].translate(last)
-        for w in word_counts
-    ]
+    if prefix or suffix:
+        words = [
+            w.translate(alone)
+            if len(w) == 1
+            else w[0].translate(first) + w[1:-1].translate(middle) + w[-1].translate(last)
+            for w in word_counts
+        ]
+    else:  # a character is spelled alike wherever it stands: one translate per word
+        anywhere = {**first, **middle, **last, **alone}
+        words = [w.translate(anywhere) for w in word_counts]
 
     cut = len(prefix)
 
