@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmlab.parallel.launch import free_port, run_distributed
+from tests.helpers.distributed import PRELOAD
 
 
 def _rank_and_size(rank: int, world_size: int, offset: int) -> tuple[int, int]:
@@ -51,10 +52,12 @@ def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound():
 
 def test_forkserver_ranks_get_the_callers_environment_at_each_call(monkeypatch):
     """The server starts at the first call with one environment; a variable set afterwards
-    still reaches the ranks of the next call (it replaces the server's), as under spawn."""
+    still reaches the ranks of the next call (it replaces the server's), as under spawn. (The
+    tests' own preload: should this call start the test worker's server, the distributed tests
+    after it still find torch and Lightning imported there.)"""
     name = "LLMLAB_TEST_LAUNCH_VARIABLE"
     monkeypatch.setenv(name, "first")
-    first = run_distributed(_environment, 2, name, start_method="forkserver", preload=["json"])
+    first = run_distributed(_environment, 2, name, start_method="forkserver", preload=PRELOAD)
     assert first == ["first", "first"]
     monkeypatch.setenv(name, "second")
     assert run_distributed(_environment, 2, name, start_method="forkserver") == ["second"] * 2
