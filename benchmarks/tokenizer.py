@@ -16,9 +16,9 @@ Encoding (targets: at least the reference's speed): the byte-level fast path vs 
 whole corpus; end-of-word BPE, WordPiece and SentencePiece BPE on its first 2 MB vs HF
 (``encode_batch`` of the lines, its fastest call, all cores) and SentencePiece BPE vs
 sentencepiece (one thread); ids checked equal.
-llmlab's trainers are given ``workers=os.cpu_count()``, as HF uses every core: byte-level BPE
-counts words in that many processes; the other families count in two levels in one process
-(``pretokenize``: shipping their batches costs what counting them does).
+llmlab's trainers are given ``workers=os.cpu_count()``, as HF uses every core: each family
+counts its words in that many processes (``pretokenize``: files by byte ranges, SentencePiece's
+lines in memory by forked slices); the merges run in one.
 """
 
 from __future__ import annotations
@@ -408,8 +408,8 @@ def main(argv: list[str] | None = None) -> None:
         notes=(
             f"Corpus: {megabytes:.1f} MB of Shakespeare, read line by line. Training: the best of "
             f"{repeats} runs interleaved with the reference; llmlab is given workers={WORKERS} "
-            "(HF uses its threads): byte-level BPE counts words in that many processes, the "
-            "other families in one (two-level counting); extra.equals_hf: the learned merges / "
+            "(HF uses its threads): every family counts words in that many processes, the "
+            "merges run in one; extra.equals_hf: the learned merges / "
             "vocabulary equal HF's in order (given the initial id layout of an HF run, which HF "
             "draws from a random hash order for end-of-word BPE and WordPiece). "
             f"Unigram: {unigram_mb:.1f} MB, one run each, no target (pure-Python EM; reported). "
