@@ -15,7 +15,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n :
 
 # Everything that changes what gets installed: a change to any of these re-runs the install.
 INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
-	$(wildcard packages/*/pyproject.toml)
+	$(wildcard packages/*/pyproject.toml packages/*/setup.py packages/*/src/llmlab/*/*.c)
 EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
 	-e packages/serving -e packages/parallel -e packages/train -e ".[dev]"
 

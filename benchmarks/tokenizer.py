@@ -18,7 +18,8 @@ whole corpus; end-of-word BPE, WordPiece and SentencePiece BPE on its first 2 MB
 sentencepiece (one thread); ids checked equal.
 llmlab's trainers are given ``workers=os.cpu_count()``, as HF uses every core: each family
 counts its words in that many processes (``pretokenize``: files by byte ranges, SentencePiece's
-lines in memory by forked slices); the merges run in one.
+lines in memory by forked slices); the merges run in one, in the compiled merge loop
+(``_merge_core.c``) where it was built (the notes say which).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from llmlab.tokenizer import (
     UnigramTokenizer,
     WordBPETokenizer,
     WordPieceTokenizer,
+    merge_trainer,
 )
 from llmlab.tokenizer.patterns import GPT4_PATTERN, to_onig
 from llmlab.tokenizer.pretokenize import iter_file_lines
@@ -404,6 +406,11 @@ def main(argv: list[str] | None = None) -> None:
     megabytes = len(text.encode("utf-8")) / 1e6
     unigram_mb = sum(len(ln.encode("utf-8")) + 1 for ln in lines) / 1e6
     load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    merge_loop = (
+        "the compiled merge loop (_merge_core.c)"
+        if merge_trainer._merge_core is not None
+        else "the Python merge loop (_merge_core not built)"
+    )
     report(
         "tokenizer",
         rows,
@@ -411,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Corpus: {megabytes:.1f} MB of Shakespeare, read line by line. Training: the best of "
             f"{repeats} runs interleaved with the reference; llmlab is given workers={WORKERS} "
             "(HF uses its threads): every family counts words in that many processes, the "
-            "merges run in one; extra.equals_hf: the learned merges / "
+            f"merges run in one, in {merge_loop}; extra.equals_hf: the learned merges / "
             "vocabulary equal HF's in order (given the initial id layout of an HF run, which HF "
             "draws from a random hash order for end-of-word BPE and WordPiece). "
             f"Unigram: {unigram_mb:.1f} MB, one run each, no target (pure-Python EM; reported). "

@@ -31,12 +31,13 @@ DISTRIBUTIONS = {
     "llmlab-kernels": REPO / "kernels",
 }
 WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
-BUILD_LEFTOVERS = ("build", "*.egg-info", "__pycache__")
+BUILD_LEFTOVERS = ("build", "*.egg-info", "__pycache__", "*.so")  # .so: in-place builds
 
 PROBE = r"""
 import json, sys, tempfile
 from pathlib import Path
 import llmlab.tokenizer as lt
+import llmlab.tokenizer.merge_trainer as merge_trainer
 
 text = "To be, or not to be, that is the question.\n" * 50
 tok = lt.BPETokenizer.train([text], 300, special_tokens=["<|endoftext|>"])
@@ -54,6 +55,7 @@ print(json.dumps({
     "roundtrip": again.encode("to be") == tok.encode("to be")
     and tok.decode(ids) == "to be<|endoftext|>",
     "backend": tok.backend,
+    "merge_core": merge_trainer._merge_core is not None,
     "torch_found": torch_found,
     "torch_imported": "torch" in sys.modules,
 }))
@@ -100,6 +102,7 @@ def test_the_wheels_build_and_the_tokenizer_runs_alone_without_torch(tmp_path):
     assert str(env_dir) in result["file"], result["file"]  # the wheel, not the editable source
     assert result["roundtrip"] and result["ids"][-1] == 0  # <|endoftext|> is id 0
     assert result["backend"] == "reference"  # tiktoken is an extra, not a dependency
+    assert result["merge_core"]  # the wheel compiled the merge loop (a C compiler is here)
     assert not result["torch_found"] and not result["torch_imported"]
 
 
