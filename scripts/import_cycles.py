@@ -3,7 +3,8 @@
 Every ``import`` and ``from ... import`` counts, at module level or deferred inside a function:
 a deferred import only hides a cycle until the function first runs. Imports under
 ``if TYPE_CHECKING:`` do not count (they never run). ``from pkg import name`` is an edge to the
-submodule ``pkg.name`` when one exists, else to ``pkg`` itself (its ``__init__``).
+submodule ``pkg.name`` when one exists, else to ``pkg`` itself (its ``__init__``). A C extension
+is known by its source, ``pkg/_name.c`` for ``pkg._name``, and imports nothing of llmlab (a leaf).
 
     .venv/bin/python scripts/import_cycles.py        # exit 1 and list the cycles if any
 
@@ -22,10 +23,12 @@ SOURCE_ROOTS = sorted([*REPO.glob("packages/*/src"), REPO / "kernels/src"])
 
 
 def discover(roots: list[Path] = SOURCE_ROOTS) -> dict[str, Path]:
-    """Every module under ``<root>/llmlab``: dotted name -> file (``pkg`` for ``__init__``)."""
+    """Every module under ``<root>/llmlab``: dotted name -> file (``pkg`` for ``__init__``; the
+    ``.c`` source for a C extension)."""
     modules = {}
     for root in roots:
-        for path in sorted((root / "llmlab").rglob("*.py")):
+        sources = [*(root / "llmlab").rglob("*.py"), *(root / "llmlab").rglob("*.c")]
+        for path in sorted(sources):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -56,6 +59,8 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
 
 def edges_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The llmlab modules that module ``name`` imports."""
+    if path.suffix == ".c":  # a C extension: a leaf
+        return set()
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     targets: set[str] = set()

@@ -60,3 +60,19 @@ def test_importing_a_name_from_the_package_init_is_an_edge_to_the_init(tmp_path)
         },
     )
     assert cycles(import_graph(modules)) == [["llmlab.pkg", "llmlab.pkg.a"]]
+
+
+def test_a_c_extension_is_a_leaf_module(tmp_path):
+    """``from pkg import _core`` names the compiled submodule (its source ``pkg/_core.c``), not
+    the package's ``__init__``, which imports the importer back."""
+    modules = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from llmlab.pkg.a import thing\n",
+            "pkg/a.py": "from llmlab.pkg import _core\nthing = 1\n",
+            "pkg/_core.c": "/* PyInit__core */\n",
+        },
+    )
+    graph = import_graph(modules)
+    assert graph["llmlab.pkg.a"] == {"llmlab.pkg._core"} and graph["llmlab.pkg._core"] == set()
+    assert cycles(graph) == []

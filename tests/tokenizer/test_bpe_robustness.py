@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -76,12 +77,16 @@ def test_long_run_of_one_character_is_not_quadratic(tok, backend):
     enc = tok.with_backend(backend)
 
     def seconds(n: int) -> float:
+        """The best of two encodes, in this process's CPU time: the wall clock also counts the
+        time other processes hold the core (a full suite runs beside this test)."""
         text = "a" * n
-        start = time.perf_counter()
-        ids = enc.encode(text)
-        elapsed = time.perf_counter() - start
+        best = math.inf
+        for _ in range(2):
+            start = time.process_time()
+            ids = enc.encode(text)
+            best = min(best, time.process_time() - start)
         assert enc.decode(ids) == text
-        return elapsed
+        return best
 
     small, large = seconds(250_000), seconds(1_000_000)
     # 4x the input: linear is ~4x the time, quadratic ~16x. Allow noise on a shared machine.
