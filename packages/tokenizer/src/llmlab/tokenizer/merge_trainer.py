@@ -97,39 +97,33 @@ def train_merges(
     """
     if len(tokens) + max(vocab_size - len(tokens), 0) > MAX_SYMBOLS:
         raise ValueError(f"vocab_size={vocab_size} exceeds the {MAX_SYMBOLS} symbols supported")
-    if _merge_core is not None:
-        return _train_compiled(
-            words, counts, tokens, vocab_size, concat, min_frequency, show_progress
-        )
+    if _merge_core is not None:  # the same loop in C: Python makes the token values
+        progress = Progress("bpe merges", max(vocab_size - len(tokens), 0), show_progress)
+        new_token = _token_maker(tokens, concat, progress)
+        merges = _merge_core.train(words, counts, len(tokens), vocab_size, min_frequency, new_token)
+        progress.close()
+        return merges
     with paused_gc():  # the where-sets are many, long-lived and acyclic (see gcpause)
         return _train(words, counts, tokens, vocab_size, concat, min_frequency, show_progress)
 
 
-def _train_compiled(
-    words: list[str],
-    counts: list[int],
-    tokens: list[T],
-    vocab_size: int,
-    concat: Callable[[T, T], T],
-    min_frequency: int,
-    show_progress: bool,
-) -> list[tuple[int, int]]:
-    """``_train`` in C (``_merge_core``); the token values stay here, in ``new_token``."""
+def _token_maker(
+    tokens: list[T], concat: Callable[[T, T], T], progress: Progress
+) -> Callable[[int, int], int]:
+    """The compiled loop's callback: the id of the token merging ids ``a`` and ``b`` make (a new
+    one appended to ``tokens``, or the existing token it re-makes, which keeps its id, as HF)."""
     token_ids: dict[T, int] = {t: i for i, t in enumerate(tokens)}
-    progress = Progress("bpe merges", max(vocab_size - len(token_ids), 0), show_progress)
 
     def new_token(a: int, b: int) -> int:
         value = concat(tokens[a], tokens[b])
         new = token_ids.get(value)
-        if new is None:  # else the merge re-makes an existing token, which keeps its id (HF)
+        if new is None:
             new = token_ids[value] = len(tokens)
             tokens.append(value)
         progress.update()
         return new
 
-    merges = _merge_core.train(words, counts, len(tokens), vocab_size, min_frequency, new_token)
-    progress.close()
-    return merges
+    return new_token
 
 
 def _train(
