@@ -21,9 +21,9 @@ prompt + output):
   their arrival times, per-token timestamps recorded by HF.
 
 Why 64 requests/s: at the 16/s this benchmark first used, the 32 requests took 2.7 s to arrive
-and the continuous engine, on an idle machine, served them as they came (it finished 0.1-0.2 s
-after the last arrival): its throughput was the arrival rate's (2475 tokens over ~2.9 s, ~850
-tokens/s, whatever the engine's speed), and so was HF's. At 64/s they arrive within 0.7 s.
+and the continuous engine, on an idle machine, served them as they came (836 tokens/s: 2475
+tokens over 2.96 s, the last arrival at 2.71 s): its throughput was the arrival rate's, whatever
+the engine's speed, and so was HF's (876 tokens/s). At 64/s they arrive within 0.7 s.
 
 Reported: output tokens/s (useful tokens / time from first arrival to last token), time to first
 token and inter-token latency (p50 / p99), and the KV memory actually holding tokens over the

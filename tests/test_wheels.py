@@ -102,7 +102,8 @@ def test_the_wheels_build_and_the_tokenizer_runs_alone_without_torch(tmp_path):
     assert str(env_dir) in result["file"], result["file"]  # the wheel, not the editable source
     assert result["roundtrip"] and result["ids"][-1] == 0  # <|endoftext|> is id 0
     assert result["backend"] == "reference"  # tiktoken is an extra, not a dependency
-    assert result["merge_core"]  # the wheel compiled the merge loop (a C compiler is here)
+    # the wheel compiled the merge loop wherever a C compiler is (optional: else Python's loop)
+    assert result["merge_core"] or shutil.which("cc") is None
     assert not result["torch_found"] and not result["torch_imported"]
 
 

@@ -191,3 +191,37 @@ def unicode_texts(max_fragments: int = 12):
         ),
     )
     return st.lists(fragment, max_size=max_fragments).map("".join)
+
+
+# ------------------------------------------------- random corpora for the merge loop's two paths
+EXISTING = [
+    "ab",
+    "ba",
+    "aab",
+    "cd",
+]  # tokens in the vocabulary before training: merges re-make them
+
+
+def random_merge_corpus(
+    rng, letters: str = "abcde", longest: int = 12, words: int = 300, counts=(1, 1, 2, 3, 50)
+) -> tuple[list[str], list[int]]:
+    """Distinct random words over the first 1..len(letters) of ``letters`` (small alphabets make
+    repeated symbols, "aaaa", and long merge chains), with counts drawn from ``counts``."""
+    alphabet = letters[: rng.randint(1, len(letters))]
+    found = {
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(1, longest))) for _ in range(words)
+    }
+    return sorted(found), [rng.choice(counts) for _ in found]
+
+
+def learn_merges(words: list[str], counts: list[int], vocab_size: int, min_frequency: int):
+    """(merges, tokens) that ``merge_trainer.train_merges`` learns from ``words`` (characters as
+    the alphabet, then ``EXISTING``), on whichever loop ``merge_trainer._merge_core`` selects."""
+    from operator import add
+
+    from llmlab.tokenizer.merge_trainer import spell, train_merges
+
+    tokens = sorted(set("".join(words))) + EXISTING
+    ids = {t: i for i, t in enumerate(tokens)}
+    spelled = [spell([ids[c] for c in w]) for w in words]
+    return train_merges(spelled, list(counts), tokens, vocab_size, add, min_frequency), tokens

@@ -19,33 +19,27 @@ import llmlab.tokenizer as tokenizer_package
 
 pytestmark = pytest.mark.slow
 SOURCE = Path(next(iter(tokenizer_package.__path__))) / "_merge_core.c"
+REPO = Path(__file__).resolve().parents[2]  # the probe imports tests.tokenizer.corpus
 
 PROBE = r"""
 import importlib.util, random, sys
-from operator import add
 spec = importlib.util.spec_from_file_location("_merge_core", sys.argv[1])
 core = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(core)
 import llmlab.tokenizer.merge_trainer as mt
 from llmlab.tokenizer.merge_trainer import spell
-
-def learn(words, counts, vocab, min_frequency, loop):
-    mt._merge_core = loop
-    tokens = sorted(set("".join(words))) + ["ab", "ba", "aab", "cd"]
-    ids = {t: i for i, t in enumerate(tokens)}
-    spelled = [spell([ids[c] for c in w]) for w in words]
-    return mt.train_merges(spelled, list(counts), tokens, vocab, add, min_frequency), tokens
+from tests.tokenizer.corpus import learn_merges, random_merge_corpus
 
 merges = 0
 for seed in range(300):
     rng = random.Random(seed)
-    alphabet = "abcdefgh"[: rng.randint(1, 8)]
-    words = sorted({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
-                    for _ in range(rng.randint(1, 2000))})
-    counts = [rng.choice((1, 2, 3, 50, 10**6)) for _ in words]
+    words, counts = random_merge_corpus(rng, "abcdefgh", longest=40, words=rng.randint(1, 2000),
+                                        counts=(1, 2, 3, 50, 10**6))
     vocab, min_frequency = rng.randint(5, 3000), rng.choice((0, 0, 2, 20))
-    compiled = learn(words, counts, vocab, min_frequency, core)
-    assert compiled == learn(words, counts, vocab, min_frequency, None), seed
+    mt._merge_core = core
+    compiled = learn_merges(words, counts, vocab, min_frequency)
+    mt._merge_core = None
+    assert compiled == learn_merges(words, counts, vocab, min_frequency), seed
     merges += len(compiled[0])
 for words, counts in ((["ab"], [1, 2]), (["ab", 3], [1, 1]), (["ab"], ["x"])):
     try:
@@ -85,7 +79,7 @@ def test_the_merge_loop_is_clean_under_address_and_undefined_behaviour_sanitizer
         "ASAN_OPTIONS": "detect_leaks=0",  # the interpreter's own allocations at exit
         "PYTHONMALLOC": "malloc",  # every object through the sanitizer's allocator
     }
-    run = subprocess.run([sys.executable, "-c", PROBE, str(built)], env=env,
+    run = subprocess.run([sys.executable, "-c", PROBE, str(built)], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     report = run.stderr[-4000:]
     assert run.returncode == 0, report

@@ -15,15 +15,13 @@ import os
 import random
 import subprocess
 import sys
-from operator import add
 
 import pytest
 
 import llmlab.tokenizer.merge_bulk as merge_bulk
 import llmlab.tokenizer.merge_trainer as merge_trainer
 from llmlab.tokenizer import BPETokenizer, WordBPETokenizer
-from llmlab.tokenizer.merge_trainer import spell, train_merges
-from tests.tokenizer.corpus import train_files
+from tests.tokenizer.corpus import EXISTING, learn_merges, random_merge_corpus, train_files
 
 pytest.importorskip("numpy")
 compiled = pytest.mark.skipif(
@@ -63,33 +61,16 @@ def test_every_merge_path_agrees_on_shakespeare(files, monkeypatch):
         assert _train_both(files) == default, path
 
 
-def _random_corpus(rng: random.Random) -> tuple[list[str], list[int]]:
-    alphabet = "abcde"[: rng.randint(1, 5)]
-    words = {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(300)}
-    return sorted(words), [rng.choice((1, 1, 2, 3, 50)) for _ in words]
-
-
-EXISTING = ["ab", "ba", "aab", "cd"]  # tokens in the vocabulary before training
-
-
-def _learn(words, counts, vocab_size, min_frequency):
-    tokens = sorted(set("".join(words))) + EXISTING
-    ids = {t: i for i, t in enumerate(tokens)}
-    spelled = [spell([ids[c] for c in w]) for w in words]
-    merges = train_merges(spelled, list(counts), tokens, vocab_size, add, min_frequency)
-    return merges, tokens
-
-
 @compiled
 @pytest.mark.parametrize("seed", range(12))
 def test_the_compiled_loop_learns_what_the_python_loop_learns(seed, monkeypatch):
     rng = random.Random(seed)
-    words, counts = _random_corpus(rng)
+    words, counts = random_merge_corpus(rng)
     vocab_size, min_frequency = rng.randint(10, 400), rng.choice((0, 0, 2, 20))
-    expected = _learn(words, counts, vocab_size, min_frequency)
+    expected = learn_merges(words, counts, vocab_size, min_frequency)
     assert len(expected[0]) > 3
     for path in _python_paths(monkeypatch):
-        assert _learn(words, counts, vocab_size, min_frequency) == expected, path
+        assert learn_merges(words, counts, vocab_size, min_frequency) == expected, path
 
 
 @compiled
@@ -97,8 +78,8 @@ def test_the_corpus_exercises_re_made_tokens(monkeypatch):
     """The random corpora above do reach the "merge re-makes an existing token" branch."""
     reused = 0
     for seed in range(12):
-        words, counts = _random_corpus(random.Random(seed))
-        merges, tokens = _learn(words, counts, 400, 0)
+        words, counts = random_merge_corpus(random.Random(seed))
+        merges, tokens = learn_merges(words, counts, 400, 0)
         reused += len(merges) - (len(tokens) - len(set("".join(words))) - len(EXISTING))
     assert reused >= 12
 
