@@ -40,9 +40,12 @@ The hot path: one request, greedy, 256 new tokens, against HF ``generate`` and l
 ``generate`` (one thread, best CPU time of 4 interleaved rounds), with the engine's time per
 token broken down: the 16 linear layers, the LM head, paged attention, the rest of the forward,
 the engine's own bookkeeping, and the same matrix products timed alone (the fp32 floor: every
-token reads all the weights). The engine stores its weights in the memory order that multiplies
-one row fastest here (``EngineConfig.tune_weight_layouts``, see ``llmlab.decoding.layout``);
-the notes name the weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
+token reads all the weights; the "ceiling" row sets HF's rate against it, the ratio an engine
+whose step cost nothing beyond its products would reach). The "bound" row decodes with a bare
+step written out op by op (``bare_greedy``: no engine, no modules): how far eager PyTorch can
+go here. The engine stores its weights in the memory order that multiplies one row fastest
+here (``EngineConfig.tune_weight_layouts``, see ``llmlab.decoding.layout``); the notes name the
+weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
 The engine's step at batch 1 is its hot path (``llmlab.serving.model_runner``: one SDPA call
 per layer on a slice of the pool, the model's ``inference_forward`` without module dispatch).
 
@@ -61,6 +64,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from benchmarks.common import Row, report
 from benchmarks.common import best_of as common_best_of
@@ -286,14 +290,81 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
         Row("hot path: greedy batch 1 (engine) vs llmlab generate", new_tokens / t_engine,
             new_tokens / t_ours, "llmlab generate (contiguous cache)", "new tokens/s"),
     ]  # fmt: skip
+    bare = bare_greedy(model, prompt, new_tokens)
+    t_bare = min(best_cpu(bare, 1) for _ in range(repeats))
+    floor = products_alone(llm.engine.model)
+    rows += [
+        Row("hot path bound: a bare eager step vs HF generate", new_tokens / t_bare,
+            new_tokens / t_hf, "HF generate", "new tokens/s",
+            extra={"identical": bare() == run_hf()[0, 16:].tolist()}),
+        Row("hot path ceiling: the matrix products alone vs HF generate", 1e3 / floor,
+            new_tokens / t_hf, "HF generate", "new tokens/s"),
+    ]  # fmt: skip
     moved = [n for n, w in model.named_parameters() if w.dim() == 2 and w.stride(0) == 1]
     moved = ", ".join(moved) or "none"
-    return rows, f"{breakdown(llm, prompt, cfg, new_tokens)} Column-major weights: {moved}."
+    return rows, f"{breakdown(llm, prompt, cfg, new_tokens, floor)} Column-major weights: {moved}."
 
 
-def breakdown(llm, prompt: list[int], cfg, new_tokens: int) -> str:
-    """Where one engine token's CPU time goes: timers around the parts of a step, and the
-    matrix products alone (the floor no bookkeeping can go under at fp32)."""
+def bare_greedy(model, prompt: list[int], new_tokens: int):
+    """Greedy decoding of ``model`` (the benchmark's GPT) with nothing left to cut: weights
+    resolved once, one ATen call per op, a contiguous cache per layer, no engine, no module
+    dispatch. Not a system, a bound: how fast eager PyTorch runs this step on one thread.
+    Returns a function that decodes and returns the new token ids."""
+    cfg = model.config
+    width, heads = cfg.n_embd, cfg.n_head
+    dim, length = width // heads, len(prompt) + new_tokens
+    layers = [
+        (b.ln_1.weight, b.ln_1.bias, b.attn.qkv.weight, b.attn.qkv.bias, b.attn.proj.weight,
+         b.attn.proj.bias, b.ln_2.weight, b.ln_2.bias, b.mlp.fc.weight, b.mlp.fc.bias,
+         b.mlp.proj.weight, b.mlp.proj.bias, torch.zeros(length, heads, dim),
+         torch.zeros(length, heads, dim))
+        for b in model.blocks
+    ]  # fmt: skip
+    wte, wpe = model.embed.wte.weight, model.embed.wpe.weight
+    ln_f, lm_head = model.head.ln_f, model.head.lm_head.weight
+    linear, norm, gelu = torch._C._nn.linear, torch.layer_norm, torch._C._nn.gelu
+    sdpa, scale, eps = torch._C._nn.scaled_dot_product_attention, dim**-0.5, ln_f.eps
+
+    def forward(ids: Tensor, start: int) -> Tensor:
+        end = start + ids.numel()
+        x = (wte[ids] + wpe[start:end])[None]
+        for l1w, l1b, qw, qb, pw, pb, l2w, l2b, fw, fb, mw, mb, keys, values in layers:
+            qkv = linear(norm(x, (width,), l1w, l1b, eps), qw, qb).view(-1, heads, 3, dim)
+            keys[start:end], values[start:end] = qkv[:, :, 1], qkv[:, :, 2]
+            q = qkv[:, :, 0].transpose(0, 1)[None]
+            k, v = keys[:end].transpose(0, 1)[None], values[:end].transpose(0, 1)[None]
+            y = sdpa(q, k, v, is_causal=start == 0, scale=scale)
+            x = x + linear(y[0].transpose(0, 1).reshape(1, -1, width), pw, pb)
+            x = x + linear(gelu(linear(norm(x, (width,), l2w, l2b, eps), fw, fb)), mw, mb)
+        return linear(norm(x[:, -1], (width,), ln_f.weight, ln_f.bias, eps), lm_head)
+
+    def tokens() -> list[int]:
+        out = [int(forward(torch.tensor(prompt), 0).argmax())]
+        for p in range(len(prompt), length - 1):
+            out.append(int(forward(torch.tensor([out[-1]]), p).argmax()))
+        return out
+
+    return tokens
+
+
+def products_alone(model) -> float:
+    """Milliseconds per token of a decode step's matrix products alone, back to back: the floor
+    no bookkeeping can go under at fp32 (every token reads every weight once)."""
+    import torch.nn.functional as F
+
+    products = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    rows = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w, _ in products}
+
+    def all_products():
+        for w, b in products:
+            F.linear(rows[w.shape[1]], w, b)
+
+    return best_cpu(lambda: [all_products() for _ in range(20)], 3) / 20 * 1e3
+
+
+def breakdown(llm, prompt: list[int], cfg, new_tokens: int, alone: float) -> str:
+    """Where one engine token's CPU time goes: timers around the parts of a step, beside the
+    matrix products alone (``alone``, ms per token)."""
     import torch.nn.functional as F
 
     engine = llm.engine
@@ -332,17 +403,8 @@ def breakdown(llm, prompt: list[int], cfg, new_tokens: int) -> str:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
     ms = {k: v / new_tokens * 1e3 for k, v in spent.items()}
-    products = [
-        (m.weight, m.bias) for m in engine.model.modules() if isinstance(m, torch.nn.Linear)
-    ]
-    nbytes = sum(w.numel() * w.element_size() for w, _ in products)
-    rows = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w, _ in products}
-
-    def all_products():
-        for w, b in products:
-            F.linear(rows[w.shape[1]], w, b)
-
-    alone = best_cpu(lambda: [all_products() for _ in range(20)], 3) / 20 * 1e3
+    products = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    nbytes = sum(w.numel() * w.element_size() for w in products)
     rest = ms["forward"] - ms["linear"] - ms["lm_head"] - ms["attention"]
     return (
         f"Engine, greedy batch 1, per token (timers on): {total:.2f} ms = model forward "

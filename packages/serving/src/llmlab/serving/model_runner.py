@@ -318,7 +318,9 @@ class ModelRunner:
         lean = self._lean_forward()
         try:
             if lean is not None:
-                extra = {"linear": self.linear} if self.linear.enabled else {}
+                # one row (the hot path) is F.linear either way: skip the wrapper's checks
+                packed = self.linear.enabled and batch.single is None
+                extra = {"linear": self.linear} if packed else {}
                 logits = lean(batch.input_ids, batch.positions, batch.logits_indices, **extra)
             else:
                 logits = self.model(
