@@ -77,13 +77,18 @@ def test_fusions_forward_backward(op, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_vs_sdpa(causal, dtype):
-    q, k, v = (
-        torch.randn(2, 4, 300, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
+@pytest.mark.parametrize("kv_heads, head_dim", [(4, 64), (2, 128)])
+def test_attention_vs_sdpa(causal, dtype, kv_heads, head_dim):
+    """300 tokens: every autotuned tile size leaves a partial tile, so both the unmasked and the
+    masked tile loops of the forward and of both backward kernels run; (2, 128): GQA."""
+    q = torch.randn(2, 4, 300, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (
+        torch.randn(2, kv_heads, 300, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        for _ in "kv"
     )
     out = K.attention(q, k, v, causal=causal)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+    ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, enable_gqa=kv_heads != 4)
     torch.testing.assert_close(out, ref.to(dtype), **GRAD_TOL[dtype])
     do = torch.randn_like(out)
     for g, g_ref in zip(

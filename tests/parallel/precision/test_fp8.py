@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from llmlab.models import GPT, GPTConfig
 from llmlab.parallel.precision import Float8Linear, FP8Precision, convert_to_float8
@@ -69,6 +69,52 @@ def test_scaled_mm_backend_equals_emulation() -> None:
     gb = torch.autograd.grad(yb, (xb, smm.weight), g)
     for a, b in zip(ga, gb, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 21, 40])
+def test_scaled_mm_pads_a_token_count_that_is_no_multiple_of_16(tokens: int) -> None:
+    """The weight gradient's inner dimension is the token count, which CUDA's _scaled_mm wants
+    a multiple of 16: fp8_mm pads it with zeros. Here (CPU _scaled_mm) the padded products must
+    still equal the emulation; the CUDA refusal itself is the gpu test below."""
+    _, emu = make("emulate")
+    _, smm = make("scaled_mm")
+    x = torch.randn(tokens, 64)
+    grad = torch.randn(tokens, 48)
+    for a, b in zip(outputs_and_grads(emu, x, grad), outputs_and_grads(smm, x, grad), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def outputs_and_grads(layer: nn.Module, x: Tensor, grad: Tensor) -> tuple[Tensor, ...]:
+    """``layer(x)`` and the gradients of ``x`` and ``layer.weight`` for output gradient ``grad``
+    (in the output's dtype: bf16 under autocast)."""
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    return (y, *torch.autograd.grad(y, (x, layer.weight), grad.to(y.dtype)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 21, 100])
+def test_fp8_tensor_cores_train_any_token_count(tokens: int, dtype: torch.dtype) -> None:
+    """On a GPU with fp8 tensor cores (the ``auto`` backend picks ``_scaled_mm``) forward and
+    both gradients for token counts that are no multiple of 16, against the emulation. The
+    tolerance is the tensor cores' accumulation, not the padding: on an H200 ``_scaled_mm``
+    is ~1e-4 from the exact product (norm-relative; 2.5e-3 under bf16 autocast), where the
+    emulation is ~1e-7."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9 or newer")
+    torch.manual_seed(tokens)
+    ref = nn.Linear(128, 256).cuda()
+    emu = Float8Linear.from_linear(ref, backend="emulate")
+    smm = Float8Linear.from_linear(ref, backend="auto")
+    x = torch.randn(tokens, 128, device="cuda")
+    grad = torch.randn(tokens, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        want = outputs_and_grads(emu, x, grad)
+        got = outputs_and_grads(smm, x, grad)
+    for a, b in zip(want, got, strict=True):
+        rel = ((b.float() - a.float()).norm() / a.float().norm()).item()
+        assert rel < 1e-2, (tokens, dtype, rel)
 
 
 def test_delayed_scaling_uses_the_amax_history() -> None:

@@ -142,7 +142,6 @@ def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float, bounds=None
     delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     jit = jit_module("attention")
-    bm, bn = _blocks(q.device, D)
     starts, ends = bounds if bounds is not None else (lse, lse)
     flags = {
         "CAUSAL": causal,
@@ -150,18 +149,24 @@ def triton_backward(do, q, k, v, o, lse, causal: bool, scale: float, bounds=None
         "COMPUTE": compute_dtype(q.dtype),
         "DOT_IN_FP32": dot_in_fp32(q.dtype),
         "PRECISION": dot_precision(q),
-        "BLOCK_M": bm,
-        "BLOCK_N": bn,
         "BLOCK_D": max(16, next_power_of_2(D)),
     }
-    if q.is_cuda:  # two (BLOCK, D) fp32 accumulators per program: more warps for wide heads
-        flags["num_warps"] = 4 if D <= 64 else 8
-    jit.attn_bwd_dkdv_kernel[((S + bn - 1) // bn, BH_kv)](
-        q, k, v, do, lse, delta, dk, dv, scale, L, S, D, group, ends, heads, **flags
-    )
-    jit.attn_bwd_dq_kernel[((L + bm - 1) // bm, BH)](
-        q, k, v, do, lse, delta, dq, scale, L, S, D, group, starts, heads, **flags
-    )
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, scale, L, S, D, group, ends, heads)
+    dq_args = (q, k, v, do, lse, delta, dq, scale, L, S, D, group, starts, heads)
+    if q.is_cuda:  # each kernel writes its outputs whole, so the autotuner may rerun it
+        import triton
+
+        jit.attn_bwd_dkdv_kernel_autotuned[lambda m: (triton.cdiv(S, m["BLOCK_N"]), BH_kv)](
+            *dkdv_args, **flags
+        )
+        jit.attn_bwd_dq_kernel_autotuned[lambda m: (triton.cdiv(L, m["BLOCK_M"]), BH)](
+            *dq_args, **flags
+        )
+    else:
+        bm, bn = _blocks(q.device, D)
+        flags.update(BLOCK_M=bm, BLOCK_N=bn)
+        jit.attn_bwd_dkdv_kernel[((S + bn - 1) // bn, BH_kv)](*dkdv_args, **flags)
+        jit.attn_bwd_dq_kernel[((L + bm - 1) // bm, BH)](*dq_args, **flags)
     return dq, dk, dv
 
 

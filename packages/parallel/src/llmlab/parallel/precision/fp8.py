@@ -87,9 +87,25 @@ def _use_scaled_mm(backend: str, *tensors: Tensor) -> bool:
     return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
+def _pad_inner(a: Tensor, b: Tensor, multiple: int = 16) -> tuple[Tensor, Tensor]:
+    """``a`` (M, K) and ``b`` (K, N) with K padded by zeros to a multiple of ``multiple``: the
+    same product. CUDA's ``_scaled_mm`` refuses other K; the features are multiples of 16
+    (``Fp8Filter``), but the weight gradient's K is the token count (found on an H200: a
+    backward of 21 tokens raised "trailing dimension of mat1 to be divisible by 16")."""
+    pad = -a.shape[1] % multiple
+    if not pad:
+        return a, b
+    a_padded = a.new_zeros(a.shape[0], a.shape[1] + pad)  # zeros: fp8 has no constant pad op
+    a_padded[:, : a.shape[1]] = a
+    b_padded = b.new_zeros(b.shape[0] + pad, b.shape[1])
+    b_padded[: b.shape[0]] = b
+    return a_padded, b_padded
+
+
 def fp8_mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, backend: str) -> Tensor:
     """``dequant(a) @ dequant(b)`` for fp8 ``a`` (M, K) and ``b`` (K, N), in fp32."""
     if _use_scaled_mm(backend, a):
+        a, b = _pad_inner(a, b)
         # _scaled_mm wants a row-major and b column-major; its scales multiply the result.
         b_col = b.t().contiguous().t()
         return torch._scaled_mm(
