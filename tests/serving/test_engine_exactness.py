@@ -16,40 +16,8 @@ import torch
 
 from llmlab.decoding import GenerationConfig, generate
 from llmlab.serving import EngineConfig, LLMEngine
-from tests.serving.engine_steps import drive
+from tests.serving.engine_steps import drive, small_engine, workload
 from tests.serving.models import gpt_pair, hf_llama, llama, random_prompts
-
-PREFIX = list(range(40, 56))  # 16 tokens: 2 full blocks of 8
-
-
-def workload(vocab: int) -> dict[int, list[tuple]]:
-    lengths = [5, 17, 3, 29, 9, 12, 40, 6]
-    prompts = random_prompts(vocab, lengths, seed=7)
-    prompts[2] = PREFIX + prompts[2]  # share a prefix with request 5 and 7
-    prompts[5] = PREFIX + prompts[5]
-    prompts[7] = [*PREFIX, 1, 2, 3]
-    new = [20, 7, 25, 12, 30, 18, 9, 22]
-    arrivals: dict[int, list[tuple]] = {}
-    for i, (p, n) in enumerate(zip(prompts, new)):
-        config = GenerationConfig(max_new_tokens=n)
-        if i == 4:  # n = 3 by sampling from top-1: three forks that must each be greedy's
-            config = config.replace(num_return_sequences=3, do_sample=True, top_k=1, seed=0)
-        arrivals.setdefault([0, 0, 1, 3, 3, 6, 10, 11][i], []).append((f"r{i}", p, config))
-    return arrivals
-
-
-def small_engine(model) -> LLMEngine:
-    # 14 blocks of 8 tokens: far less than the workload wants at once, so it preempts
-    return LLMEngine(
-        model,
-        config=EngineConfig(
-            block_size=8,
-            num_blocks=14,
-            max_num_seqs=6,
-            max_num_batched_tokens=32,
-            max_model_len=112,
-        ),
-    )
 
 
 @pytest.fixture(scope="module")

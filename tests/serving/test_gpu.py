@@ -16,9 +16,8 @@ import torch
 from llmlab.decoding import GenerationConfig, generate
 from llmlab.models import GPT, GPTConfig
 from llmlab.serving import LLM
-from tests.serving.engine_steps import drive
+from tests.serving.engine_steps import drive, small_engine, workload
 from tests.serving.models import gpt_pair
-from tests.serving.test_engine_exactness import small_engine, workload
 
 pytestmark = pytest.mark.gpu
 
