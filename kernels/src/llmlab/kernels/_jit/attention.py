@@ -379,44 +379,23 @@ def attn_bwd_dq_kernel(
     tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
-def gpu_configs() -> list:
-    """(BLOCK_M, BLOCK_N, stages, warps) tried by the autotuner on a GPU."""
+def _tiles(shapes: list[tuple[int, int, int, int]]) -> list:
+    """Autotuner configs from (BLOCK_M, BLOCK_N, stages, warps)."""
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
-        for bm, bn, s, w in [
-            (128, 64, 3, 4),
-            (128, 64, 4, 8),
-            (128, 128, 3, 8),
-            (64, 64, 4, 4),
-            (64, 32, 4, 4),
-        ]
+        for bm, bn, s, w in shapes
     ]
 
 
-def gpu_bwd_configs() -> list:
-    """The backward's tiles: two (BLOCK, D) fp32 accumulators per program (dK and dV, or dQ
-    and the loaded K/V), so smaller tiles than the forward; (64, 64) with 4 or 8 warps is what
-    it ran with before it was tuned."""
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
-        for bm, bn, s, w in [
-            (64, 64, 3, 4),
-            (64, 64, 3, 8),
-            (32, 64, 3, 4),
-            (64, 32, 3, 4),
-            (32, 128, 3, 8),
-            (128, 32, 3, 8),
-            (64, 128, 2, 8),
-            (128, 64, 2, 8),
-        ]
-    ]
+# The forward's tiles on a GPU.
+FWD_TILES = [(128, 64, 3, 4), (128, 64, 4, 8), (128, 128, 3, 8), (64, 64, 4, 4), (64, 32, 4, 4)]
+# The backward's: two (BLOCK, D) fp32 accumulators per program (dK and dV, or dQ and the loaded
+# K/V), so smaller tiles than the forward; (64, 64) with 4 or 8 warps is what it ran with before
+# it was tuned.
+BWD_TILES = [(64, 64, 3, 4), (64, 64, 3, 8), (32, 64, 3, 4), (64, 32, 3, 4), (32, 128, 3, 8),
+             (128, 32, 3, 8), (64, 128, 2, 8), (128, 64, 2, 8)]  # fmt: skip
 
-
-_KEY = ["T_Q", "T_K", "D", "GROUP", "DOCS"]
-attn_fwd_kernel_autotuned = triton.autotune(configs=gpu_configs(), key=_KEY)(attn_fwd_kernel)
-attn_bwd_dkdv_kernel_autotuned = triton.autotune(configs=gpu_bwd_configs(), key=_KEY)(
-    attn_bwd_dkdv_kernel
-)
-attn_bwd_dq_kernel_autotuned = triton.autotune(configs=gpu_bwd_configs(), key=_KEY)(
-    attn_bwd_dq_kernel
-)
+_KEY = ["T_Q", "T_K", "D", "GROUP", "DOCS"]  # each autotuner below gets Config objects of its own
+attn_fwd_kernel_autotuned = triton.autotune(_tiles(FWD_TILES), key=_KEY)(attn_fwd_kernel)
+attn_bwd_dkdv_kernel_autotuned = triton.autotune(_tiles(BWD_TILES), key=_KEY)(attn_bwd_dkdv_kernel)
+attn_bwd_dq_kernel_autotuned = triton.autotune(_tiles(BWD_TILES), key=_KEY)(attn_bwd_dq_kernel)
