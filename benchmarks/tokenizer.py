@@ -10,7 +10,9 @@ Training, on the ~10 MB Shakespeare corpus read line by line (targets: at least 
   ``WordPieceTrainer``, SentencePiece BPE vs ``BpeTrainer`` on the same words (and vs
   sentencepiece's own trainer, no target): each learned list is checked equal to HF's
   (``extra.equals_hf``), given HF's initial id layout where HF draws it at random;
-- Unigram on the first 0.3 MB vs HF ``UnigramTrainer`` and sentencepiece (reported, no target).
+- Unigram on the first 0.3 MB vs HF ``UnigramTrainer`` and sentencepiece (reported, no target);
+- the merge loop alone, compiled vs the Python loop, on one byte-level 8k run's word counts,
+  beside that whole run (the notes): what share of training the merges are.
 
 Encoding (targets: at least the reference's speed): the byte-level fast path vs tiktoken on the
 whole corpus; end-of-word BPE, WordPiece and SentencePiece BPE on its first 2 MB vs HF
@@ -213,6 +215,57 @@ def train_families(files, sizes, repeats, rows) -> dict[str, Any]:
     return out
 
 
+def merge_loop_rows(files, vocab_size: int, repeats: int, rows) -> str:
+    """The merge loop alone, compiled (``_merge_core``) against the Python loop, on the word
+    counts of one byte-level training run (caught at ``train_merges``), beside that whole run:
+    how much of training the merges are, and what the C buys. Skipped where it was not built."""
+    import llmlab.tokenizer.bpe as bpe
+
+    compiled = merge_trainer._merge_core
+    if compiled is None:
+        return ""
+    caught = []
+    real = bpe.train_merges
+
+    def catch(words, counts, tokens, *args, **kwargs):
+        caught.append((list(words), list(counts), list(tokens), args, kwargs))
+        return real(words, counts, tokens, *args, **kwargs)
+
+    bpe.train_merges = catch
+    try:
+        whole, _ = timed(
+            lambda: BPETokenizer.train_from_files(
+                files, vocab_size, pattern="gpt4", special_tokens=SPECIALS, workers=WORKERS,
+                show_progress=False,
+            )
+        )  # fmt: skip
+    finally:
+        bpe.train_merges = real
+    words, counts, tokens, args, kwargs = caught[0]
+
+    def loop(core):
+        def run():
+            merge_trainer._merge_core = core
+            try:
+                return real(list(words), list(counts), list(tokens), *args, **kwargs)
+            finally:
+                merge_trainer._merge_core = compiled
+
+        return run
+
+    c_s, py_s, c_merges, py_merges = interleaved(loop(compiled), loop(None), repeats)
+    name = f"byte-level BPE merge loop alone, vocab {_k(vocab_size)} ({len(words)} words)"
+    rows.append(
+        Row(name, c_s, py_s, "the Python loop", "s", False,
+            extra={"identical": c_merges == py_merges, "whole_training_s": whole})
+    )  # fmt: skip
+    return (
+        f"Merge loop alone ({_k(vocab_size)}, one byte-level run's counts): compiled {c_s:.2f} s, "
+        f"Python loop {py_s:.2f} s, the whole training run {whole:.2f} s; same merges: "
+        f"{c_merges == py_merges}. "
+    )
+
+
 def _rustbpe(files, vocab_size: int) -> None:
     import rustbpe
 
@@ -398,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     load_before = os.getloadavg()[0]
     trained = train_families(files, sizes, repeats, rows)
+    merge_loop = merge_loop_rows(files, sizes[0], repeats, rows)
     lines = [ln.rstrip("\r\n") for ln in iter_file_lines(corpus(0.3))]
     lines = lines[:2000] if args.smoke else lines
     train_unigram(lines, 300 if args.smoke else 2000, rows)
@@ -406,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     megabytes = len(text.encode("utf-8")) / 1e6
     unigram_mb = sum(len(ln.encode("utf-8")) + 1 for ln in lines) / 1e6
     load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
-    merge_loop = (
+    merge_core = (
         "the compiled merge loop (_merge_core.c)"
         if merge_trainer._merge_core is not None
         else "the Python merge loop (_merge_core not built)"
@@ -418,10 +472,11 @@ def main(argv: list[str] | None = None) -> None:
             f"Corpus: {megabytes:.1f} MB of Shakespeare, read line by line. Training: the best of "
             f"{repeats} runs interleaved with the reference; llmlab is given workers={WORKERS} "
             "(HF uses its threads): every family counts words in that many processes, the "
-            f"merges run in one, in {merge_loop}; extra.equals_hf: the learned merges / "
+            f"merges run in one, in {merge_core}; extra.equals_hf: the learned merges / "
             "vocabulary equal HF's in order (given the initial id layout of an HF run, which HF "
             "draws from a random hash order for end-of-word BPE and WordPiece). "
-            f"Unigram: {unigram_mb:.1f} MB, one run each, no target (pure-Python EM; reported). "
+            f"{merge_loop}Unigram: {unigram_mb:.1f} MB, one run each, no target "
+            "(pure-Python EM; reported). "
             "Encoding: the whole corpus for byte-level "
             "BPE, its first 2 MB for the other families (lines), ids checked equal "
             "to the reference's; the byte-level fast path is tiktoken's core on llmlab's ranks; "
