@@ -95,7 +95,7 @@ def _pad_inner(a: Tensor, b: Tensor, multiple: int = 16) -> tuple[Tensor, Tensor
     pad = -a.shape[1] % multiple
     if not pad:
         return a, b
-    a_padded = a.new_zeros(a.shape[0], a.shape[1] + pad)  # zeros: fp8 has no constant pad op
+    a_padded = a.new_zeros(a.shape[0], a.shape[1] + pad)  # the form the H200 check ran
     a_padded[:, : a.shape[1]] = a
     b_padded = b.new_zeros(b.shape[0] + pad, b.shape[1])
     b_padded[: b.shape[0]] = b
