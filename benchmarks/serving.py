@@ -262,9 +262,12 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
 
     ids = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
     cfg = GenerationConfig(max_new_tokens=new_tokens)
-    llm = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    sizes = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    llm = LLM(model, **sizes)
+    python_step = LLM(model, **sizes, native_step=False)  # the same engine, its step in Python
     prompt = ids[0].tolist()
-    llm.generate([prompt], cfg.replace(max_new_tokens=4), progress=False)  # warm
+    for engine in (llm, python_step):  # warm
+        engine.generate([prompt], cfg.replace(max_new_tokens=4), progress=False)
     hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, pad_token_id=0)
 
     def run_hf():
@@ -274,6 +277,7 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
     same = llm.generate([prompt], cfg, progress=False)[0].token_ids[0] == run_hf()[0, 16:].tolist()
     systems = {
         "engine": lambda: llm.generate([prompt], cfg, progress=False),
+        "python step": lambda: python_step.generate([prompt], cfg, progress=False),
         "hf": run_hf,
         "ours": lambda: generate(model, ids, cfg),
     }
@@ -282,11 +286,14 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
     for _ in range(repeats):
         for name, fn in systems.items():
             best[name] = min(best[name], best_cpu(fn, 1))
-    t_engine, t_hf, t_ours = best["engine"], best["hf"], best["ours"]
+    t_engine, t_hf, t_ours, t_python = best["engine"], best["hf"], best["ours"], best["python step"]
+    native = llm.engine.runner.native.get() is not None
     rows = [
         Row("hot path: greedy batch 1 (engine) vs HF generate", new_tokens / t_engine,
             new_tokens / t_hf, "HF generate", "new tokens/s", target=2.0,
-            extra={"identical": same}),
+            extra={"identical": same, "native step": native}),
+        Row("hot path: the engine with its step in Python (native_step=False) vs HF generate",
+            new_tokens / t_python, new_tokens / t_hf, "HF generate", "new tokens/s"),
         Row("hot path: greedy batch 1 (engine) vs llmlab generate", new_tokens / t_engine,
             new_tokens / t_ours, "llmlab generate (contiguous cache)", "new tokens/s"),
     ]  # fmt: skip
@@ -302,7 +309,9 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
     ]  # fmt: skip
     moved = [n for n, w in model.named_parameters() if w.dim() == 2 and w.stride(0) == 1]
     moved = ", ".join(moved) or "none"
-    return rows, f"{breakdown(llm, prompt, cfg, new_tokens, floor)} Column-major weights: {moved}."
+    notes = [breakdown(engine, prompt, cfg, new_tokens, floor) for engine in (llm, python_step)]
+    notes.append(products_note(llm.engine.model, floor))
+    return rows, f"{' '.join(notes)} Column-major weights: {moved}."
 
 
 def bare_greedy(model, prompt: list[int], new_tokens: int):
@@ -364,13 +373,15 @@ def products_alone(model) -> float:
 
 def breakdown(llm, prompt: list[int], cfg, new_tokens: int, alone: float) -> str:
     """Where one engine token's CPU time goes: timers around the parts of a step, beside the
-    matrix products alone (``alone``, ms per token)."""
+    matrix products alone (``alone``, ms per token). With the native step, the model's forward
+    is one call the timers cannot look into; with the Python step, they split it by op."""
     import torch.nn.functional as F
 
     engine = llm.engine
     runner = engine.runner
     module = sys.modules[type(runner).__module__]
     vocab = engine.model.config.vocab_size
+    native = runner.native.get()
     spent: dict[str, float] = {}
 
     def timed(name, fn, key=None):
@@ -388,10 +399,15 @@ def breakdown(llm, prompt: list[int], cfg, new_tokens: int, alone: float) -> str
     def linear_part(x, weight, *_):
         return "lm_head" if weight.shape[0] == vocab else "linear"
 
-    patches = [(runner, "execute", timed("forward", runner.execute)),
-               (F, "linear", timed("", F.linear, linear_part)),
-               (module, "_attend_single", timed("attention", module._attend_single)),
-               (module, "paged_attention", timed("attention", module.paged_attention))]  # fmt: skip
+    patches = [(runner, "execute", timed("forward", runner.execute))]
+    if native is not None:
+        patches.append((runner.native, "_step", timed("native", native)))
+    else:
+        patches += [
+            (F, "linear", timed("", F.linear, linear_part)),
+            (module, "_attend_single", timed("attention", module._attend_single)),
+            (module, "paged_attention", timed("attention", module.paged_attention)),
+        ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, fn in patches:
@@ -403,16 +419,30 @@ def breakdown(llm, prompt: list[int], cfg, new_tokens: int, alone: float) -> str
         for obj, name, fn in saved:
             setattr(obj, name, fn)
     ms = {k: v / new_tokens * 1e3 for k, v in spent.items()}
-    products = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
-    nbytes = sum(w.numel() * w.element_size() for w in products)
+    engine_part = f"scheduler, sampling and bookkeeping {total - ms['forward']:.2f}"
+    if native is not None:
+        return (
+            f"Engine, greedy batch 1, per token (timers on): {total:.2f} ms = the native step "
+            f"{ms['native']:.2f} (its 17 products alone {alone:.2f}, so "
+            f"{ms['native'] - alone:.2f} for the ~70 other ops: SDPA, KV writes, layer norms, "
+            f"GELU, adds) + the runner around it {ms['forward'] - ms['native']:.2f} + "
+            f"{engine_part}."
+        )
     rest = ms["forward"] - ms["linear"] - ms["lm_head"] - ms["attention"]
     return (
-        f"Engine, greedy batch 1, per token (timers on): {total:.2f} ms = model forward "
+        f"Engine with its step in Python, per token (timers on): {total:.2f} ms = model forward "
         f"{ms['forward']:.2f} (16 linear layers {ms['linear']:.2f}, LM head 256x{vocab} "
         f"{ms['lm_head']:.2f}, paged attention (4 layers, KV write + SDPA) {ms['attention']:.2f}, "
         f"the rest: embeddings, layer norms, GELU, residual adds, views, Python {rest:.2f}) + "
-        f"scheduler, sampling and bookkeeping {total - ms['forward']:.2f}. The same "
-        f"{len(products)} products alone, one after another: {alone:.2f} ms per token "
+        f"{engine_part}."
+    )
+
+
+def products_note(model, alone: float) -> str:
+    products = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    nbytes = sum(w.numel() * w.element_size() for w in products)
+    return (
+        f"The same {len(products)} products alone, one after another: {alone:.2f} ms per token "
         f"({nbytes / 1e6:.1f} MB of fp32 weights read at {nbytes / alone / 1e6:.0f} GB/s)."
     )
 

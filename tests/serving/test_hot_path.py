@@ -1,10 +1,13 @@
 """The engine's hot path (one decode over consecutive blocks, the model's ``inference_forward``)
 computes exactly what the general path computes: the same logits bit for bit, not merely within
-a tolerance, so greedy tokens cannot change with the path a step takes."""
+a tolerance, so greedy tokens cannot change with the path a step takes. The native step
+(``EngineConfig.native_step``, GPT only) agrees with it to fp32 rounding, and the engine's
+tokens with it equal HF's (tests/serving/test_exactness.py runs with it on)."""
 
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from llmlab.serving.sequence import Request
 from tests.serving.models import gpt_pair, llama, random_prompts
 
 CONFIG = EngineConfig(block_size=4, num_blocks=40, max_model_len=64)
+PYTHON_STEP = EngineConfig(block_size=4, num_blocks=40, max_model_len=64, native_step=False)
 
 
 def test_inference_forward_is_forward_bit_for_bit():
@@ -36,7 +40,7 @@ def test_one_decode_on_consecutive_blocks_equals_the_general_path_bit_for_bit(wh
 
     monkeypatch.setattr(model_runner, "EACH_MAX_SEQS", 0)  # `b` takes the general path
     model = gpt_pair()[1] if which == "gpt" else llama()
-    runner = ModelRunner(model, CONFIG)
+    runner = ModelRunner(model, PYTHON_STEP)
     prompt = random_prompts(200, [9], seed=4)[0]
     # the same tokens twice: `a` on consecutive blocks (hot path), `b` scattered (the layout)
     a, b = (Request(n, prompt, GenerationConfig(), i).new_sequence(0, prompt)
@@ -136,3 +140,58 @@ def test_a_few_decodes_one_sdpa_each_equal_the_general_path(monkeypatch):
         # fp32 rounding only (2e-6 here): unmasked SDPA calls against the layout's masked ones
         torch.testing.assert_close(each, general, atol=1e-5, rtol=1e-5)
         assert torch.equal(each.argmax(-1), general.argmax(-1))
+
+
+@pytest.mark.skipif(
+    not shutil.which("c++"), reason="the native step is compiled here: needs a C++ compiler"
+)
+def test_the_native_step_agrees_with_the_python_hot_path():
+    """Two runners on copies of one GPT, one with the native step: the same prompt decoded
+    greedily on each (the hot path on both: consecutive blocks) gives logits equal to fp32
+    rounding at every step and the same tokens; a scattered sequence still takes the Python
+    path with the native step on."""
+    model = gpt_pair()[1]
+    native, python = ModelRunner(copy.deepcopy(model), CONFIG), ModelRunner(model, PYTHON_STEP)
+    assert native.native.get() is not None and python.native.get() is None
+    prompt = random_prompts(300, [7], seed=5)[0]
+    seqs = [Request(n, prompt, GenerationConfig(), i).new_sequence(0, prompt)
+            for i, n in enumerate("ab")]  # fmt: skip
+    for seq in seqs:
+        seq.block_table = list(range(10))
+    calls = []
+    step = native.native._step
+    native.native._step = lambda *args: calls.append(args) or step(*args)
+    logits = [r.execute([Chunk(s, 0, 7)]) for r, s in zip((native, python), seqs)]
+    for _ in range(25):
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+        token = int(logits[1][-1].argmax())
+        assert int(logits[0][-1].argmax()) == token
+        for seq in seqs:
+            seq.token_ids.append(token)
+        logits = [
+            r.execute([Chunk(s, s.num_tokens - 1, 1)]) for r, s in zip((native, python), seqs)
+        ]
+    assert len(calls) == 25  # every decode went through the native step
+    scattered = Request("c", prompt, GenerationConfig(), 2).new_sequence(0, prompt)
+    scattered.block_table = [30, 12]
+    native.execute([Chunk(scattered, 0, 7)])
+    scattered.token_ids.append(3)
+    native.execute([Chunk(scattered, 7, 1)])
+    assert len(calls) == 25
+
+
+def test_the_native_step_is_rebuilt_for_a_copy():
+    """An engine's model holds its runner; a deep copy of it gets a step over its own pool."""
+    model = copy.deepcopy(gpt_pair()[1])
+    runner = ModelRunner(model, CONFIG)
+    clone = copy.deepcopy(runner)
+    if runner.native.get() is None:
+        pytest.skip("no native step here (no C++ compiler)")
+    assert clone.native.get() is not None and clone.native.get() is not runner.native.get()
+    seq = Request("x", [5, 6, 7], GenerationConfig(), 0).new_sequence(0, [5, 6, 7])
+    seq.block_table = [0]
+    clone.execute([Chunk(seq, 0, 3)])
+    seq.token_ids.append(9)
+    clone.execute([Chunk(seq, 3, 1)])
+    assert clone.pool.keys[0].view(-1, *clone.pool.keys[0].shape[2:])[3].any()
+    assert not runner.pool.keys[0].any()  # the original's pool is untouched

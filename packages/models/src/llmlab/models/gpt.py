@@ -318,6 +318,15 @@ class GPT(nn.Module):
         x = ln_f.ops.layer_norm(x, ln_f.weight, ln_f.bias, ln_f.eps)
         return lin(x, self.head.lm_head)
 
+    def native_decode_step(self, keys: list[Tensor], values: list[Tensor]) -> Any:
+        """This model's one-token step as one native call over per-layer KV pools, or None where
+        it does not apply or cannot be built: see :func:`llmlab.models.native.gpt_decode_step`
+        (the serving engine's hot path uses it; logits bit-identical to ``inference_forward``
+        with that attention)."""
+        from llmlab.models.native import gpt_decode_step
+
+        return gpt_decode_step(self, keys, values)
+
     def decode_step(
         self, input_ids: Tensor, cache: KVCache, index: Tensor, positions: Tensor, key_mask: Tensor
     ) -> Tensor:

@@ -38,6 +38,9 @@ class EngineConfig:
     # CPU: multiply through oneDNN on packed copies of the linear weights from the row count
     # where that is faster here (llmlab.serving.linear; a second copy of those weights in memory)
     onednn_linear: bool = True
+    # a lone sequence's decode step as one native call where the model offers one
+    # (llmlab.models.native: the same ATen ops from C++, bit-identical logits)
+    native_step: bool = True
 
     def resolved(self, model_context: int) -> EngineConfig:
         """A copy with ``max_model_len`` and ``num_blocks`` filled in, validated.
@@ -86,7 +89,7 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 positive(name)
-        for name in ("tune_weight_layouts", "onednn_linear"):
+        for name in ("tune_weight_layouts", "onednn_linear", "native_step"):
             need(
                 isinstance(getattr(self, name), bool),
                 f"{name} must be True or False, got {getattr(self, name)!r}",

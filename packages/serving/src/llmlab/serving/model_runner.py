@@ -19,7 +19,9 @@ another in the pool (a lone request: blocks are handed out in order) skips the g
 machinery: no ``PagedLayout``, the new key and value are written at their slot, and each layer
 runs the one SDPA call the reference would run, over a slice of the pool (see ``_PagedLayer``).
 Models that offer ``inference_forward`` (``llmlab.models.GPT``: ``forward`` without
-``nn.Module`` dispatch, bit-identical) are run through it while no module hook is registered.
+``nn.Module`` dispatch, bit-identical) are run through it while no module hook is registered,
+and those that offer ``native_decode_step`` (GPT: ``llmlab.models.native``, the same ATen ops
+called from C++) run the hot path's whole step as one native call, bit-identical again.
 Why: on the serving benchmark's GPT-2 (batch 1, CPU) the general step's work around its 17
 matrix-vector products (~21 MB of weights read per token) cost about as much as the products;
 the hot path takes a step from 1.1-1.4x to ~1.0x the time of ``llmlab.decoding.generate``.
@@ -34,6 +36,7 @@ two rows or more go through oneDNN on packed copies of the weights (``llmlab.ser
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from dataclasses import dataclass
@@ -62,8 +65,8 @@ EACH_MAX_SEQS = 8
 class PagedBatch:
     """The tensors one forward reads (see the module docstring)."""
 
-    input_ids: Tensor  # (1, N)
-    positions: Tensor  # (1, N)
+    input_ids: Tensor | None  # (1, N); None on the native hot path (see prepare)
+    positions: Tensor | None  # (1, N)
     slot_mapping: Tensor | None  # (N,) pool slot of each new token (None on the hot path)
     layout: PagedLayout | None  # block tables (padded with block 0), query offsets, lengths
     logits_indices: Tensor | int  # rows whose logits are wanted; 0: every row (no gather)
@@ -232,6 +235,10 @@ class ModelRunner:
         self.num_layers = model.swap_attention(self._wrap)
         shapes, dtype = self._probe_shapes()
         self.pool = KVPool(shapes, config.num_blocks, config.block_size, dtype, self.device)
+        # the hot path's step as one native call where the model offers one (after the layout
+        # tuning above: it holds the weight tensors as they are now)
+        self.native = NativeStep(self)
+        self.native.get()
 
     def _wrap(self, fn: AttentionFn) -> AttentionFn:
         layer = _PagedLayer(self, self._num_layers, fn)
@@ -260,11 +267,12 @@ class ModelRunner:
         return [(h, d) for h, d, _ in probe], dtypes.pop()
 
     # --------------------------------------------------------------------------- a step
-    def prepare(self, chunks: list[Chunk]) -> PagedBatch:
-        """The packed tensors of ``chunks`` (see the module docstring)."""
+    def prepare(self, chunks: list[Chunk], host_only: bool = False) -> PagedBatch:
+        """The packed tensors of ``chunks`` (see the module docstring). ``host_only``: a hot
+        path batch without ``input_ids`` and ``positions`` (the native step takes integers)."""
         bs = self.config.block_size
         if self.backend == "torch" and all(c.num_tokens == 1 for c in chunks):  # decodes only
-            single = self._prepare_single(chunks[0]) if len(chunks) == 1 else None
+            single = self._prepare_single(chunks[0], host_only) if len(chunks) == 1 else None
             if single is not None:
                 return single
             if len(chunks) <= EACH_MAX_SEQS:
@@ -313,11 +321,15 @@ class ModelRunner:
         in order."""
         if copies:
             self.pool.copy_blocks(copies)
-        batch = self.prepare(chunks)
-        self.batch = batch
         lean = self._lean_forward()
+        native = self.native.get() if lean is not None else None
+        batch = self.prepare(chunks, host_only=native is not None)
+        self.batch = batch
         try:
-            if lean is not None:
+            if native is not None and batch.single is not None:
+                chunk = chunks[0]
+                logits = native(chunk.seq.token_ids[chunk.start], chunk.start, *batch.single)
+            elif lean is not None:
                 # one row (the hot path) is F.linear either way: skip the wrapper's checks
                 packed = self.linear.enabled and batch.single is None
                 extra = {"linear": self.linear} if packed else {}
@@ -330,9 +342,10 @@ class ModelRunner:
             self.batch = None
         return logits[0].float()
 
-    def _prepare_single(self, chunk: Chunk) -> PagedBatch | None:
+    def _prepare_single(self, chunk: Chunk, host_only: bool = False) -> PagedBatch | None:
         """The hot path's batch: one decode token of a sequence whose blocks are consecutive
-        (None otherwise). Two one-element tensors and two host integers; nothing per layer."""
+        (None otherwise). Two one-element tensors (none if ``host_only``) and three host
+        integers; nothing per layer."""
         bs = self.config.block_size
         seq, p = chunk.seq, chunk.start
         first = _consecutive_start(seq.block_table, p // bs + 1)
@@ -340,8 +353,8 @@ class ModelRunner:
             return None
         device = self.device
         return PagedBatch(
-            input_ids=torch.tensor([[seq.token_ids[p]]], device=device),
-            positions=torch.tensor([[p]], device=device),
+            input_ids=None if host_only else torch.tensor([[seq.token_ids[p]]], device=device),
+            positions=None if host_only else torch.tensor([[p]], device=device),
             slot_mapping=None,
             layout=None,
             logits_indices=0,
@@ -386,6 +399,30 @@ class ModelRunner:
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return None
         return None if any(self._hook_dicts) else lean
+
+
+class NativeStep:
+    """The model's ``native_decode_step`` over the runner's pool (None where the model offers
+    none, it does not apply, or ``EngineConfig.native_step`` is off), built once. A deep copy
+    builds its own from the copied model and pool when first asked: an engine's model holds its
+    runner (the attention it swapped in), and a compiled step cannot be copied."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._built = False
+        self._step: Any = None
+
+    def get(self) -> Any:
+        if not self._built:
+            runner = self.runner
+            offer = getattr(runner.model, "native_decode_step", None)
+            if runner.config.native_step and runner._lean is not None and callable(offer):
+                self._step = offer(runner.pool.keys, runner.pool.values)
+            self._built = True
+        return self._step
+
+    def __deepcopy__(self, memo: dict) -> NativeStep:
+        return NativeStep(copy.deepcopy(self.runner, memo))
 
 
 def _consecutive_start(table: list[int], n: int) -> int | None:
