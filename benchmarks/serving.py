@@ -46,8 +46,10 @@ step written out op by op (``bare_greedy``: no engine, no modules): how far eage
 go here. The engine stores its weights in the memory order that multiplies one row fastest
 here (``EngineConfig.tune_weight_layouts``, see ``llmlab.decoding.layout``); the notes name the
 weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
-The engine's step at batch 1 is its hot path (``llmlab.serving.model_runner``: one SDPA call
-per layer on a slice of the pool, the model's ``inference_forward`` without module dispatch).
+The engine's step at batch 1 is its hot path (``llmlab.serving.model_runner``): GPT's native
+step (``llmlab.models.native``, one C++ call per token); a second row runs the same engine with
+its step in Python (``native_step=False``: one SDPA call per layer on a slice of the pool, the
+model's ``inference_forward`` without module dispatch), and the notes break both down.
 
 Run: ``.venv/bin/python -m benchmarks.serving`` (``--smoke``: tiny sizes, seconds).
 """

@@ -94,3 +94,14 @@ def test_no_step_where_it_would_compute_something_else(monkeypatch):
 def test_the_extension_is_built_once_per_torch_version():
     assert torch.__version__.split("+")[0].replace(".", "_") in native_module.extension_name()
     assert native_module.load_extension() is native_module.load_extension()
+
+
+def test_slots_outside_the_pool_are_refused_before_anything_is_written():
+    model = model_of()
+    keys, values = pools(model, 16)
+    step = model.native_decode_step(keys, values)
+    with torch.inference_mode():
+        for slot, first, length in [(16, 0, 17), (5, 0, 5), (3, 4, 2), (0, -1, 2), (0, 0, 0)]:
+            with pytest.raises(RuntimeError, match="must lie in the pool"):
+                step(1, 0, slot, first, length)
+    assert not any(k.any() for k in keys) and not any(v.any() for v in values)

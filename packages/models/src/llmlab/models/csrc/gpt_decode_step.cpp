@@ -156,6 +156,12 @@ class GPTDecodeStep {
   // attends over slots first .. first + length - 1 (`slot` among them).
   Tensor step(int64_t token, int64_t position, int64_t slot, int64_t first, int64_t length) {
     c10::InferenceMode inference;
+    // the loops below index the pools directly: check what ATen's indexing would have checked
+    const int64_t slots = blocks_.empty() ? 0 : blocks_[0].keys.numel() / width_;
+    TORCH_CHECK(length >= 1 && first >= 0 && first + length <= slots && slot >= first &&
+                    slot < first + length,
+                "GPTDecodeStep: slot ", slot, " and keys ", first, "..", first + length - 1,
+                " must lie in the pool's ", slots, " slots, the slot among the keys");
     Tensor x = (wte_[token] + wpe_[position]).view({1, 1, width_});
     for (const Block& b : blocks_) {
       Tensor qkv = b.qkv(b.ln_1(x));  // (1, 1, 3 C): H heads of [q, k, v]
