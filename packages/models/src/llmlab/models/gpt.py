@@ -321,8 +321,8 @@ class GPT(nn.Module):
     def native_decode_step(self, keys: list[Tensor], values: list[Tensor]) -> Any:
         """This model's one-token step as one native call over per-layer KV pools, or None where
         it does not apply or cannot be built: see :func:`llmlab.models.native.gpt_decode_step`
-        (the serving engine's hot path uses it; logits bit-identical to ``inference_forward``
-        with that attention)."""
+        (the serving engine's hot path uses it; logits equal to ``forward``'s to fp32
+        rounding)."""
         from llmlab.models.native import gpt_decode_step
 
         return gpt_decode_step(self, keys, values)

@@ -2,11 +2,14 @@
 
 Why: at batch 1 a decode step of a small model is ~70 tiny ops (layer norms, views, adds, GELU,
 one SDPA per layer) around its matrix-vector products. Each op costs a few microseconds when
-Python calls it and about one when C++ does; on the serving benchmark's GPT-2 (4 x 256, vocab
-8192, one CPU thread) that is 1.3 ms per token from Python against 1.0 ms from here, with the
-products alone at 0.8 ms. The C++ step calls the same ATen ops on the same tensors in the same
-order as ``GPT.inference_forward`` plus the serving engine's one-sequence attention, so its
-logits are bit-identical to that path (tests/models/test_native_step.py).
+Python calls it and about one when C++ does, and ATen's layer norm and SDPA spend 5 and 30
+microseconds setting up work of well under one at this size. On the serving benchmark's GPT-2
+(4 x 256, vocab 8192, one CPU thread) the Python step's forward takes 1.41 ms per token and this
+one 0.94, with the matrix products alone at 0.81 (benchmarks/results/SUMMARY.md). It follows
+``GPT.inference_forward`` op for op with the serving engine's one-sequence attention (write the
+new key and value at their slot, attend over a run of slots): ATen's products, GELU and adds;
+on fp32 CPU tensors its own loops for the layer norms and the attention, so its logits equal
+the model's to fp32 rounding, not bit for bit (tests/models/test_native_step.py).
 
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``) into
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), once per torch version and

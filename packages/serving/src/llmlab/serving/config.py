@@ -39,7 +39,7 @@ class EngineConfig:
     # where that is faster here (llmlab.serving.linear; a second copy of those weights in memory)
     onednn_linear: bool = True
     # a lone sequence's decode step as one native call where the model offers one
-    # (llmlab.models.native: the same ATen ops from C++, bit-identical logits)
+    # (llmlab.models.native: C++, logits equal to the Python step's to fp32 rounding)
     native_step: bool = True
 
     def resolved(self, model_context: int) -> EngineConfig:

@@ -20,8 +20,9 @@ machinery: no ``PagedLayout``, the new key and value are written at their slot, 
 runs the one SDPA call the reference would run, over a slice of the pool (see ``_PagedLayer``).
 Models that offer ``inference_forward`` (``llmlab.models.GPT``: ``forward`` without
 ``nn.Module`` dispatch, bit-identical) are run through it while no module hook is registered,
-and those that offer ``native_decode_step`` (GPT: ``llmlab.models.native``, the same ATen ops
-called from C++) run the hot path's whole step as one native call, bit-identical again.
+and those that offer ``native_decode_step`` (GPT: ``llmlab.models.native``, C++) run the hot
+path's whole step as one native call, equal to that to fp32 rounding (~0.4 ms less per token
+on the serving benchmark's GPT-2, see llmlab/serving/README.md).
 Why: on the serving benchmark's GPT-2 (batch 1, CPU) the general step's work around its 17
 matrix-vector products (~21 MB of weights read per token) cost about as much as the products;
 the hot path takes a step from 1.1-1.4x to ~1.0x the time of ``llmlab.decoding.generate``.
