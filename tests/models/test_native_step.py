@@ -25,47 +25,52 @@ def model_of(**overrides) -> GPT:
     return GPT(config).eval()
 
 
-def pools(model: GPT, slots: int, dtype=torch.float32) -> tuple[list, list]:
+def pools(model: GPT, num_blocks: int, dtype=torch.float32) -> tuple[list, list]:
+    """Per-layer paged pools of blocks of 4 slots, as the serving engine lays them out."""
     heads, dim = model.config.n_head, model.config.head_dim
-    keys = [torch.zeros(slots // 4, 4, heads, dim, dtype=dtype) for _ in model.blocks]
+    keys = [torch.zeros(num_blocks, 4, heads, dim, dtype=dtype) for _ in model.blocks]
     return keys, [torch.zeros_like(k) for k in keys]
 
 
-def decode(model: GPT, ids: list[int], first: int, keys, values) -> list[torch.Tensor]:
-    """Each token's logits through the native step, its keys from slot ``first`` on."""
+def decode(model: GPT, ids: list[int], table: list[int], keys, values) -> list[torch.Tensor]:
+    """Each token's logits through the native step, its keys in the blocks of ``table``."""
     step = model.native_decode_step(keys, values)
     assert step is not None
     with torch.inference_mode():
-        return [step(t, p, first + p, first, p + 1)[0, -1] for p, t in enumerate(ids)]
+        return [step(t, p, table)[0, -1] for p, t in enumerate(ids)]
+
+
+# blocks scattered over the pool, out of order: the step reads through the table
+TABLE = [7, 2, 11, 0, 5, 9, 1, 12, 3, 14]
 
 
 @pytest.mark.parametrize("overrides", [{}, {"bias": False, "tie_embeddings": False}])
 def test_each_step_equals_the_models_forward(overrides):
     model = model_of(**overrides)
-    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    keys, values = pools(model, 64)
-    got = decode(model, ids, 8, keys, values)
+    ids = torch.randint(0, 97, (38,), generator=torch.Generator().manual_seed(1)).tolist()
+    keys, values = pools(model, 16)
+    got = decode(model, ids, TABLE, keys, values)
     with torch.inference_mode():
         want = model(torch.tensor([ids]))[0]
     for p, logits in enumerate(got):
         torch.testing.assert_close(logits, want[p], atol=1e-5, rtol=1e-5, msg=f"position {p}")
     assert [int(x.argmax()) for x in got] == want.argmax(-1).tolist()
-    # the pools hold the model's own keys and values at slots 8 .. 47, nothing elsewhere
+    # the pools hold the model's own keys and values, position p at slot p % 4 of block
+    # TABLE[p // 4], and nothing in the blocks the table does not name
     with torch.inference_mode():
-        x = model.embed(torch.tensor([ids]))
         block = model.blocks[0]
-        qkv = block.attn.qkv(block.ln_1(x)).view(1, len(ids), 4, 3, 8)
-    flat = keys[0].view(-1, 4, 8)
-    torch.testing.assert_close(flat[8:48], qkv[0, :, :, 1], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(values[0].view(-1, 4, 8)[8:48], qkv[0, :, :, 2], atol=1e-6,
-                               rtol=1e-6)  # fmt: skip
-    assert not flat[:8].any() and not flat[48:].any()
+        qkv = block.attn.qkv(block.ln_1(model.embed(torch.tensor([ids])))).view(1, 38, 4, 3, 8)
+    for p in range(38):
+        where = (TABLE[p // 4], p % 4)
+        torch.testing.assert_close(keys[0][where], qkv[0, p, :, 1], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(values[0][where], qkv[0, p, :, 2], atol=1e-6, rtol=1e-6)
+    assert not keys[0][[4, 6, 8, 10, 13, 15]].any() and not keys[0][14, 2:].any()
 
 
 def test_bfloat16_takes_atens_kernels_and_agrees_within_bf16():
     model = model_of().to(torch.bfloat16)
     ids = [5, 17, 3, 88, 41, 9, 60, 2]
-    got = decode(model, ids, 0, *pools(model, 16, torch.bfloat16))
+    got = decode(model, ids, [3, 1], *pools(model, 4, torch.bfloat16))
     with torch.inference_mode():
         want = model(torch.tensor([ids]))[0]
     for p, logits in enumerate(got):
@@ -74,10 +79,11 @@ def test_bfloat16_takes_atens_kernels_and_agrees_within_bf16():
 
 def test_no_step_where_it_would_compute_something_else(monkeypatch):
     model = model_of()
-    keys, values = pools(model, 16)
+    keys, values = pools(model, 4)
     assert model.native_decode_step(keys, values) is not None
-    # pools of another head count
+    # pools of another head count, or not laid out in blocks
     assert model.native_decode_step([k.view(4, 4, 2, 16) for k in keys], values) is None
+    assert model.native_decode_step([k.view(16, 4, 8) for k in keys], values) is None
 
     class Scaled(torch.nn.Linear):  # a layer with a forward of its own (an adapter, say)
         def forward(self, x):
@@ -96,12 +102,12 @@ def test_the_extension_is_built_once_per_torch_version():
     assert native_module.load_extension() is native_module.load_extension()
 
 
-def test_slots_outside_the_pool_are_refused_before_anything_is_written():
+def test_a_table_that_misses_the_pool_is_refused_before_anything_is_written():
     model = model_of()
-    keys, values = pools(model, 16)
+    keys, values = pools(model, 4)
     step = model.native_decode_step(keys, values)
     with torch.inference_mode():
-        for slot, first, length in [(16, 0, 17), (5, 0, 5), (3, 4, 2), (0, -1, 2), (0, 0, 0)]:
-            with pytest.raises(RuntimeError, match="must lie in the pool"):
-                step(1, 0, slot, first, length)
+        for position, table in [(4, [0]), (0, [4]), (5, [1, -1]), (0, []), (-1, [0])]:
+            with pytest.raises(RuntimeError, match="GPTDecodeStep"):
+                step(1, position, table)
     assert not any(k.any() for k in keys) and not any(v.any() for v in values)

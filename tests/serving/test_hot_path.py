@@ -145,39 +145,33 @@ def test_a_few_decodes_one_sdpa_each_equal_the_general_path(monkeypatch):
 @pytest.mark.skipif(
     not shutil.which("c++"), reason="the native step is compiled here: needs a C++ compiler"
 )
-def test_the_native_step_agrees_with_the_python_hot_path():
-    """Two runners on copies of one GPT, one with the native step: the same prompt decoded
-    greedily on each (the hot path on both: consecutive blocks) gives logits equal to fp32
-    rounding at every step and the same tokens; a scattered sequence still takes the Python
-    path with the native step on."""
+def test_the_native_step_agrees_with_the_python_step():
+    """Runners on copies of one GPT, with and without the native step, decode one prompt
+    greedily: on consecutive blocks (the Python hot path) and on scattered ones (the general
+    path). The native step takes every decode of both, and its logits equal the Python step's
+    to fp32 rounding at every step, with the same tokens."""
     model = gpt_pair()[1]
     native, python = ModelRunner(copy.deepcopy(model), CONFIG), ModelRunner(model, PYTHON_STEP)
     assert native.native.get() is not None and python.native.get() is None
     prompt = random_prompts(300, [7], seed=5)[0]
-    seqs = [Request(n, prompt, GenerationConfig(), i).new_sequence(0, prompt)
-            for i, n in enumerate("ab")]  # fmt: skip
-    for seq in seqs:
-        seq.block_table = list(range(10))
     calls = []
     step = native.native._step
     native.native._step = lambda *args: calls.append(args) or step(*args)
-    logits = [r.execute([Chunk(s, 0, 7)]) for r, s in zip((native, python), seqs)]
-    for _ in range(25):
-        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
-        token = int(logits[1][-1].argmax())
-        assert int(logits[0][-1].argmax()) == token
+    for table in (list(range(10)), [31, 4, 17, 8, 22, 0, 39, 12, 5, 26]):
+        seqs = [Request(n, prompt, GenerationConfig(), i).new_sequence(0, prompt)
+                for i, n in enumerate("ab")]  # fmt: skip
         for seq in seqs:
-            seq.token_ids.append(token)
-        logits = [
-            r.execute([Chunk(s, s.num_tokens - 1, 1)]) for r, s in zip((native, python), seqs)
-        ]
-    assert len(calls) == 25  # every decode went through the native step
-    scattered = Request("c", prompt, GenerationConfig(), 2).new_sequence(0, prompt)
-    scattered.block_table = [30, 12]
-    native.execute([Chunk(scattered, 0, 7)])
-    scattered.token_ids.append(3)
-    native.execute([Chunk(scattered, 7, 1)])
-    assert len(calls) == 25
+            seq.block_table = list(table)
+        runners = (native, python)
+        logits = [r.execute([Chunk(s, 0, 7)]) for r, s in zip(runners, seqs)]
+        for _ in range(25):  # to position 31: eight blocks of 4
+            torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+            token = int(logits[1][-1].argmax())
+            assert int(logits[0][-1].argmax()) == token
+            for seq in seqs:
+                seq.token_ids.append(token)
+            logits = [r.execute([Chunk(s, s.num_tokens - 1, 1)]) for r, s in zip(runners, seqs)]
+    assert len(calls) == 50  # every decode went through the native step, no prefill did
 
 
 def test_the_native_step_is_rebuilt_for_a_copy():

@@ -6,8 +6,9 @@ Python calls it and about one when C++ does, and ATen's layer norm and SDPA spen
 microseconds setting up work of well under one at this size. On the serving benchmark's GPT-2
 (4 x 256, vocab 8192, one CPU thread) the Python step's forward takes 1.41 ms per token and this
 one 0.94, with the matrix products alone at 0.81 (benchmarks/results/SUMMARY.md). It follows
-``GPT.inference_forward`` op for op with the serving engine's one-sequence attention (write the
-new key and value at their slot, attend over a run of slots): ATen's products, GELU and adds;
+``GPT.inference_forward`` op for op with paged attention for the one token (write its key and
+value at its slot of the KV pool, attend over its sequence's keys through the block table):
+ATen's products, GELU and adds;
 on fp32 CPU tensors its own loops for the layer norms and the attention, so its logits equal
 the model's to fp32 rounding, not bit for bit (tests/models/test_native_step.py).
 
@@ -41,10 +42,12 @@ SOURCE = Path(__file__).with_name("csrc") / "gpt_decode_step.cpp"
 
 
 class DecodeStep(Protocol):
-    def __call__(self, token: int, position: int, slot: int, first: int, length: int) -> Tensor:
-        """Logits (1, 1, V) of ``token`` at ``position``; its key and value are written at
-        ``slot`` of every layer's pool, and it attends over slots ``first .. first + length - 1``
-        (``slot`` among them)."""
+    def __call__(self, token: int, position: int, block_table: list[int]) -> Tensor:
+        """Logits (1, 1, V) of ``token`` at ``position`` of a sequence whose keys and values
+        are in the pool blocks ``block_table`` lists in order (position ``p`` in slot
+        ``p % block_size`` of block ``block_table[p // block_size]``): the token's own are
+        written there first, in every layer's pool. Refused (RuntimeError, nothing written)
+        if the table is too short for ``position`` or names a block outside the pool."""
         ...
 
 
@@ -105,10 +108,10 @@ def _plain(module: nn.Module) -> bool:
 
 
 def gpt_decode_step(model: GPT, keys: list[Tensor], values: list[Tensor]) -> DecodeStep | None:
-    """``model``'s decode step as one native call over the per-layer pools ``keys``/``values``
-    (each (..., H, D), contiguous: slot ``s`` is ``pool.view(-1, H, D)[s]``), or None where it
-    would not compute what ``model.inference_forward`` computes: a replaced layer, a non-torch
-    layer norm or GELU (``config.kernels``), pools of other head counts, or no extension.
+    """``model``'s decode step as one native call over the per-layer paged KV pools
+    ``keys``/``values`` (each (num_blocks, block_size, H, D), contiguous), or None where it would
+    not compute what ``model.inference_forward`` computes: a replaced layer, a non-torch layer
+    norm or GELU (``config.kernels``), pools of another shape, or no extension.
 
     The step holds the model's weight tensors as they are now: parameters replaced later (not
     updated in place) are not seen; build a new step then."""
@@ -117,13 +120,13 @@ def gpt_decode_step(model: GPT, keys: list[Tensor], values: list[Tensor]) -> Dec
     norms = [b.ln_1 for b in model.blocks] + [b.ln_2 for b in model.blocks] + [model.head.ln_f]
     if not all(_plain(n) for n in norms) or not all(_plain(b.mlp) for b in model.blocks):
         return None
-    heads = model.blocks[0].attn.local_heads
-    if len(keys) != len(model.blocks) or any(
-        p.dim() < 2
-        or p.shape[-2:] != (heads, model.blocks[0].attn.head_dim)
-        or not p.is_contiguous()
-        for p in (*keys, *values)
-    ):
+    heads, dim = model.blocks[0].attn.local_heads, model.blocks[0].attn.head_dim
+    if not keys or len(keys) != len(model.blocks) or len(values) != len(keys):
+        return None
+    shape = keys[0].shape
+    if len(shape) != 4 or shape[2:] != (heads, dim):
+        return None
+    if any(p.shape != shape or not p.is_contiguous() for p in (*keys, *values)):
         return None
     module = load_extension()
     if module is None:

@@ -14,18 +14,20 @@ start so a masked slot never holds NaN. Its shapes come from a probe: one single
 through the model's own attention records each layer's ``k`` heads, head dim and dtype (the
 device is the model's).
 
-**The hot path.** A step that decodes one token of one sequence whose blocks lie one after
-another in the pool (a lone request: blocks are handed out in order) skips the general
-machinery: no ``PagedLayout``, the new key and value are written at their slot, and each layer
-runs the one SDPA call the reference would run, over a slice of the pool (see ``_PagedLayer``).
-Models that offer ``inference_forward`` (``llmlab.models.GPT``: ``forward`` without
-``nn.Module`` dispatch, bit-identical) are run through it while no module hook is registered,
-and those that offer ``native_decode_step`` (GPT: ``llmlab.models.native``, C++) run the hot
-path's whole step as one native call, equal to that to fp32 rounding (~0.4 ms less per token
-on the serving benchmark's GPT-2, see llmlab/serving/README.md).
-Why: on the serving benchmark's GPT-2 (batch 1, CPU) the general step's work around its 17
-matrix-vector products (~21 MB of weights read per token) cost about as much as the products;
-the hot path takes a step from 1.1-1.4x to ~1.0x the time of ``llmlab.decoding.generate``.
+**The hot path.** A step that decodes one token of one sequence, on a CPU, is one native call
+where the model offers one (``native_decode_step``; ``llmlab.models.GPT``'s is C++,
+``llmlab.models.native``): its whole forward, paged attention through the block table included,
+with no tensors prepared here and no Python per layer. Its logits equal the Python step's to
+fp32 rounding. Why: on the serving benchmark's GPT-2 (batch 1, one CPU thread) the Python
+step's forward took 1.41 ms per token around 0.81 ms of matrix-vector products (~21 MB of
+weights read per token), the native one 0.94 ms.
+Without one, a decode of one sequence whose blocks lie one after another in the pool (a lone
+request's, while the pool's free queue is still in order) skips the general machinery: no
+``PagedLayout``, the new key and value are written at their slot, and each layer runs the one
+SDPA call the reference would run, over a slice of the pool (see ``_PagedLayer``). Models that
+offer ``inference_forward`` (``llmlab.models.GPT``: ``forward`` without ``nn.Module``
+dispatch, bit-identical) are run through it. Both skip module hooks, so both are used only
+while none is registered.
 A step of a few decodes (up to ``EACH_MAX_SEQS``, blocks anywhere) also skips the layout: one
 SDPA call per sequence over a view of the pool or its keys gathered (``_attend_each``).
 
@@ -66,8 +68,8 @@ EACH_MAX_SEQS = 8
 class PagedBatch:
     """The tensors one forward reads (see the module docstring)."""
 
-    input_ids: Tensor | None  # (1, N); None on the native hot path (see prepare)
-    positions: Tensor | None  # (1, N)
+    input_ids: Tensor  # (1, N)
+    positions: Tensor  # (1, N)
     slot_mapping: Tensor | None  # (N,) pool slot of each new token (None on the hot path)
     layout: PagedLayout | None  # block tables (padded with block 0), query offsets, lengths
     logits_indices: Tensor | int  # rows whose logits are wanted; 0: every row (no gather)
@@ -268,12 +270,11 @@ class ModelRunner:
         return [(h, d) for h, d, _ in probe], dtypes.pop()
 
     # --------------------------------------------------------------------------- a step
-    def prepare(self, chunks: list[Chunk], host_only: bool = False) -> PagedBatch:
-        """The packed tensors of ``chunks`` (see the module docstring). ``host_only``: a hot
-        path batch without ``input_ids`` and ``positions`` (the native step takes integers)."""
+    def prepare(self, chunks: list[Chunk]) -> PagedBatch:
+        """The packed tensors of ``chunks`` (see the module docstring)."""
         bs = self.config.block_size
         if self.backend == "torch" and all(c.num_tokens == 1 for c in chunks):  # decodes only
-            single = self._prepare_single(chunks[0], host_only) if len(chunks) == 1 else None
+            single = self._prepare_single(chunks[0]) if len(chunks) == 1 else None
             if single is not None:
                 return single
             if len(chunks) <= EACH_MAX_SEQS:
@@ -323,14 +324,15 @@ class ModelRunner:
         if copies:
             self.pool.copy_blocks(copies)
         lean = self._lean_forward()
-        native = self.native.get() if lean is not None else None
-        batch = self.prepare(chunks, host_only=native is not None)
+        if lean is not None and len(chunks) == 1 and chunks[0].num_tokens == 1:
+            native = self.native.get()
+            if native is not None:  # the hot path as one call: no tensors to prepare
+                seq, p = chunks[0].seq, chunks[0].start
+                return native(seq.token_ids[p], p, seq.block_table)[0].float()
+        batch = self.prepare(chunks)
         self.batch = batch
         try:
-            if native is not None and batch.single is not None:
-                chunk = chunks[0]
-                logits = native(chunk.seq.token_ids[chunk.start], chunk.start, *batch.single)
-            elif lean is not None:
+            if lean is not None:
                 # one row (the hot path) is F.linear either way: skip the wrapper's checks
                 packed = self.linear.enabled and batch.single is None
                 extra = {"linear": self.linear} if packed else {}
@@ -343,10 +345,9 @@ class ModelRunner:
             self.batch = None
         return logits[0].float()
 
-    def _prepare_single(self, chunk: Chunk, host_only: bool = False) -> PagedBatch | None:
+    def _prepare_single(self, chunk: Chunk) -> PagedBatch | None:
         """The hot path's batch: one decode token of a sequence whose blocks are consecutive
-        (None otherwise). Two one-element tensors (none if ``host_only``) and three host
-        integers; nothing per layer."""
+        (None otherwise). Two one-element tensors and three host integers; nothing per layer."""
         bs = self.config.block_size
         seq, p = chunk.seq, chunk.start
         first = _consecutive_start(seq.block_table, p // bs + 1)
@@ -354,8 +355,8 @@ class ModelRunner:
             return None
         device = self.device
         return PagedBatch(
-            input_ids=None if host_only else torch.tensor([[seq.token_ids[p]]], device=device),
-            positions=None if host_only else torch.tensor([[p]], device=device),
+            input_ids=torch.tensor([[seq.token_ids[p]]], device=device),
+            positions=torch.tensor([[p]], device=device),
             slot_mapping=None,
             layout=None,
             logits_indices=0,
@@ -404,7 +405,9 @@ class ModelRunner:
 
 class NativeStep:
     """The model's ``native_decode_step`` over the runner's pool (None where the model offers
-    none, it does not apply, or ``EngineConfig.native_step`` is off), built once. A deep copy
+    none, it does not apply, ``EngineConfig.native_step`` is off, or the model is not on a CPU:
+    a GPU step is kernel launches, and there the Triton paged-attention kernel and CUDA graphs
+    are the levers), built once. A deep copy
     builds its own from the copied model and pool when first asked: an engine's model holds its
     runner (the attention it swapped in), and a compiled step cannot be copied."""
 
@@ -417,7 +420,8 @@ class NativeStep:
         if not self._built:
             runner = self.runner
             offer = getattr(runner.model, "native_decode_step", None)
-            if runner.config.native_step and runner._lean is not None and callable(offer):
+            wanted = runner.config.native_step and runner.device.type == "cpu"
+            if wanted and runner._lean is not None and callable(offer):
                 self._step = offer(runner.pool.keys, runner.pool.values)
             self._built = True
         return self._step

@@ -1,12 +1,13 @@
 // One decode token of llmlab.models.GPT in one native call (see llmlab/models/native.py).
 //
-// GPT.inference_forward's ops in its order, with the serving engine's one-sequence attention
-// (write the new key and value at their slot, attend over a run of consecutive slots). What it
-// saves is the interpreter and ATen's fixed cost on tiny tensors: a step of a small model is ~70
-// ops around its matrix products, each several microseconds from Python. The products, GELU and
-// adds are ATen's; on fp32 CPU tensors the layer norms and the attention (one query) are plain
-// loops here, where ATen's kernels spend 5 and 30 microseconds setting up work of well under one;
-// they agree with ATen's to fp32 rounding. Other dtypes and devices use ATen's for those too.
+// GPT.inference_forward's ops in its order, with paged attention for the one new token: its key
+// and value are written into the KV pool at its slot, and it attends over its sequence's keys
+// through the block table. What it saves is the interpreter and ATen's fixed cost on tiny
+// tensors: a step of a small model is ~70 ops around its matrix products, each several
+// microseconds from Python. The products, GELU and adds are ATen's; on fp32 CPU tensors the layer
+// norms and the attention are plain loops here, where ATen's kernels spend 5 and 30 microseconds
+// setting up work of well under one; they agree with ATen's to fp32 rounding. Other dtypes and
+// devices use ATen's for those too (the keys gathered through the table, one SDPA call).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -65,7 +66,7 @@ struct Block {
   Linear qkv, proj;
   Norm ln_2;
   Linear fc, mlp_proj;
-  Tensor keys, values;  // this layer's pool, (..., H, D), flat view (slots, H, D)
+  Tensor keys, values;  // this layer's pool, (num_blocks, block_size, H, D)
 };
 
 Norm norm(const pybind11::tuple& t) {
@@ -76,14 +77,6 @@ Norm norm(const pybind11::tuple& t) {
 
 Linear linear(const pybind11::tuple& t) {
   return Linear{t[0].cast<Tensor>(), t[1].cast<Maybe>()};
-}
-
-// Slots first .. first + length - 1 of a pool as (1, H, length, D): the strides the serving
-// engine's view of consecutive blocks has (llmlab.serving.model_runner._pool_span).
-Tensor span(const Tensor& pool, int64_t first, int64_t length) {
-  const int64_t heads = pool.size(-2), dim = pool.size(-1);
-  return pool.as_strided({1, heads, length, dim}, {length * heads * dim, dim, heads * dim, 1},
-                         pool.storage_offset() + first * heads * dim);
 }
 
 // q . k over `dim` floats in eight independent sums: vectorisable without reordering a sum
@@ -100,39 +93,75 @@ float dot(const float* q, const float* k, int64_t dim) {
          tail;
 }
 
-// fp32 CPU attention of one token: its q, k and v are rows of `qkv` (H heads of [q, k, v], D
-// each, as GPT's fused projection stores them); k and v are written at `slot` of the pools
-// (slots, H, D), then the query attends over slots first .. first + length - 1. Softmax in the
-// max-subtracted form; `scores` is reused.
-void attend_fp32(const float* qkv, float* keys, float* values, int64_t slot, int64_t first,
-                 int64_t length, int64_t heads, int64_t dim, float scale,
-                 std::vector<float>& scores, float* out) {
-  const int64_t row = heads * dim;
-  for (int64_t h = 0; h < heads; ++h) {
-    std::copy_n(qkv + (3 * h + 1) * dim, dim, keys + slot * row + h * dim);
-    std::copy_n(qkv + (3 * h + 2) * dim, dim, values + slot * row + h * dim);
+// Where a sequence's keys are: pool blocks of `block_size` slots, listed in order by its block
+// table; `length` keys, the last one the new token's.
+struct Pages {
+  const std::vector<int64_t>& table;
+  int64_t block_size, length;
+  int64_t slot(int64_t position) const {
+    return table[position / block_size] * block_size + position % block_size;
   }
-  scores.resize(length);
+};
+
+// fp32 CPU attention of one token: its q, k and v are rows of `qkv` (H heads of [q, k, v], D
+// each, as GPT's fused projection stores them); k and v are written at the token's slot of the
+// pools (num_blocks, block_size, H, D), then the query attends over the sequence's keys block by
+// block. Softmax in the max-subtracted form; `scores` is reused.
+void attend_fp32(const float* qkv, float* keys, float* values, const Pages& pages, int64_t heads,
+                 int64_t dim, float scale, std::vector<float>& scores, float* out) {
+  const int64_t row = heads * dim, last = pages.slot(pages.length - 1);
+  for (int64_t h = 0; h < heads; ++h) {
+    std::copy_n(qkv + (3 * h + 1) * dim, dim, keys + last * row + h * dim);
+    std::copy_n(qkv + (3 * h + 2) * dim, dim, values + last * row + h * dim);
+  }
+  scores.resize(pages.length);
+  // calls fn(s, offset of key s's row) for every key, one block at a time
+  auto each_key = [&](auto&& fn) {
+    for (int64_t s = 0, i = 0; s < pages.length; ++i) {
+      const int64_t base = pages.table[i] * pages.block_size * row;
+      const int64_t n = std::min(pages.block_size, pages.length - s);
+      for (int64_t j = 0; j < n; ++j, ++s) fn(s, base + j * row);
+    }
+  };
   for (int64_t h = 0; h < heads; ++h) {
     const float* q = qkv + 3 * h * dim;
-    const int64_t offset = first * row + h * dim;
     float top = -INFINITY;
-    for (int64_t s = 0; s < length; ++s) {
-      scores[s] = dot(q, keys + offset + s * row, dim) * scale;
+    each_key([&](int64_t s, int64_t at) {
+      scores[s] = dot(q, keys + at + h * dim, dim) * scale;
       top = std::max(top, scores[s]);
-    }
+    });
     float total = 0.f;
-    for (int64_t s = 0; s < length; ++s) total += scores[s] = std::exp(scores[s] - top);
+    for (int64_t s = 0; s < pages.length; ++s) total += scores[s] = std::exp(scores[s] - top);
     float* o = out + h * dim;
     std::fill(o, o + dim, 0.f);
-    for (int64_t s = 0; s < length; ++s) {
-      const float* v = values + offset + s * row;
+    each_key([&](int64_t s, int64_t at) {
+      const float* v = values + at + h * dim;
       const float p = scores[s];
       for (int64_t d = 0; d < dim; ++d) o[d] += p * v[d];
-    }
+    });
     const float inv = 1.f / total;
     for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
   }
+}
+
+// Any dtype or device: the same through ATen, the keys gathered by slot into (1, H, length, D).
+Tensor attend_aten(const std::vector<Tensor>& qkv, const Tensor& keys, const Tensor& values,
+                   const Pages& pages, int64_t heads, int64_t dim, double scale) {
+  const Tensor flat_k = keys.view({-1, heads, dim}), flat_v = values.view({-1, heads, dim});
+  const int64_t last = pages.slot(pages.length - 1);
+  flat_k[last].copy_(qkv[1].reshape({heads, dim}));
+  flat_v[last].copy_(qkv[2].reshape({heads, dim}));
+  std::vector<int64_t> slots(pages.length);
+  for (int64_t s = 0; s < pages.length; ++s) slots[s] = pages.slot(s);
+  const Tensor index = at::tensor(slots, at::TensorOptions().dtype(at::kLong)).to(keys.device());
+  auto gather = [&](const Tensor& flat) {
+    return flat.index_select(0, index).view({1, pages.length, heads, dim}).transpose(1, 2);
+  };
+  return at::scaled_dot_product_attention(qkv[0].transpose(1, 2), gather(flat_k),
+                                          gather(flat_v), /*attn_mask=*/std::nullopt,
+                                          /*dropout_p=*/0.0, /*is_causal=*/false, scale)
+      .transpose(1, 2)
+      .reshape({1, 1, heads * dim});
 }
 
 class GPTDecodeStep {
@@ -152,16 +181,22 @@ class GPTDecodeStep {
     scale_ = 1.0 / std::sqrt(static_cast<double>(dim_));
   }
 
-  // The logits (1, 1, V) of `token` at `position`; its key and value go to `slot`, and it
-  // attends over slots first .. first + length - 1 (`slot` among them).
-  Tensor step(int64_t token, int64_t position, int64_t slot, int64_t first, int64_t length) {
+  // The logits (1, 1, V) of `token` at `position` of a sequence whose keys are in the pool
+  // blocks `table` lists in order (the new token's slot included).
+  Tensor step(int64_t token, int64_t position, const std::vector<int64_t>& table) {
     c10::InferenceMode inference;
     // the loops below index the pools directly: check what ATen's indexing would have checked
-    const int64_t slots = blocks_.empty() ? 0 : blocks_[0].keys.numel() / width_;
-    TORCH_CHECK(length >= 1 && first >= 0 && first + length <= slots && slot >= first &&
-                    slot < first + length,
-                "GPTDecodeStep: slot ", slot, " and keys ", first, "..", first + length - 1,
-                " must lie in the pool's ", slots, " slots, the slot among the keys");
+    const Tensor& pool = blocks_.front().keys;
+    const int64_t num_blocks = pool.size(0), block_size = pool.size(1);
+    const int64_t used = position / block_size + 1;
+    TORCH_CHECK(position >= 0 && static_cast<int64_t>(table.size()) >= used,
+                "GPTDecodeStep: position ", position, " needs ", used, " blocks of ", block_size,
+                " slots in the block table, which lists ", table.size());
+    for (int64_t i = 0; i < used; ++i) {
+      TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "GPTDecodeStep: block ", table[i],
+                  " (table entry ", i, ") is not in the pool's ", num_blocks, " blocks");
+    }
+    const Pages pages{table, block_size, position + 1};
     Tensor x = (wte_[token] + wpe_[position]).view({1, 1, width_});
     for (const Block& b : blocks_) {
       Tensor qkv = b.qkv(b.ln_1(x));  // (1, 1, 3 C): H heads of [q, k, v]
@@ -169,18 +204,10 @@ class GPTDecodeStep {
       if (plain_fp32(qkv) && plain_fp32(b.keys) && plain_fp32(b.values)) {
         y = at::empty({1, 1, width_}, qkv.options());
         attend_fp32(qkv.data_ptr<float>(), b.keys.data_ptr<float>(), b.values.data_ptr<float>(),
-                    slot, first, length, heads_, dim_, static_cast<float>(scale_),
-                    scores_, y.data_ptr<float>());
-      } else {  // ATen's: write the slot, one SDPA over a view of the pool
-        auto parts = qkv.view({1, 1, heads_, 3, dim_}).unbind(3);
-        b.keys.view({-1, heads_, dim_})[slot].copy_(parts[1].reshape({heads_, dim_}));
-        b.values.view({-1, heads_, dim_})[slot].copy_(parts[2].reshape({heads_, dim_}));
-        y = at::scaled_dot_product_attention(
-                parts[0].transpose(1, 2), span(b.keys, first, length),
-                span(b.values, first, length), /*attn_mask=*/std::nullopt, /*dropout_p=*/0.0,
-                /*is_causal=*/false, scale_)
-                .transpose(1, 2)
-                .reshape({1, 1, width_});
+                    pages, heads_, dim_, static_cast<float>(scale_), scores_, y.data_ptr<float>());
+      } else {
+        y = attend_aten(qkv.view({1, 1, heads_, 3, dim_}).unbind(3), b.keys, b.values, pages,
+                        heads_, dim_, scale_);
       }
       x = x + b.proj(y);
       x = x + b.mlp_proj(at::gelu(b.fc(b.ln_2(x)), "tanh"));
