@@ -111,3 +111,11 @@ def test_a_table_that_misses_the_pool_is_refused_before_anything_is_written():
             with pytest.raises(RuntimeError, match="GPTDecodeStep"):
                 step(1, position, table)
     assert not any(k.any() for k in keys) and not any(v.any() for v in values)
+
+
+def test_without_a_compiler_it_warns_once_and_returns_none(monkeypatch):
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "c++" else real_which(tool))
+    load = native_module.load_extension.__wrapped__  # past the cache: as a fresh process would
+    with pytest.warns(RuntimeWarning, match="no c\\+\\+ on PATH"):
+        assert load() is None

@@ -121,6 +121,8 @@ def gpt_decode_step(model: GPT, keys: list[Tensor], values: list[Tensor]) -> Dec
     if not all(_plain(n) for n in norms) or not all(_plain(b.mlp) for b in model.blocks):
         return None
     heads, dim = model.blocks[0].attn.local_heads, model.blocks[0].attn.head_dim
+    if heads * dim != model.config.n_embd:  # a tensor-parallel shard: its heads are a slice
+        return None
     if not keys or len(keys) != len(model.blocks) or len(values) != len(keys):
         return None
     shape = keys[0].shape
@@ -150,5 +152,5 @@ def gpt_decode_step(model: GPT, keys: list[Tensor], values: list[Tensor]) -> Dec
 
 
 if __name__ == "__main__":  # `make install` builds the extension here, once
-    built = load_extension(verbose=False)
-    print(f"llmlab.models.native: {'built' if built else 'NOT built'} {extension_name()}")
+    ready = load_extension(verbose=False) is not None
+    print(f"llmlab.models.native: {extension_name()} {'ready' if ready else 'NOT built (above)'}")
