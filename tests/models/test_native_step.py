@@ -6,6 +6,7 @@ its pool writes checked against the keys and values the model computes."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.skipif(
 
 def model_of(**overrides) -> GPT:
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32, **overrides)
-    return GPT(config).eval()
+    sizes = dict(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
+    return GPT(GPTConfig(**{**sizes, **overrides})).eval()
 
 
 def pools(model: GPT, num_blocks: int, dtype=torch.float32) -> tuple[list, list]:
@@ -44,7 +45,10 @@ def decode(model: GPT, ids: list[int], table: list[int], keys, values) -> list[t
 TABLE = [7, 2, 11, 0, 5, 9, 1, 12, 3, 14]
 
 
-@pytest.mark.parametrize("overrides", [{}, {"bias": False, "tie_embeddings": False}])
+# the last: a head dim of 12, no multiple of the attention's 8-wide dot products
+@pytest.mark.parametrize(
+    "overrides", [{}, {"bias": False, "tie_embeddings": False}, {"n_head": 3, "n_embd": 36}]
+)
 def test_each_step_equals_the_models_forward(overrides):
     model = model_of(**overrides)
     ids = torch.randint(0, 97, (38,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -59,7 +63,9 @@ def test_each_step_equals_the_models_forward(overrides):
     # TABLE[p // 4], and nothing in the blocks the table does not name
     with torch.inference_mode():
         block = model.blocks[0]
-        qkv = block.attn.qkv(block.ln_1(model.embed(torch.tensor([ids])))).view(1, 38, 4, 3, 8)
+        heads, dim = model.config.n_head, model.config.head_dim
+        qkv = block.attn.qkv(block.ln_1(model.embed(torch.tensor([ids]))))
+        qkv = qkv.view(1, 38, heads, 3, dim)
     for p in range(38):
         where = (TABLE[p // 4], p % 4)
         torch.testing.assert_close(keys[0][where], qkv[0, p, :, 1], atol=1e-6, rtol=1e-6)
@@ -102,7 +108,7 @@ def test_the_extension_is_built_once_per_torch_version():
     assert native_module.load_extension() is native_module.load_extension()
 
 
-def test_a_table_that_misses_the_pool_is_refused_before_anything_is_written():
+def test_a_bad_table_or_token_is_refused_before_anything_is_written():
     model = model_of()
     keys, values = pools(model, 4)
     step = model.native_decode_step(keys, values)
@@ -110,6 +116,9 @@ def test_a_table_that_misses_the_pool_is_refused_before_anything_is_written():
         for position, table in [(4, [0]), (0, [4]), (5, [1, -1]), (0, []), (-1, [0])]:
             with pytest.raises(RuntimeError, match="GPTDecodeStep"):
                 step(1, position, table)
+        for token, position in [(-1, 0), (97, 0), (1, 64)]:  # vocabulary 97, 64 positions
+            with pytest.raises(RuntimeError, match="outside the 97-token vocabulary"):
+                step(token, position, list(range(4)) * 5)
     assert not any(k.any() for k in keys) and not any(v.any() for v in values)
 
 
@@ -119,3 +128,32 @@ def test_without_a_compiler_it_warns_once_and_returns_none(monkeypatch):
     load = native_module.load_extension.__wrapped__  # past the cache: as a fresh process would
     with pytest.warns(RuntimeWarning, match="no c\\+\\+ on PATH"):
         assert load() is None
+
+
+def test_threads_may_step_at_once():
+    """The step releases the GIL: two threads on one step object (each its own blocks) must not
+    share scratch memory. Each thread's logits equal a lone run's."""
+    model = model_of()
+    keys, values = pools(model, 16)
+    step = model.native_decode_step(keys, values)
+    tables = [[0, 1, 2, 3, 4, 5, 6, 7], [15, 14, 13, 12, 11, 10, 9, 8]]
+    ids = [[(7 * i + 3 * t) % 97 for i in range(32)] for t in range(2)]
+    with torch.inference_mode():
+        want = [[step(i, p, table)[0, -1].clone() for p, i in enumerate(row)]
+                for row, table in zip(ids, tables)]  # fmt: skip
+    got: list[list] = [[], []]
+
+    def run(t: int) -> None:
+        with torch.inference_mode():
+            for _ in range(20):
+                got[t].append([step(i, p, tables[t])[0, -1] for p, i in enumerate(ids[t])])
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for t in range(2):
+        for run_logits in got[t]:
+            for a, b in zip(run_logits, want[t]):
+                assert torch.equal(a, b)

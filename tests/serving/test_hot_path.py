@@ -2,7 +2,7 @@
 computes exactly what the general path computes: the same logits bit for bit, not merely within
 a tolerance, so greedy tokens cannot change with the path a step takes. The native step
 (``EngineConfig.native_step``, GPT only) agrees with it to fp32 rounding, and the engine's
-tokens with it equal HF's (tests/serving/test_exactness.py runs with it on)."""
+tokens with it equal HF's (tests/serving/test_engine_exactness.py runs with it on)."""
 
 from __future__ import annotations
 
@@ -73,10 +73,18 @@ def test_a_hook_turns_the_lean_forward_off():
     try:
         assert runner._lean_forward() is None
         seq = Request("x", [5, 6, 7], GenerationConfig(), 0).new_sequence(0, [5, 6, 7])
-        seq.block_table = [0]
+        seq.block_table = [0, 1]
         runner.execute([Chunk(seq, 0, 3)])
         assert calls == [1]  # the hook ran: the model's own forward was used
+        seq.token_ids.append(8)  # and for a decode too, which the native step would take
+        runner.execute([Chunk(seq, 3, 1)])
+        assert calls == [1, 1]
+        model.train()  # training mode: the model's own forward (dropout and all)
+        seq.token_ids.append(9)
+        runner.execute([Chunk(seq, 4, 1)])
+        assert calls == [1, 1, 1]
     finally:
+        model.eval()
         handle.remove()
     assert runner._lean_forward() is not None
 
@@ -147,8 +155,9 @@ def test_a_few_decodes_one_sdpa_each_equal_the_general_path(monkeypatch):
 )
 def test_the_native_step_agrees_with_the_python_step():
     """Runners on copies of one GPT, with and without the native step, decode one prompt
-    greedily: on consecutive blocks (the Python hot path) and on scattered ones (the general
-    path). The native step takes every decode of both, and its logits equal the Python step's
+    greedily: on consecutive blocks (the Python hot path) and on scattered ones (the Python
+    runner's one-SDPA-per-sequence path, ``_attend_each``; it equals the general path, tested
+    above). The native step takes every decode of both, and its logits equal the Python step's
     to fp32 rounding at every step, with the same tokens."""
     model = gpt_pair()[1]
     native, python = ModelRunner(copy.deepcopy(model), CONFIG), ModelRunner(model, PYTHON_STEP)

@@ -14,9 +14,14 @@ the model's to fp32 rounding, not bit for bit (tests/models/test_native_step.py)
 
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``) into
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), once per torch version and
-source; ``make install`` builds it, later processes load it in ~10 ms. Where it cannot be built
-(no compiler) :func:`load_extension` returns None after one warning and callers keep their Python
-path; ``LLMLAB_NATIVE=0`` turns it off.
+source; ``make install`` builds it, later processes load it in ~1 s (most of it importing
+``torch.utils.cpp_extension``). Where it cannot be built or loaded (no compiler, say)
+:func:`load_extension` returns None after one warning and callers keep their Python path;
+``LLMLAB_NATIVE=0`` turns it off. A build killed half-way leaves a lock file that torch's loader
+waits on forever: delete ``TORCH_EXTENSIONS_DIR/<extension_name()>`` then.
+
+The step object may be called from several threads at once (it releases the GIL; its scratch
+is per call), though not on the same pools for the same slots, as any KV cache.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def load_extension(verbose: bool = False) -> ModuleType | None:
 
     try:
         return load(extension_name(), [str(SOURCE)], extra_cflags=["-O3"], verbose=verbose)
-    except (RuntimeError, OSError) as err:  # a failed compile: say why, keep the Python path
+    except Exception as err:  # a failed compile or load (ImportError too): say why, go on
         warnings.warn(
             f"llmlab.models.native: building {SOURCE.name} failed, decoding keeps its Python "
             f"path: {err}",

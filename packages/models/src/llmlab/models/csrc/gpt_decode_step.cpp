@@ -106,7 +106,8 @@ struct Pages {
 // fp32 CPU attention of one token: its q, k and v are rows of `qkv` (H heads of [q, k, v], D
 // each, as GPT's fused projection stores them); k and v are written at the token's slot of the
 // pools (num_blocks, block_size, H, D), then the query attends over the sequence's keys block by
-// block. Softmax in the max-subtracted form; `scores` is reused.
+// block. Softmax in the max-subtracted form; `scores` is the caller's scratch (one per call: the
+// GIL is released, so two threads may step at once).
 void attend_fp32(const float* qkv, float* keys, float* values, const Pages& pages, int64_t heads,
                  int64_t dim, float scale, std::vector<float>& scores, float* out) {
   const int64_t row = heads * dim, last = pages.slot(pages.length - 1);
@@ -196,7 +197,11 @@ class GPTDecodeStep {
       TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "GPTDecodeStep: block ", table[i],
                   " (table entry ", i, ") is not in the pool's ", num_blocks, " blocks");
     }
+    TORCH_CHECK(token >= 0 && token < wte_.size(0) && position < wpe_.size(0),
+                "GPTDecodeStep: token ", token, " at position ", position, " is outside the ",
+                wte_.size(0), "-token vocabulary or the ", wpe_.size(0), " positions");
     const Pages pages{table, block_size, position + 1};
+    std::vector<float> scores;  // attention scores, one buffer for every layer of this call
     Tensor x = (wte_[token] + wpe_[position]).view({1, 1, width_});
     for (const Block& b : blocks_) {
       Tensor qkv = b.qkv(b.ln_1(x));  // (1, 1, 3 C): H heads of [q, k, v]
@@ -204,7 +209,7 @@ class GPTDecodeStep {
       if (plain_fp32(qkv) && plain_fp32(b.keys) && plain_fp32(b.values)) {
         y = at::empty({1, 1, width_}, qkv.options());
         attend_fp32(qkv.data_ptr<float>(), b.keys.data_ptr<float>(), b.values.data_ptr<float>(),
-                    pages, heads_, dim_, static_cast<float>(scale_), scores_, y.data_ptr<float>());
+                    pages, heads_, dim_, static_cast<float>(scale_), scores, y.data_ptr<float>());
       } else {
         y = attend_aten(qkv.view({1, 1, heads_, 3, dim_}).unbind(3), b.keys, b.values, pages,
                         heads_, dim_, scale_);
@@ -222,7 +227,6 @@ class GPTDecodeStep {
   Linear lm_head_;
   int64_t heads_, width_ = 0, dim_ = 0;
   double scale_ = 1.0;
-  std::vector<float> scores_;  // attention scores, reused: a step allocates no scratch
 };
 
 }  // namespace
