@@ -49,7 +49,9 @@ weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
 The engine's step at batch 1 is its hot path (``llmlab.serving.model_runner``): GPT's native
 step (``llmlab.models.native``, one C++ call per token); a second row runs the same engine with
 its step in Python (``native_step=False``: one SDPA call per layer on a slice of the pool, the
-model's ``inference_forward`` without module dispatch), and the notes break both down.
+model's ``inference_forward`` without module dispatch), and the notes break both down. Two
+more rows time the same lone request on a Llama of the same size (grouped-query, 4 heads over
+2), with its native step and without (``llama_hot_path``).
 
 Run: ``.venv/bin/python -m benchmarks.serving`` (``--smoke``: tiny sizes, seconds).
 """
@@ -316,6 +318,55 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
     return rows, f"{' '.join(notes)} Column-major weights: {moved}."
 
 
+def llama_hot_path(new_tokens: int, repeats: int) -> list[Row]:
+    """A lone request's greedy decode on a Llama of the GPT's size (4 x 256, vocab 8192, 4 query
+    heads over 2 KV heads, MLP 688), against HF ``generate``, with the native step and with the
+    step in Python (the engine's general path for this model: it has no ``inference_forward``)."""
+    import transformers
+
+    from llmlab.decoding import GenerationConfig
+    from llmlab.models import Llama
+    from llmlab.serving import LLM
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).eval()
+    model = Llama.from_hf(hf).eval()
+    ids = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
+    prompt, cfg = ids[0].tolist(), GenerationConfig(max_new_tokens=new_tokens)
+    sizes = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    engines = {"native": LLM(model, **sizes), "python": LLM(model, **sizes, native_step=False)}
+
+    def run_hf():
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=new_tokens, pad_token_id=0)  # fmt: skip
+
+    want = run_hf()[0, 16:].tolist()
+    same = {n: e.generate([prompt], cfg, progress=False)[0].token_ids[0] == want
+            for n, e in engines.items()}  # fmt: skip
+    systems = {n: functools.partial(e.generate, [prompt], cfg, progress=False)
+               for n, e in engines.items()}  # fmt: skip
+    systems["hf"] = run_hf
+    best = dict.fromkeys(systems, math.inf)
+    for _ in range(repeats):
+        for name, fn in systems.items():
+            best[name] = min(best[name], best_cpu(fn, 1))
+    rate = {name: new_tokens / t for name, t in best.items()}
+    native = engines["native"].engine.runner.native.get() is not None
+    return [
+        Row("hot path, Llama (GQA 4/2): greedy batch 1 (engine) vs HF generate", rate["native"],
+            rate["hf"], "HF generate", "new tokens/s",
+            extra={"identical": same["native"], "native step": native}),
+        Row("hot path, Llama: the engine with its step in Python vs HF generate",
+            rate["python"], rate["hf"], "HF generate", "new tokens/s",
+            extra={"identical": same["python"]}),
+    ]  # fmt: skip
+
+
 def bare_greedy(model, prompt: list[int], new_tokens: int):
     """Greedy decoding of ``model`` (the benchmark's GPT) with nothing left to cut: weights
     resolved once, one ATen call per op, a contiguous cache per layer, no engine, no module
@@ -486,6 +537,7 @@ def main() -> None:
                   run_hf(hf, jobs, num_blocks)]  # fmt: skip
         plain = run_continuous(model, jobs, num_blocks, longest, onednn_linear=False)
         hot_rows, profile = hot_path(hf, model, hot_tokens, repeats)
+        hot_rows += llama_hot_path(hot_tokens, max(1, repeats // 2))
     cont, static, hf_cb = (t.summary(jobs) for t in traces)
     plain_throughput = plain.summary(jobs)["throughput"]
     same = {t.name: sum(t.tokens[i] == traces[0].tokens[i] for i in range(len(jobs)))

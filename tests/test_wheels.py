@@ -90,7 +90,7 @@ def test_the_wheels_build_and_the_tokenizer_runs_alone_without_torch(tmp_path):
     # llmlab.models.native compiles its C++ source where it runs: the wheel must carry it
     (models,) = dist.glob("llmlab_models-*.whl")
     with zipfile.ZipFile(models) as wheel:
-        assert "llmlab/models/csrc/gpt_decode_step.cpp" in wheel.namelist()
+        assert "llmlab/models/csrc/decode_step.cpp" in wheel.namelist()
 
     env_dir = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)

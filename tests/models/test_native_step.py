@@ -1,7 +1,8 @@
-"""``GPT.native_decode_step`` (llmlab.models.native): one token's forward as one C++ call over
-per-layer KV pools. Oracle: the model's own ``forward`` on the whole sequence so far (fp32: the
-usual 1e-5; the C++ layer norms and attention are loops of their own, so not bit for bit), and
-its pool writes checked against the keys and values the model computes."""
+"""``GPT.native_decode_step`` and ``Llama.native_decode_step`` (llmlab.models.native): one
+token's forward as one C++ call over per-layer paged KV pools. Oracle: the model's own
+``forward`` on the whole sequence so far (fp32: the usual 1e-5; the C++ norms and attention are
+loops of their own, so not bit for bit), and its pool writes checked against the keys and
+values the model computes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from llmlab.models import GPT, GPTConfig
+from llmlab.models import GPT, GPTConfig, Llama, LlamaConfig
 from llmlab.models import native as native_module
 
 pytestmark = pytest.mark.skipif(
@@ -33,7 +34,7 @@ def pools(model: GPT, num_blocks: int, dtype=torch.float32) -> tuple[list, list]
     return keys, [torch.zeros_like(k) for k in keys]
 
 
-def decode(model: GPT, ids: list[int], table: list[int], keys, values) -> list[torch.Tensor]:
+def decode(model, ids: list[int], table: list[int], keys, values) -> list[torch.Tensor]:
     """Each token's logits through the native step, its keys in the blocks of ``table``."""
     step = model.native_decode_step(keys, values)
     assert step is not None
@@ -157,3 +158,59 @@ def test_threads_may_step_at_once():
         for run_logits in got[t]:
             for a, b in zip(run_logits, want[t]):
                 assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------- Llama
+LLAMA_VARIANTS = [
+    {},  # grouped-query: 4 query heads over 2 KV heads
+    {"attention_bias": True, "attention_out_bias": True, "tie_embeddings": True},  # Qwen2-like
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+    {"n_kv_head": 1, "head_dim": 12},  # multi-query, a head dim no multiple of 8
+]  # fmt: skip
+
+
+def llama_of(**overrides) -> Llama:
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                 intermediate_size=48)  # fmt: skip
+    return Llama(LlamaConfig(**{**sizes, **overrides})).eval()
+
+
+def llama_pools(model: Llama, num_blocks: int, dtype=torch.float32) -> tuple[list, list]:
+    kv_heads, dim = model.config.n_kv_head, model.config.head_size
+    keys = [torch.zeros(num_blocks, 4, kv_heads, dim, dtype=dtype) for _ in model.blocks]
+    return keys, [torch.zeros_like(k) for k in keys]
+
+
+@pytest.mark.parametrize("overrides", LLAMA_VARIANTS)
+def test_each_llama_step_equals_the_models_forward(overrides):
+    model = llama_of(**overrides)
+    ids = torch.randint(0, 97, (38,), generator=torch.Generator().manual_seed(2)).tolist()
+    keys, values = llama_pools(model, 16)
+    got = decode(model, ids, TABLE, keys, values)
+    with torch.inference_mode():
+        want = model(torch.tensor([ids]))[0]
+    for p, logits in enumerate(got):
+        torch.testing.assert_close(logits, want[p], atol=1e-5, rtol=1e-5, msg=f"position {p}")
+    # the pool holds the values the model computes (keys are rotated: checked via the logits)
+    with torch.inference_mode():
+        block = model.blocks[0]
+        v = block.attn.v_proj(block.attn_norm(model.embed(torch.tensor([ids]))))[0]
+    for p in range(38):
+        torch.testing.assert_close(values[0][TABLE[p // 4], p % 4].flatten(), v[p], atol=1e-6,
+                                   rtol=1e-6)  # fmt: skip
+
+
+def test_no_llama_step_where_it_would_compute_something_else():
+    keys, values = llama_pools(llama_of(), 4)
+    assert llama_of().native_decode_step(keys, values) is not None
+    # q/k norms (Qwen3), a window shorter than the context, bf16, a KV-head count the pools lack
+    assert llama_of(qk_norm=True).native_decode_step(keys, values) is None
+    assert llama_of(sliding_window=8).native_decode_step(keys, values) is None
+    assert llama_of().to(torch.bfloat16).native_decode_step(*llama_pools(llama_of(), 4,
+                                                            torch.bfloat16)) is None  # fmt: skip
+    assert llama_of(n_kv_head=4).native_decode_step(keys, values) is None
+    model = llama_of()
+    model.blocks[0].mlp.up_proj = type("Adapter", (torch.nn.Linear,), {})(32, 48, bias=False)
+    assert model.native_decode_step(keys, values) is None

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from llmlab.decoding import GenerationConfig
+from llmlab.serving import LLMEngine
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.model_runner import ModelRunner
 from llmlab.serving.scheduler import Chunk
 from llmlab.serving.sequence import Request
-from tests.serving.models import gpt_pair, llama, random_prompts
+from tests.serving.models import gpt_pair, hf_llama, llama, random_prompts
 
 CONFIG = EngineConfig(block_size=4, num_blocks=40, max_model_len=64)
 PYTHON_STEP = EngineConfig(block_size=4, num_blocks=40, max_model_len=64, native_step=False)
@@ -198,3 +199,25 @@ def test_the_native_step_is_rebuilt_for_a_copy():
     clone.execute([Chunk(seq, 3, 1)])
     assert clone.pool.keys[0].view(-1, *clone.pool.keys[0].shape[2:])[3].any()
     assert not runner.pool.keys[0].any()  # the original's pool is untouched
+
+
+@pytest.mark.parametrize("which", ["gpt", "llama"])
+def test_a_lone_request_through_the_native_step_equals_hf_generate(which):
+    """Every decode of a lone request takes the native step (counted); its greedy tokens are
+    HF ``generate``'s, token for token, on the same random weights."""
+    hf, model = gpt_pair() if which == "gpt" else (hf_llama(), llama())
+    engine = LLMEngine(copy.deepcopy(model), config=CONFIG)
+    step = engine.runner.native.get()
+    if step is None:
+        pytest.skip("no native step here (no C++ compiler)")
+    calls = []
+    engine.runner.native._step = lambda *args: calls.append(args) or step(*args)
+    prompt = random_prompts(200, [6], seed=7)[0]
+    engine.add_request("lone", prompt, GenerationConfig(max_new_tokens=40))
+    while engine.has_unfinished:
+        outputs = engine.step()
+    ids = torch.tensor([prompt])
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=40, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+    assert outputs[0].outputs[0].token_ids == want
+    assert len(calls) == 39  # the first token comes from the prefill

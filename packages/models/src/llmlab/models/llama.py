@@ -191,6 +191,15 @@ class Llama(nn.Module):
         """The transformer blocks: what activation checkpointing wraps and compile compiles."""
         return list(self.blocks)
 
+    def native_decode_step(self, keys: list[Tensor], values: list[Tensor]) -> Any:
+        """This model's one-token step as one native call over per-layer paged KV pools, or None
+        where it does not apply or cannot be built: see
+        :func:`llmlab.models.native.llama_decode_step` (the serving engine's hot path uses it;
+        logits equal to ``forward``'s to fp32 rounding)."""
+        from llmlab.models.native import llama_decode_step
+
+        return llama_decode_step(self, keys, values)
+
     def swap_attention(self, wrap: Any) -> int:
         """Replace each block's attention function ``fn`` by ``wrap(fn)``; returns the count.
 

@@ -323,12 +323,13 @@ class ModelRunner:
         in order."""
         if copies:
             self.pool.copy_blocks(copies)
-        lean = self._lean_forward()
-        if lean is not None and len(chunks) == 1 and chunks[0].num_tokens == 1:
+        unhooked = self._unhooked()
+        if unhooked and len(chunks) == 1 and chunks[0].num_tokens == 1:
             native = self.native.get()
             if native is not None:  # the hot path as one call: no tensors to prepare
                 seq, p = chunks[0].seq, chunks[0].start
                 return native(seq.token_ids[p], p, seq.block_table)[0].float()
+        lean = self._lean if unhooked else None
         batch = self.prepare(chunks)
         self.batch = batch
         try:
@@ -395,12 +396,16 @@ class ModelRunner:
         """The model's ``inference_forward`` while it is safe to skip ``nn.Module`` dispatch:
         its layers are the ones it spells out (checked once, when the runner is built), eval
         mode and no hook anywhere (a hook would be silently skipped), else None."""
-        lean = self._lean
-        if lean is None or self.model.training:
-            return None
+        return self._lean if self._unhooked() else None
+
+    def _unhooked(self) -> bool:
+        """Eval mode and no forward hook anywhere: the lean forward and the native step skip
+        ``nn.Module.__call__``, so a hook (or dropout) would be silently skipped otherwise."""
+        if self.model.training:
+            return False
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            return None
-        return None if any(self._hook_dicts) else lean
+            return False
+        return not any(self._hook_dicts)
 
 
 class NativeStep:
@@ -420,8 +425,7 @@ class NativeStep:
         if not self._built:
             runner = self.runner
             offer = getattr(runner.model, "native_decode_step", None)
-            wanted = runner.config.native_step and runner.device.type == "cpu"
-            if wanted and runner._lean is not None and callable(offer):
+            if runner.config.native_step and runner.device.type == "cpu" and callable(offer):
                 self._step = offer(runner.pool.keys, runner.pool.values)
             self._built = True
         return self._step
