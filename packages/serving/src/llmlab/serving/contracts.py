@@ -26,13 +26,14 @@ and ``inference_forward_applies()``, whether that holds for the model's current 
 mode, while no forward hook is set. If ``inference_forward`` takes ``linear=`` (a function
 ``(x, module) -> x @ module.weight.T + module.bias`` for each ``nn.Linear``), the runner passes
 its own on a CPU (``llmlab.serving.linear``: oneDNN for products of two rows or more).
-``native_decode_step(keys, values) -> step | None`` (GPT has it: ``llmlab.models.native``): one
+``native_decode_step(keys, values) -> step | None`` (GPT and Llama: ``llmlab.models.native``): one
 token's whole forward as one call ``step(token, position, block_table) -> logits (1, 1, V)``
 over the runner's per-layer pools (num_blocks, block_size, H_kv, D): write the token's key and
 value at its slot, attend over its sequence's keys through the block table; equal to the Python
 step to fp32 rounding. The runner uses it on a CPU for every step of one one-token chunk, under
-the same conditions as ``inference_forward`` and ``EngineConfig.native_step`` (whatever the
-``attention_backend``: it is its own attention).
+the conditions the lean forward has (eval mode, no hook; the model's own method checks its
+layers) and ``EngineConfig.native_step``, whatever the ``attention_backend`` (it is its own
+attention).
 
 Nothing else of the model is read: the KV pool's per-layer shapes (KV heads, head dim, dtype)
 are learned from one probing forward of a single token.
