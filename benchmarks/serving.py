@@ -318,7 +318,7 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
     return rows, f"{' '.join(notes)} Column-major weights: {moved}."
 
 
-def llama_hot_path(new_tokens: int, repeats: int) -> list[Row]:
+def llama_hot_path(new_tokens: int, repeats: int) -> tuple[str, list[Row]]:
     """A lone request's greedy decode on a Llama of the GPT's size (4 x 256, vocab 8192, 4 query
     heads over 2 KV heads, MLP 688), against HF ``generate``, with the native step and with the
     step in Python (the engine's general path for this model: it has no ``inference_forward``)."""
@@ -357,7 +357,11 @@ def llama_hot_path(new_tokens: int, repeats: int) -> list[Row]:
             best[name] = min(best[name], best_cpu(fn, 1))
     rate = {name: new_tokens / t for name, t in best.items()}
     native = engines["native"].engine.runner.native.get() is not None
-    return [
+    note = (
+        f"Llama hot path: native step {'on' if native else 'OFF'}; the engine's tokens equal "
+        f"HF's: native {same['native']}, Python step {same['python']}."
+    )
+    return note, [
         Row("hot path, Llama (GQA 4/2): greedy batch 1 (engine) vs HF generate", rate["native"],
             rate["hf"], "HF generate", "new tokens/s",
             extra={"identical": same["native"], "native step": native}),
@@ -537,7 +541,8 @@ def main() -> None:
                   run_hf(hf, jobs, num_blocks)]  # fmt: skip
         plain = run_continuous(model, jobs, num_blocks, longest, onednn_linear=False)
         hot_rows, profile = hot_path(hf, model, hot_tokens, repeats)
-        hot_rows += llama_hot_path(hot_tokens, max(1, repeats // 2))
+        llama_note, llama_rows = llama_hot_path(hot_tokens, max(1, repeats // 2))
+        hot_rows += llama_rows
     cont, static, hf_cb = (t.summary(jobs) for t in traces)
     plain_throughput = plain.summary(jobs)["throughput"]
     same = {t.name: sum(t.tokens[i] == traces[0].tokens[i] for i in range(len(jobs)))
@@ -576,7 +581,7 @@ def main() -> None:
         f"the engine with F.linear products {same['continuous']}/{len(jobs)}. Idle, waiting for "
         f"a request: continuous {traces[0].idle:.2f} s of its {cont['span']:.2f} s, static "
         f"{traces[1].idle:.2f} s of {static['span']:.2f} s. "
-        f"{profile}"
+        f"{profile} {llama_note}"
     )
     report("serving", rows, notes)
 

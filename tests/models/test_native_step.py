@@ -214,3 +214,29 @@ def test_no_llama_step_where_it_would_compute_something_else():
     model = llama_of()
     model.blocks[0].mlp.up_proj = type("Adapter", (torch.nn.Linear,), {})(32, 48, bias=False)
     assert model.native_decode_step(keys, values) is None
+
+
+def test_a_tied_llama_with_a_column_major_table_decodes_the_same():
+    """The serving engine may store a tied embedding column-major (llmlab.decoding.layout: the
+    LM head reads faster so on some CPUs); a token's row is then strided."""
+    model = llama_of(tie_embeddings=True)
+    weight = model.embed.tokens.weight
+    assert model.head.lm_head.weight is weight
+    with torch.no_grad():
+        weight.data = weight.data.t().contiguous().t()  # same values, column-major
+    assert weight.stride(0) == 1
+    ids = [5, 17, 3, 88, 41, 9, 60, 2, 33]
+    got = decode(model, ids, [2, 0, 1], *llama_pools(model, 4))
+    with torch.inference_mode():
+        want = model(torch.tensor([ids]))[0]
+    for p, logits in enumerate(got):
+        torch.testing.assert_close(logits, want[p], atol=1e-5, rtol=1e-5)
+
+
+def test_a_llama_position_past_its_angle_table_is_refused():
+    model = llama_of()  # block_size 64: angles for positions 0..63
+    keys, values = llama_pools(model, 20)
+    step = model.native_decode_step(keys, values)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="64 positions"):
+        step(1, 64, list(range(20)))
+    assert not any(k.any() for k in keys)

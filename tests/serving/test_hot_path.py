@@ -221,3 +221,30 @@ def test_a_lone_request_through_the_native_step_equals_hf_generate(which):
                        max_new_tokens=40, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
     assert outputs[0].outputs[0].token_ids == want
     assert len(calls) == 39  # the first token comes from the prefill
+
+
+def test_a_hook_or_training_mode_keeps_a_llamas_decodes_off_the_native_step():
+    """Llama has no lean forward: the runner's own check (eval mode, no hook) gates its native
+    step, and a hooked or training model decodes through its own forward."""
+    model = copy.deepcopy(llama())
+    runner = ModelRunner(model, CONFIG)
+    step = runner.native.get()
+    if step is None:
+        pytest.skip("no native step here (no C++ compiler)")
+    native_calls, hook_calls = [], []
+    runner.native._step = lambda *args: native_calls.append(args) or step(*args)
+    seq = Request("x", [5, 6, 7], GenerationConfig(), 0).new_sequence(0, [5, 6, 7])
+    seq.block_table = [0, 1]
+    runner.execute([Chunk(seq, 0, 3)])
+    seq.token_ids.append(8)
+    runner.execute([Chunk(seq, 3, 1)])
+    assert len(native_calls) == 1
+    handle = model.blocks[1].mlp.register_forward_hook(lambda *_: hook_calls.append(1))
+    seq.token_ids.append(9)
+    runner.execute([Chunk(seq, 4, 1)])
+    handle.remove()
+    model.train()
+    seq.token_ids.append(10)
+    runner.execute([Chunk(seq, 5, 1)])
+    model.eval()
+    assert len(native_calls) == 1 and hook_calls == [1]

@@ -6,7 +6,7 @@ Python calls it and about one when C++ does, and ATen's layer norm and SDPA spen
 microseconds setting up work of well under one at this size. On the serving benchmark's GPT-2
 (4 x 256, vocab 8192, one CPU thread) the Python step's forward takes 1.41 ms per token and this
 one 0.94, with the matrix products alone at 0.81 (benchmarks/results/SUMMARY.md). A Llama of
-the same size (GQA 4/2) goes from 1.98 to 1.01 ms per token (HF ``generate``: 2.4 ms).
+the same size (GQA 4/2) goes from 1.95 to 0.99 ms per token (HF ``generate``: 2.4 ms).
 
 Each step follows its model's forward op for op, with paged attention for the one token (write
 its key and value at its slot of the KV pool, attend over its sequence's keys through the block
@@ -128,8 +128,9 @@ def gpt_decode_step(model: GPT, keys: list[Tensor], values: list[Tensor]) -> Dec
     not compute what ``model.inference_forward`` computes: a replaced layer, a non-torch layer
     norm or GELU (``config.kernels``), pools of another shape, or no extension.
 
-    The step holds the model's weight tensors as they are now: parameters replaced later (not
-    updated in place) are not seen; build a new step then."""
+    The step computes eval mode's forward (no dropout, no hooks): the caller checks the mode, as
+    the serving runner does at every step. It holds the model's weight tensors as they are now:
+    parameters replaced later (not updated in place) are not seen; build a new step then."""
     if disabled() or not model.inference_forward_applies():
         return None
     norms = [b.ln_1 for b in model.blocks] + [b.ln_2 for b in model.blocks] + [model.head.ln_f]
@@ -190,6 +191,9 @@ def llama_decode_step(model: Llama, keys: list[Tensor], values: list[Tensor]) ->
     if not all(o.rope is _torch_rope and o.swiglu is _torch_swiglu for o in ops):
         return None
     if any(a.window is not None and a.window < config.block_size for a in attns):
+        return None
+    angles = {(a.rotary.head_dim, a.rotary.theta, repr(a.rotary.scaling)) for a in attns}
+    if len(angles) != 1:  # one table of angles serves every layer
         return None
     if {n.eps for n in norms} != {config.rms_norm_eps}:
         return None

@@ -15,11 +15,11 @@ through the model's own attention records each layer's ``k`` heads, head dim and
 device is the model's).
 
 **The hot path.** A step that decodes one token of one sequence, on a CPU, is one native call
-where the model offers one (``native_decode_step``; ``llmlab.models.GPT``'s is C++,
-``llmlab.models.native``): its whole forward, paged attention through the block table included,
-with no tensors prepared here and no Python per layer. Its logits equal the Python step's to
-fp32 rounding. Why: on the serving benchmark's GPT-2 (batch 1, one CPU thread) the Python
-step's forward took 1.41 ms per token around 0.81 ms of matrix-vector products (~21 MB of
+where the model offers one (``native_decode_step``; ``llmlab.models.GPT``'s and ``Llama``'s are
+C++, ``llmlab.models.native``): its whole forward, paged attention through the block table
+included, with no tensors prepared here and no Python per layer. Its logits equal the Python
+step's to fp32 rounding. Why: on the serving benchmark's GPT-2 (batch 1, one CPU thread) the
+Python step's forward took 1.41 ms per token around 0.81 ms of matrix-vector products (~21 MB of
 weights read per token), the native one 0.94 ms.
 Without one, a decode of one sequence whose blocks lie one after another in the pool (a lone
 request's, while the pool's free queue is still in order) skips the general machinery: no

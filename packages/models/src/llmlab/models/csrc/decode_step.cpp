@@ -246,7 +246,9 @@ class GPTDecodeStep {
 };
 
 // RMSNorm of one fp32 row as HF's LlamaRMSNorm computes it: w * (x * rsqrt(mean(x^2) + eps)).
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+// `row` may be a strided view (a tied embedding stored column-major): read contiguously.
+Tensor rms_norm(const Tensor& row, const Tensor& weight, double eps) {
+  const Tensor x = row.contiguous();
   const int64_t n = x.size(-1);
   const float* in = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
@@ -299,7 +301,25 @@ class LlamaDecodeStep {
                                    linear(b[6]), linear(b[7]), linear(b[8]), b[9].cast<Tensor>(),
                                    b[10].cast<Tensor>()});
     }
+    TORCH_CHECK(!blocks_.empty() && heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0,
+                "LlamaDecodeStep: ", heads_, " query heads over ", kv_heads_, " KV heads");
     dim_ = blocks_.front().keys.size(-1);
+    const int64_t width = embed_.size(1);
+    TORCH_CHECK(plain_fp32(cos_) && plain_fp32(sin_) && cos_.dim() == 2 &&
+                    cos_.size(1) == dim_ / 2 && sin_.sizes() == cos_.sizes(),
+                "LlamaDecodeStep: cos/sin tables must be fp32 (positions, ", dim_ / 2, ")");
+    // the loops below trust these widths: q/k/v rows, the pools, the norms
+    for (const LlamaBlock& b : blocks_) {
+      TORCH_CHECK(b.q.weight.size(0) == heads_ * dim_ && b.k.weight.size(0) == kv_heads_ * dim_ &&
+                      b.v.weight.size(0) == kv_heads_ * dim_ && plain_fp32(b.keys) &&
+                      plain_fp32(b.values) && b.keys.size(-2) == kv_heads_ &&
+                      b.values.sizes() == b.keys.sizes() && b.attn_norm.numel() == width &&
+                      b.mlp_norm.numel() == width && plain_fp32(b.attn_norm) &&
+                      plain_fp32(b.mlp_norm),
+                  "LlamaDecodeStep: a layer's projections, pools or norms disagree with ",
+                  heads_, " heads over ", kv_heads_, " of ", dim_, " and width ", width);
+    }
+    TORCH_CHECK(norm_.numel() == width && plain_fp32(norm_), "LlamaDecodeStep: final norm");
     scale_ = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim_)));
   }
 
