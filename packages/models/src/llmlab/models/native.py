@@ -174,14 +174,14 @@ def llama_decode_step(model: Llama, keys: list[Tensor], values: list[Tensor]) ->
     class (an adapter), non-torch ops (``config.kernels``), q/k norms (Qwen3), a sliding window
     shorter than the context, a tensor-parallel shard, other than fp32 CPU weights and pools
     (its RMSNorm, RoPE and attention are fp32 loops), or no extension."""
-    from llmlab.models.llama import Llama as LlamaModel
     from llmlab.models.llama_layers import MLP, Attention, Block, Embedding, Head, RMSNorm
 
     if disabled():
         return None
-    plain = (LlamaModel, Embedding, Block, Attention, MLP, RMSNorm, Head, nn.Linear,
-             nn.Embedding, nn.Dropout, nn.ModuleList)  # fmt: skip
-    if not all(type(m) in plain for m in model.modules()):
+    # every layer below the model (which ``Llama.native_decode_step`` checks is exactly Llama)
+    plain = (Embedding, Block, Attention, MLP, RMSNorm, Head, nn.Linear, nn.Embedding,
+             nn.Dropout, nn.ModuleList)  # fmt: skip
+    if not all(type(m) in plain for m in list(model.modules())[1:]):
         return None
     config, attns = model.config, [b.attn for b in model.blocks]
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
