@@ -117,6 +117,24 @@ def _missing_tools() -> list[str]:
     return [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
 
 
+def _extension_for(keys: list[Tensor], values: list[Tensor], layers: int, kv_heads: int,
+                   dim: int) -> ModuleType | None:  # fmt: skip
+    """The extension, if the pools are one contiguous (num_blocks, block_size, kv_heads, dim)
+    pair per layer, all of one shape (the C++ loops index them so), else None."""
+    if not keys or len(keys) != layers or len(values) != layers:
+        return None
+    shape = keys[0].shape
+    if len(shape) != 4 or shape[2:] != (kv_heads, dim):
+        return None
+    if any(p.shape != shape or not p.is_contiguous() for p in (*keys, *values)):
+        return None
+    return load_extension()
+
+
+def _linear(module: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    return module.weight, module.bias
+
+
 def _plain(module: nn.Module) -> bool:
     ops = module.ops
     return ops.layer_norm is _torch_layer_norm and ops.gelu is _torch_gelu
@@ -139,31 +157,21 @@ def gpt_decode_step(model: GPT, keys: list[Tensor], values: list[Tensor]) -> Dec
     heads, dim = model.blocks[0].attn.local_heads, model.blocks[0].attn.head_dim
     if heads * dim != model.config.n_embd:  # a tensor-parallel shard: its heads are a slice
         return None
-    if not keys or len(keys) != len(model.blocks) or len(values) != len(keys):
-        return None
-    shape = keys[0].shape
-    if len(shape) != 4 or shape[2:] != (heads, dim):
-        return None
-    if any(p.shape != shape or not p.is_contiguous() for p in (*keys, *values)):
-        return None
-    module = load_extension()
+    module = _extension_for(keys, values, len(model.blocks), heads, dim)
     if module is None:
         return None
 
     def norm(ln):
         return ln.weight, ln.bias, ln.eps
 
-    def linear(lin):
-        return lin.weight, lin.bias
-
     blocks = [
-        (norm(b.ln_1), linear(b.attn.qkv), linear(b.attn.proj), norm(b.ln_2), linear(b.mlp.fc),
-         linear(b.mlp.proj), k, v)
+        (norm(b.ln_1), _linear(b.attn.qkv), _linear(b.attn.proj), norm(b.ln_2),
+         _linear(b.mlp.fc), _linear(b.mlp.proj), k, v)
         for b, k, v in zip(model.blocks, keys, values)
     ]  # fmt: skip
     embed, head = model.embed, model.head
     return module.GPTDecodeStep(
-        embed.wte.weight, embed.wpe.weight, blocks, norm(head.ln_f), linear(head.lm_head), heads
+        embed.wte.weight, embed.wpe.weight, blocks, norm(head.ln_f), _linear(head.lm_head), heads
     )
 
 
@@ -203,32 +211,21 @@ def llama_decode_step(model: Llama, keys: list[Tensor], values: list[Tensor]) ->
     tensors = [*model.parameters(), *keys, *values]
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
-    if not keys or len(keys) != len(model.blocks) or len(values) != len(keys):
-        return None
-    shape = keys[0].shape
-    if len(shape) != 4 or shape[2:] != (kv_heads, dim):
-        return None
-    if any(p.shape != shape or not p.is_contiguous() for p in (*keys, *values)):
-        return None
-    module = load_extension()
+    module = _extension_for(keys, values, len(model.blocks), kv_heads, dim)
     if module is None:
         return None
     # the angles of every position, as the layers compute them (HF's tables, fp32)
     with torch.no_grad():
         cos, sin = attns[0].rotary(torch.arange(config.block_size)[None], torch.float32)
-
-    def linear(lin):
-        return lin.weight, lin.bias
-
     blocks = [
-        (b.attn_norm.weight, linear(b.attn.q_proj), linear(b.attn.k_proj), linear(b.attn.v_proj),
-         linear(b.attn.o_proj), b.mlp_norm.weight, linear(b.mlp.gate_proj), linear(b.mlp.up_proj),
-         linear(b.mlp.down_proj), k, v)
+        (b.attn_norm.weight, _linear(b.attn.q_proj), _linear(b.attn.k_proj),
+         _linear(b.attn.v_proj), _linear(b.attn.o_proj), b.mlp_norm.weight,
+         _linear(b.mlp.gate_proj), _linear(b.mlp.up_proj), _linear(b.mlp.down_proj), k, v)
         for b, k, v in zip(model.blocks, keys, values)
     ]  # fmt: skip
     head = model.head
     return module.LlamaDecodeStep(
-        model.embed.tokens.weight, blocks, head.norm.weight, linear(head.lm_head),
+        model.embed.tokens.weight, blocks, head.norm.weight, _linear(head.lm_head),
         cos[0].contiguous(), sin[0].contiguous(), config.rms_norm_eps, heads, kv_heads,
     )  # fmt: skip
 

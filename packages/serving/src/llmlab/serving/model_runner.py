@@ -323,13 +323,12 @@ class ModelRunner:
         in order."""
         if copies:
             self.pool.copy_blocks(copies)
-        unhooked = self._unhooked()
-        if unhooked and len(chunks) == 1 and chunks[0].num_tokens == 1:
+        if len(chunks) == 1 and chunks[0].num_tokens == 1:
             native = self.native.get()
-            if native is not None:  # the hot path as one call: no tensors to prepare
+            if native is not None and self._unhooked():  # the hot path as one call
                 seq, p = chunks[0].seq, chunks[0].start
                 return native(seq.token_ids[p], p, seq.block_table)[0].float()
-        lean = self._lean if unhooked else None
+        lean = self._lean_forward()
         batch = self.prepare(chunks)
         self.batch = batch
         try:

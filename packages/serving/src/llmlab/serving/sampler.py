@@ -54,7 +54,7 @@ def next_tokens(seqs: list[Sequence], rules: list[Rules], logits: Tensor) -> lis
     if plain:
         rows = logits if len(plain) == len(seqs) else logits[plain]  # no copy when all are
         # max's indices: argmax's (the first of equal maxima, NaN wins) at half its fixed cost
-        # on a CPU (6 vs 13 us for one row of 8192), a few % of a batch-1 step
+        # on a CPU (6 vs 13 us for one row of 8192, timed alone with timeit)
         picks = rows.max(dim=-1).indices.tolist()
         for i, token in zip(plain, picks):
             out[i] = token
