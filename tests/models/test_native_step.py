@@ -27,10 +27,12 @@ def model_of(**overrides) -> GPT:
     return GPT(GPTConfig(**{**sizes, **overrides})).eval()
 
 
-def pools(model: GPT, num_blocks: int, dtype=torch.float32) -> tuple[list, list]:
-    """Per-layer paged pools of blocks of 4 slots, as the serving engine lays them out."""
-    heads, dim = model.config.n_head, model.config.head_dim
-    keys = [torch.zeros(num_blocks, 4, heads, dim, dtype=dtype) for _ in model.blocks]
+def pools(model, num_blocks: int, dtype=torch.float32) -> tuple[list, list]:
+    """Per-layer paged pools of blocks of 4 slots, as the serving engine lays them out (GPT's
+    KV heads are its heads, Llama's its ``n_kv_head``)."""
+    attn = model.blocks[0].attn
+    kv_heads = getattr(attn, "local_kv_heads", attn.local_heads)
+    keys = [torch.zeros(num_blocks, 4, kv_heads, attn.head_dim, dtype=dtype) for _ in model.blocks]
     return keys, [torch.zeros_like(k) for k in keys]
 
 
@@ -40,6 +42,20 @@ def decode(model, ids: list[int], table: list[int], keys, values) -> list[torch.
     assert step is not None
     with torch.inference_mode():
         return [step(t, p, table)[0, -1] for p, t in enumerate(ids)]
+
+
+def decode_against_forward(model, seed: int) -> tuple[list[int], list, list]:
+    """38 random tokens decoded through the native step over ``TABLE``'s blocks, each step's
+    logits checked against the model's ``forward`` (1e-5); returns the ids and the pools."""
+    ids = torch.randint(0, 97, (38,), generator=torch.Generator().manual_seed(seed)).tolist()
+    keys, values = pools(model, 16)
+    got = decode(model, ids, TABLE, keys, values)
+    with torch.inference_mode():
+        want = model(torch.tensor([ids]))[0]
+    for p, logits in enumerate(got):
+        torch.testing.assert_close(logits, want[p], atol=1e-5, rtol=1e-5, msg=f"position {p}")
+    assert [int(x.argmax()) for x in got] == want.argmax(-1).tolist()
+    return ids, keys, values
 
 
 # blocks scattered over the pool, out of order: the step reads through the table
@@ -52,14 +68,7 @@ TABLE = [7, 2, 11, 0, 5, 9, 1, 12, 3, 14]
 )
 def test_each_step_equals_the_models_forward(overrides):
     model = model_of(**overrides)
-    ids = torch.randint(0, 97, (38,), generator=torch.Generator().manual_seed(1)).tolist()
-    keys, values = pools(model, 16)
-    got = decode(model, ids, TABLE, keys, values)
-    with torch.inference_mode():
-        want = model(torch.tensor([ids]))[0]
-    for p, logits in enumerate(got):
-        torch.testing.assert_close(logits, want[p], atol=1e-5, rtol=1e-5, msg=f"position {p}")
-    assert [int(x.argmax()) for x in got] == want.argmax(-1).tolist()
+    ids, keys, values = decode_against_forward(model, seed=1)
     # the pools hold the model's own keys and values, position p at slot p % 4 of block
     # TABLE[p // 4], and nothing in the blocks the table does not name
     with torch.inference_mode():
@@ -102,6 +111,14 @@ def test_no_step_where_it_would_compute_something_else(monkeypatch):
     model.blocks[1].mlp.fc = old
     monkeypatch.setenv("LLMLAB_NATIVE", "0")
     assert model.native_decode_step(keys, values) is None
+
+
+@pytest.mark.parametrize("build", [model_of, lambda **kw: llama_of(**kw)])
+def test_no_step_for_triton_kernels(build):
+    """``kernels="triton"`` computes its norms and activations in llmlab.kernels: the native
+    step, whose loops are the torch ops', would be another function."""
+    model = build(kernels="triton")
+    assert model.native_decode_step(*pools(model, 4)) is None
 
 
 def test_the_extension_is_built_once_per_torch_version():
@@ -177,22 +194,10 @@ def llama_of(**overrides) -> Llama:
     return Llama(LlamaConfig(**{**sizes, **overrides})).eval()
 
 
-def llama_pools(model: Llama, num_blocks: int, dtype=torch.float32) -> tuple[list, list]:
-    kv_heads, dim = model.config.n_kv_head, model.config.head_size
-    keys = [torch.zeros(num_blocks, 4, kv_heads, dim, dtype=dtype) for _ in model.blocks]
-    return keys, [torch.zeros_like(k) for k in keys]
-
-
 @pytest.mark.parametrize("overrides", LLAMA_VARIANTS)
 def test_each_llama_step_equals_the_models_forward(overrides):
     model = llama_of(**overrides)
-    ids = torch.randint(0, 97, (38,), generator=torch.Generator().manual_seed(2)).tolist()
-    keys, values = llama_pools(model, 16)
-    got = decode(model, ids, TABLE, keys, values)
-    with torch.inference_mode():
-        want = model(torch.tensor([ids]))[0]
-    for p, logits in enumerate(got):
-        torch.testing.assert_close(logits, want[p], atol=1e-5, rtol=1e-5, msg=f"position {p}")
+    ids, _, values = decode_against_forward(model, seed=2)
     # the pool holds the values the model computes (keys are rotated: checked via the logits)
     with torch.inference_mode():
         block = model.blocks[0]
@@ -203,12 +208,12 @@ def test_each_llama_step_equals_the_models_forward(overrides):
 
 
 def test_no_llama_step_where_it_would_compute_something_else():
-    keys, values = llama_pools(llama_of(), 4)
+    keys, values = pools(llama_of(), 4)
     assert llama_of().native_decode_step(keys, values) is not None
     # q/k norms (Qwen3), a window shorter than the context, bf16, a KV-head count the pools lack
     assert llama_of(qk_norm=True).native_decode_step(keys, values) is None
     assert llama_of(sliding_window=8).native_decode_step(keys, values) is None
-    assert llama_of().to(torch.bfloat16).native_decode_step(*llama_pools(llama_of(), 4,
+    assert llama_of().to(torch.bfloat16).native_decode_step(*pools(llama_of(), 4,
                                                             torch.bfloat16)) is None  # fmt: skip
     assert llama_of(n_kv_head=4).native_decode_step(keys, values) is None
     model = llama_of()
@@ -226,7 +231,7 @@ def test_a_tied_llama_with_a_column_major_table_decodes_the_same():
         weight.data = weight.data.t().contiguous().t()  # same values, column-major
     assert weight.stride(0) == 1
     ids = [5, 17, 3, 88, 41, 9, 60, 2, 33]
-    got = decode(model, ids, [2, 0, 1], *llama_pools(model, 4))
+    got = decode(model, ids, [2, 0, 1], *pools(model, 4))
     with torch.inference_mode():
         want = model(torch.tensor([ids]))[0]
     for p, logits in enumerate(got):
@@ -235,7 +240,7 @@ def test_a_tied_llama_with_a_column_major_table_decodes_the_same():
 
 def test_a_llama_position_past_its_angle_table_is_refused():
     model = llama_of()  # block_size 64: angles for positions 0..63
-    keys, values = llama_pools(model, 20)
+    keys, values = pools(model, 20)
     step = model.native_decode_step(keys, values)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="64 positions"):
         step(1, 64, list(range(20)))
