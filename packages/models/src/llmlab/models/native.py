@@ -1,12 +1,12 @@
 """GPT and Llama decode steps as one native call each (``csrc/decode_step.cpp``, built once).
 
 Why: at batch 1 a decode step of a small model is ~70 tiny ops (layer norms, views, adds, GELU,
-one SDPA per layer) around its matrix-vector products. Each op costs a few microseconds when
-Python calls it and about one when C++ does, and ATen's layer norm and SDPA spend 5 and 30
-microseconds setting up work of well under one at this size. On the serving benchmark's GPT-2
-(4 x 256, vocab 8192, one CPU thread) the Python step's forward takes 1.41 ms per token and this
-one 0.94, with the matrix products alone at 0.81 (benchmarks/results/SUMMARY.md). A Llama of
-the same size (GQA 4/2) goes from 1.95 to 0.99 ms per token (HF ``generate``: 2.4 ms).
+one SDPA per layer) around its matrix-vector products, each with a fixed cost from Python and
+in ATen far above its work at this size. The serving benchmark's notes time it on its GPT-2
+(4 x 256, vocab 8192, one CPU thread; benchmarks/results/SUMMARY.md's run): the Python step's
+forward 1.51 ms per token, of which the 4 layers' KV writes and SDPA calls 0.20 and the small
+ops 0.43; the native step 0.98, with the matrix products alone at 0.84. A Llama of the same
+size (GQA 4/2) decodes at 2.40x HF ``generate`` with it, 1.22x without.
 
 Each step follows its model's forward op for op, with paged attention for the one token (write
 its key and value at its slot of the KV pool, attend over its sequence's keys through the block
@@ -17,8 +17,8 @@ ATen's kernels for other dtypes and devices; Llama's step is fp32 CPU only.
 
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``) into
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), once per torch version and
-source; ``make install`` builds it, later processes load it in ~1 s (most of it importing
-``torch.utils.cpp_extension``). Where it cannot be built or loaded (no compiler, say)
+source; ``make install`` builds it, later processes load it (timed here: 1.05 s importing
+``torch.utils.cpp_extension``, 0.01 s the load itself). Where it cannot be built or loaded (no compiler, say)
 :func:`load_extension` returns None after one warning and callers keep their Python path;
 ``LLMLAB_NATIVE=0`` turns it off. A build killed half-way leaves a lock file that torch's loader
 waits on forever: delete ``TORCH_EXTENSIONS_DIR/<extension_name()>`` then.

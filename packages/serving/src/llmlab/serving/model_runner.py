@@ -19,8 +19,8 @@ where the model offers one (``native_decode_step``; ``llmlab.models.GPT``'s and 
 C++, ``llmlab.models.native``): its whole forward, paged attention through the block table
 included, with no tensors prepared here and no Python per layer. Its logits equal the Python
 step's to fp32 rounding. Why: on the serving benchmark's GPT-2 (batch 1, one CPU thread) the
-Python step's forward took 1.41 ms per token around 0.81 ms of matrix-vector products (~21 MB of
-weights read per token), the native one 0.94 ms.
+Python step's forward took 1.51 ms per token around 0.84 ms of matrix-vector products (~21 MB of
+weights read per token), the native one 0.98 ms (SUMMARY.md's serving notes).
 Without one, a decode of one sequence whose blocks lie one after another in the pool (a lone
 request's, while the pool's free queue is still in order) skips the general machinery: no
 ``PagedLayout``, the new key and value are written at their slot, and each layer runs the one
