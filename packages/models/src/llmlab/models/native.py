@@ -18,10 +18,10 @@ ATen's kernels for other dtypes and devices; Llama's step is fp32 CPU only.
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``) into
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), once per torch version and
 source; ``make install`` builds it, later processes load it (timed here: 1.05 s importing
-``torch.utils.cpp_extension``, 0.01 s the load itself). Where it cannot be built or loaded (no compiler, say)
-:func:`load_extension` returns None after one warning and callers keep their Python path;
-``LLMLAB_NATIVE=0`` turns it off. A build killed half-way leaves a lock file that torch's loader
-waits on forever: delete ``TORCH_EXTENSIONS_DIR/<extension_name()>`` then.
+``torch.utils.cpp_extension``, 0.01 s the load itself). Where it cannot be built or loaded (no
+compiler, say) :func:`load_extension` returns None after one warning and callers keep their
+Python path; ``LLMLAB_NATIVE=0`` turns it off. A build killed half-way leaves a lock file that
+torch's loader waits on forever: delete ``TORCH_EXTENSIONS_DIR/<extension_name()>`` then.
 
 The step object may be called from several threads at once (it releases the GIL; its scratch
 is per call), though not on the same pools for the same slots, as any KV cache.
