@@ -260,6 +260,16 @@ def best_cpu(fn, repeats: int) -> float:
     return common_best_of(fn, repeats, warmup=0, clock=time.process_time)
 
 
+def interleaved_best(systems: dict, repeats: int) -> dict[str, float]:
+    """Each system's best CPU seconds over ``repeats`` interleaved rounds (one run of each per
+    round): the machine's load drifts within a minute, so no system gets only the quiet part."""
+    best = dict.fromkeys(systems, math.inf)
+    for _ in range(repeats):
+        for name, fn in systems.items():
+            best[name] = min(best[name], best_cpu(fn, 1))
+    return best
+
+
 def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
     from llmlab.decoding import GenerationConfig, generate
     from llmlab.serving import LLM
@@ -285,11 +295,7 @@ def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
         "hf": run_hf,
         "ours": lambda: generate(model, ids, cfg),
     }
-    # interleaved rounds, best CPU time of each: the machine's load drifts within a minute
-    best = dict.fromkeys(systems, math.inf)
-    for _ in range(repeats):
-        for name, fn in systems.items():
-            best[name] = min(best[name], best_cpu(fn, 1))
+    best = interleaved_best(systems, repeats)
     t_engine, t_hf, t_ours, t_python = best["engine"], best["hf"], best["ours"], best["python step"]
     native = llm.engine.runner.native.get() is not None
     rows = [
@@ -351,11 +357,7 @@ def llama_hot_path(new_tokens: int, repeats: int) -> tuple[str, list[Row]]:
     systems = {n: functools.partial(e.generate, [prompt], cfg, progress=False)
                for n, e in engines.items()}  # fmt: skip
     systems["hf"] = run_hf
-    best = dict.fromkeys(systems, math.inf)
-    for _ in range(repeats):
-        for name, fn in systems.items():
-            best[name] = min(best[name], best_cpu(fn, 1))
-    rate = {name: new_tokens / t for name, t in best.items()}
+    rate = {name: new_tokens / t for name, t in interleaved_best(systems, repeats).items()}
     native = engines["native"].engine.runner.native.get() is not None
     note = (
         f"Llama hot path: native step {'on' if native else 'OFF'}; the engine's tokens equal "
