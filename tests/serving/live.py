@@ -18,7 +18,7 @@ from tests.serving.models import byte_gpt
 MODEL_NAME = "tiny-bytes"
 
 
-def byte_state(**engine: int) -> ServerState:
+def byte_state(**engine: int | bool) -> ServerState:
     config = EngineConfig(**{"block_size": 8, "max_num_seqs": 32, "max_num_batched_tokens": 128,
                              "num_blocks": 96, **engine})  # fmt: skip
     return ServerState(LLMEngine(byte_gpt(), ByteTokenizer(), config), MODEL_NAME,
