@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import venv
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -87,10 +86,6 @@ def test_the_wheels_build_and_the_tokenizer_runs_alone_without_torch(tmp_path):
     )  # fmt: skip
     built = {p.name.split("-")[0].replace("_", "-") for p in dist.glob("*.whl")}
     assert built == set(DISTRIBUTIONS), f"wheels built: {sorted(built)}"
-    # llmlab.models.native compiles its C++ source where it runs: the wheel must carry it
-    (models,) = dist.glob("llmlab_models-*.whl")
-    with zipfile.ZipFile(models) as wheel:
-        assert "llmlab/models/csrc/decode_step.cpp" in wheel.namelist()
 
     env_dir = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)

@@ -90,7 +90,7 @@ def test_window_and_compile_refuse_what_they_do_not_support():
 
 
 @torch.no_grad()
-def test_compiled_decode_step_gives_the_eager_tokens():
+def test_compiled_forward_gives_the_eager_tokens():
     """Greedy, a left-padded batch and an unpadded one, then sampling with a seed: the compiled
     static-shape step (full-cache attention under a key mask) emits exactly eager's tokens."""
     model = llmlab_model()
@@ -108,7 +108,7 @@ def test_compiled_decode_step_gives_the_eager_tokens():
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_compiled_decode_step_inside_a_sliding_window():
+def test_compiled_forward_inside_a_sliding_window():
     """Re-encodes are eager prefills, the steps between them compiled: still the no-cache
     window recomputation's tokens."""
     model = llmlab_model()

@@ -62,6 +62,6 @@ def test_document_ids_are_refused_where_they_mean_nothing(arch):
     with pytest.raises(ValueError, match="non-decreasing"):
         model(ids, document_ids=docs.flip(1))
     with pytest.raises(ValueError, match="KV cache or an attention_mask"):
-        model(ids, cache=model.new_cache(2, 32), document_ids=docs)
+        model(ids, attention=model.new_cache(2, 32), document_ids=docs)
     with pytest.raises(ValueError, match="one id per token"):
         model(ids, document_ids=docs[:, :5])

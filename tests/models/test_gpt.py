@@ -61,9 +61,9 @@ def test_kv_cache_decoding_equals_full_forward():
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache(2, 16)
-        steps = [model(ids[:, :5], cache=cache)]  # prefill
-        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(5, 9)]
-        steps.append(model(ids[:, 9:], cache=cache))  # a multi-token chunk after a prefix
+        steps = [model(ids[:, :5], attention=cache)]  # prefill
+        steps += [model(ids[:, t : t + 1], attention=cache) for t in range(5, 9)]
+        steps.append(model(ids[:, 9:], attention=cache))  # a multi-token chunk after a prefix
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
 
 

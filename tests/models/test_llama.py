@@ -107,9 +107,9 @@ def test_kv_cache_decoding_equals_full_forward():
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache(2, 16)
-        steps = [model(ids[:, :5], cache=cache)]  # prefill
-        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(5, 9)]
-        steps.append(model(ids[:, 9:], cache=cache))  # a multi-token chunk after a prefix
+        steps = [model(ids[:, :5], attention=cache)]  # prefill
+        steps += [model(ids[:, t : t + 1], attention=cache) for t in range(5, 9)]
+        steps.append(model(ids[:, 9:], attention=cache))  # a multi-token chunk after a prefix
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
 
 
@@ -126,10 +126,10 @@ def test_left_padded_rows_decode_like_unpadded_ones():
         # and the cached continuation of both agrees too
         nxt = expected[:, -1:].argmax(-1)
         cache_a, cache_b = model.new_cache(1, 16), model.new_cache(1, 16)
-        model(short, cache=cache_a)
-        model(padded, cache=cache_b, attention_mask=mask)
-        step_a = model(nxt, cache=cache_a)
-        step_b = model(nxt, cache=cache_b, attention_mask=torch.cat([mask, mask[:, -1:]], 1))
+        model(short, attention=cache_a)
+        model(padded, attention=cache_b, attention_mask=mask)
+        step_a = model(nxt, attention=cache_a)
+        step_b = model(nxt, attention=cache_b, attention_mask=torch.cat([mask, mask[:, -1:]], 1))
     torch.testing.assert_close(got[:, 3:], expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(step_b, step_a, atol=1e-5, rtol=0)
     # Unmasked, the padded row would see RoPE angles shifted by three: a real difference.
@@ -222,8 +222,12 @@ def test_bad_config_names_the_numbers(field, value, message):
 
 def test_sequence_longer_than_block_size_is_refused():
     model = Llama(TINY)
-    with pytest.raises(ValueError, match="exceed the model's block_size 32"):
+    with pytest.raises(ValueError, match="position 32 is beyond the model's block_size 32"):
         model(torch.zeros(1, 33, dtype=torch.long))
+    cache = model.new_cache(1, 32)
+    model(torch.zeros(1, 30, dtype=torch.long), attention=cache)
+    with pytest.raises(ValueError, match="position 32 is beyond the model's block_size 32"):
+        model(torch.zeros(1, 3, dtype=torch.long), attention=cache)
 
 
 def test_registry_builds_either_model_from_its_dict():

@@ -67,7 +67,7 @@ def test_the_model_is_unchanged_outside_the_engine():
         ModelRunner(model, CONFIG)
         after = model(x)
         cache = model.new_cache(1, 8)  # and the decoding contract still works
-        cached = model(x, cache=cache)
+        cached = model(x, attention=cache)
     torch.testing.assert_close(before, after, atol=0, rtol=0)
     torch.testing.assert_close(cached, before, atol=1e-6, rtol=1e-6)
 

@@ -117,7 +117,7 @@ def _check_model(kind: str, scheme: str, failures: list[str]) -> None:
                             cp.degree, torch.float32, layers=c.n_layer)  # fmt: skip
             if cp.stats.bytes_sent != want:
                 failures.append(f"{tag}: sent {cp.stats.bytes_sent} bytes, cp_bytes {want}")
-            refused = {"cache": model.new_cache(B, T), "attention_mask": torch.ones(B, T)}
+            refused = {"attention": model.new_cache(B, T), "attention_mask": torch.ones(B, T)}
             for name, value in refused.items():
                 try:
                     model(cp.shard(ids), **{name: value})

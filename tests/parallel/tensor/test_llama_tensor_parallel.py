@@ -124,7 +124,7 @@ def _dtensor_and_decode(rank: int, world_size: int) -> dict:
     with torch.no_grad():
         step = ids
         for _ in range(6):
-            nxt = _gather(ours(step, cache=cache)[:, -1], -1, dist.group.WORLD).argmax(-1)
+            nxt = _gather(ours(step, attention=cache)[:, -1], -1, dist.group.WORLD).argmax(-1)
             tokens.append(int(nxt))
             step = nxt[:, None]
     return {"cache_heads": cache.n_head, "tokens": tokens}

@@ -1,7 +1,7 @@
 """llmlab.decoding: greedy, sampling, beam, exhaustive and speculative decoding with a KV cache.
 
 Works on any model that follows the decoding contract (docs/architecture.md#contracts):
-``model(input_ids, cache=, positions=, attention_mask=) -> logits`` plus
+``model(input_ids, attention=cache, positions=, attention_mask=) -> logits`` plus
 ``model.new_cache(batch_size, max_len)``, e.g. ``llmlab.models.GPT`` and ``llmlab.models.Llama``, or
 a HF causal LM wrapped in ``HFModel``. Depends on torch only."""
 

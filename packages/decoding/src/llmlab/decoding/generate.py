@@ -60,7 +60,7 @@ def generate(
     ``overrides`` replace config fields (``generate(m, ids, max_new_tokens=5)``).
     ``tokenizer`` is needed for ``stop_strings``; ``draft_model`` selects speculative decoding.
     ``compile=True`` (greedy and sampling) runs each one-token step through
-    ``torch.compile(model.decode_step)`` with static shapes: the same tokens, less per-step
+    ``torch.compile(model)`` over a fixed-shape view of its cache: the same tokens, less per-step
     overhead once compiled (the first call compiles, later calls reuse the graph).
     """
     config = config or GenerationConfig()

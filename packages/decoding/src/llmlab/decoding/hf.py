@@ -1,6 +1,6 @@
 """``HFModel``: make a HF ``transformers`` causal LM follow llmlab's decoding contract.
 
-The strategies in this package only need ``model(input_ids, cache=, positions=,
+The strategies in this package only need ``model(input_ids, attention=cache, positions=,
 attention_mask=, logits_to_keep=) -> logits`` and ``model.new_cache(batch_size, max_len)``.
 This adapter provides both around any ``*ForCausalLM``, using HF's own ``DynamicCache`` (wrapped
 to expose ``length``, ``reorder`` and ``crop``), and position ids derived from the attention mask
@@ -57,11 +57,12 @@ class HFModel:
     def forward(
         self,
         input_ids: Tensor,
-        cache: HFCache | None = None,
         positions: Tensor | None = None,
+        attention: HFCache | None = None,
         attention_mask: Tensor | None = None,
         logits_to_keep: int = 0,
     ) -> Tensor:
+        cache = attention
         past = cache.length if cache is not None else 0
         T = input_ids.shape[1]
         if positions is None:

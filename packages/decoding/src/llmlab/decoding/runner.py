@@ -1,7 +1,8 @@
 """``ModelRunner``: feeds new tokens to a decodable model, with or without its KV cache.
 
-The decoding contract (docs/architecture.md#contracts) is ``model(input_ids, cache=, positions=,
-attention_mask=)`` plus ``model.new_cache(batch_size, max_len)``; the cache has ``length``,
+The decoding contract (docs/architecture.md#contracts) is ``model(input_ids, attention=cache,
+positions=, attention_mask=)`` plus ``model.new_cache(batch_size, max_len)``: the cache is the
+forward's attention context (``llmlab.models.attention``) and has ``length``,
 ``reorder(indices)`` and ``crop(length)``. Every strategy talks to the model only through this
 class, so each works on any model honouring the contract, cached or not:
 
@@ -22,10 +23,11 @@ Two options change *how* the tokens reach the model, never which tokens come out
   full forward per new token; a larger stride re-encodes every ``stride`` tokens and decodes
   from the cache in between (the context then varies between ``window - stride + 1`` and
   ``window`` tokens). :func:`window_start` is the rule, for the runner and its tests alike.
-* ``compile``: one-token steps go through the model's static-shape ``decode_step`` (the
-  :class:`StaticDecodable` contract) compiled with ``torch.compile``: the preallocated cache is
-  written at a tensor index and attended over in full under a key mask, so no shape changes
-  from step to step and a single graph serves the whole generation. Prefills stay eager.
+* ``compile``: one-token steps go through the model's own forward compiled with
+  ``torch.compile``, its cache seen as a fixed-shape context (the :class:`StaticCache`
+  contract, ``cache.static_step(index, key_mask)``): the preallocated cache is written at a
+  tensor index and attended over in full under a key mask, so no shape changes from step to
+  step and a single graph serves the whole generation. Prefills stay eager.
 """
 
 from __future__ import annotations
@@ -47,33 +49,35 @@ def _accepts(fn: Any, name: str) -> bool:
 
 
 @runtime_checkable
-class StaticDecodable(Protocol):
-    """What ``compile=True`` needs from a model besides the decoding contract.
+class StaticCache(Protocol):
+    """What ``compile=True`` needs from the model's cache besides the decoding contract.
 
-    ``decode_step(input_ids (B, 1), cache, index (1,), positions (B, 1), key_mask (B, max_len))
-    -> logits (B, 1, V)``: write the new token's keys/values into cache slot ``index`` and attend
-    over every slot where ``key_mask`` is True; shapes never depend on the step.
+    ``static_step(index (1,), key_mask (B, max_len)) -> context``: an attention context that
+    writes the new token's keys/values into slot ``index`` and attends over every slot where
+    ``key_mask`` is True; shapes never depend on the step (``llmlab.models.KVCache`` has it).
     """
 
-    def decode_step(
-        self, input_ids: Tensor, cache: Any, index: Tensor, positions: Tensor, key_mask: Tensor
-    ) -> Tensor: ...
+    max_len: int
+
+    def static_step(self, index: Tensor, key_mask: Tensor) -> Any: ...
 
 
-# One compiled step per model object: a second ``generate`` call reuses the graph.
+# One compiled forward per model object: a second ``generate`` call reuses the graph.
 _COMPILED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def compiled_decode_step(model: Any) -> Any:
-    """``torch.compile(model.decode_step)`` (static shapes, whole graph), cached per model."""
-    if not isinstance(model, StaticDecodable):
+def compiled_forward(model: Any, cache: Any) -> Any:
+    """``torch.compile(model)`` (static shapes, whole graph) for one-token steps over ``cache``,
+    cached per model."""
+    if not isinstance(cache, StaticCache):
         raise ValueError(
-            f"compile=True needs a model with a static-shape decode_step(input_ids, cache, index, "
-            f"positions, key_mask); {type(model).__name__} has none (llmlab.models.GPT has)"
+            f"compile=True needs a cache with a fixed-shape static_step(index, key_mask); "
+            f"{type(model).__name__} has none (its new_cache gives a {type(cache).__name__}; "
+            "llmlab.models.KVCache has one)"
         )
     step = _COMPILED.get(model)
     if step is None:
-        step = torch.compile(model.decode_step, dynamic=False, fullgraph=True)
+        step = torch.compile(model, dynamic=False, fullgraph=True)
         _COMPILED[model] = step
     return step
 
@@ -119,7 +123,7 @@ class ModelRunner:
         self.tokens: Tensor | None = None
         self.total = 0  # tokens fed so far
         self.start = 0  # first token of the model's current context (sliding window)
-        self.step = compiled_decode_step(model) if compile and use_cache else None
+        self.step = compiled_forward(model, self.cache) if compile and use_cache else None
 
     @property
     def length(self) -> int:
@@ -159,11 +163,12 @@ class ModelRunner:
         if self._keep_logits:
             kwargs["logits_to_keep"] = keep
         if self.cache is not None:
-            return self.model(ids, cache=self.cache, **kwargs)
+            return self.model(ids, attention=self.cache, **kwargs)
         return self.model(ids, **kwargs)
 
     def _static_step(self, new_ids: Tensor) -> Tensor:
-        """One token through the compiled ``decode_step``; the cache advances here."""
+        """One token through the compiled forward over the cache's fixed-shape view; the cache
+        advances here."""
         cache, n = self.cache, self.length
         if n >= cache.max_len:
             raise ValueError(f"KV cache overflow: {n + 1} tokens do not fit in {cache.max_len}")
@@ -176,8 +181,9 @@ class ModelRunner:
             key_mask[:, : n + 1] = True
             positions = torch.full((rows, 1), n, dtype=torch.long, device=new_ids.device)
         index = torch.tensor([n], device=new_ids.device)
-        logits = self.step(new_ids, cache, index, positions, key_mask)
-        cache.advance(1)
+        logits = self.step(new_ids, positions=positions,
+                           attention=cache.static_step(index, key_mask))  # fmt: skip
+        cache.length += 1
         return logits
 
     def reorder(self, rows: Tensor) -> None:

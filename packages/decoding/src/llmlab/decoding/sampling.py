@@ -34,7 +34,7 @@ def decode_one_by_one(
 ) -> Tensor:
     """Greedy (``sample=False``) or ancestral sampling (``sample=True``) for every row.
 
-    ``compile``: one-token steps through the model's compiled static-shape ``decode_step``
+    ``compile``: one-token steps through the model's forward compiled over a static-shape cache
     (see ``llmlab.decoding.runner``); ``config.sliding_window`` lets generation run past the
     model's context.
     """

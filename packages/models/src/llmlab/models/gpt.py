@@ -1,6 +1,6 @@
 """A GPT (decoder-only transformer) that is plain PyTorch and ready to be split and sharded.
 
-Three contracts from docs/architecture.md#contracts shape this module:
+Four contracts from docs/architecture.md#contracts shape this module:
 
 * **Pipeline**: ``GPT.pipeline_layers()`` is ``[embed, *blocks, head]``; each maps one tensor to
   one tensor (ids -> hidden -> hidden -> logits), and their composition is ``GPT.forward``.
@@ -8,9 +8,11 @@ Three contracts from docs/architecture.md#contracts shape this module:
   projection stores its output rows head by head (``[q_h, k_h, v_h]`` for each head ``h``), as
   Megatron-LM does, so a contiguous column shard holds whole heads; attention reads its local
   head count from the (possibly sharded) weight, never from ``config.n_head``.
-* **Decoding**: ``forward(input_ids, cache=None, positions=None, attention_mask=None)`` with a
-  preallocated ``KVCache`` from ``new_cache(batch_size, max_len)``; positions follow the
-  attention mask for left-padded batches, as HF does.
+* **One forward, one attention context**: ``forward(input_ids, positions=None, attention=None,
+  attention_mask=None, logits_to_keep=0)`` serves training (no context: causal attention),
+  decoding (``attention=`` a ``KVCache`` from ``new_cache(batch_size, max_len)``; positions
+  follow the attention mask for left-padded batches, as HF does) and serving (the engine's
+  paged context); see :mod:`llmlab.models.attention`.
 
 The layer layout mirrors GPT-2 so that ``GPT.from_hf_gpt2`` is a renaming (plus the qkv
 reordering above) and logits match ``transformers.GPT2LMHeadModel``.
@@ -19,17 +21,16 @@ reordering above) and logits match ``transformers.GPT2LMHeadModel``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llmlab.models.attention import AttentionContext, keep_logits, resolve_context
 from llmlab.models.gpt_config import GPTConfig
 from llmlab.models.kv_cache import KVCache
-from llmlab.models.masks import attention_bias, resolve_positions
+from llmlab.models.masks import resolve_positions
 from llmlab.models.ops import Ops, get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -71,23 +72,19 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cache: KVCache | None = None,
-        attn_mask: Tensor | None = None,
-        causal: bool = True,
+        attention: AttentionContext | None = None,
         document_ids: Tensor | None = None,
     ) -> Tensor:
         B, T, _ = x.shape
         # (B, T, H, 3, D): each head's q, k and v are adjacent, so a column shard keeps heads whole.
         qkv = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each (B, H, T, D)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is None and causal:
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, H, T, D)
+        if attention is not None:  # decoding, serving: the context knows the keys
+            y = attention.attend(self.layer_idx, q, k, v)
+        else:  # training: causal over the row (or its documents), through the layer's op
             docs = {} if document_ids is None else {"document_ids": document_ids}
+            dropout_p = self.dropout if self.training else 0.0
             y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
-        else:  # decoding: an explicit mask, or one new token that may see every cached key
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)
         return self.resid_dropout(self.proj(y))
 
@@ -117,13 +114,11 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cache: KVCache | None = None,
-        attn_mask: Tensor | None = None,
-        causal: bool = True,
+        attention: AttentionContext | None = None,
         document_ids: Tensor | None = None,
     ) -> Tensor:
         # ids by keyword: sequence parallelism gathers only the first positional input
-        x = x + self.attn(self.ln_1(x), cache, attn_mask, causal, document_ids=document_ids)
+        x = x + self.attn(self.ln_1(x), attention, document_ids=document_ids)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -145,9 +140,9 @@ class Embedding(nn.Module):
         if positions is None:  # (1, T): batch-major like the ids, as sequence sharding expects
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
             last_position = input_ids.shape[1] - 1
-        if last_position is None:
-            last_position = int(positions.max())
-        if last_position >= self.block_size:
+        if last_position is None and not torch.compiler.is_compiling():  # a compiled step's
+            last_position = int(positions.max())  # caller checks its lengths on the host
+        if last_position is not None and last_position >= self.block_size:
             raise ValueError(
                 f"position {last_position} is beyond the model's block_size "
                 f"{self.block_size}; sequences may hold at most {self.block_size} tokens"
@@ -165,24 +160,6 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.lm_head(self.ln_f(x))
-
-
-def _plain_linear(x: Tensor, module: nn.Linear) -> Tensor:
-    return F.linear(x, module.weight, module.bias)
-
-
-class _SlotWriter:
-    """The cache seen by ``GPT.decode_step``: writes the new key/value at a tensor index and
-    hands back the whole preallocated buffers (static shapes, no Python-int slicing)."""
-
-    def __init__(self, cache: KVCache, index: Tensor) -> None:
-        self.cache, self.index = cache, index
-
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        keys.index_copy_(2, self.index, k)
-        values.index_copy_(2, self.index, v)
-        return keys, values
 
 
 class GPT(nn.Module):
@@ -217,135 +194,44 @@ class GPT(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        cache: KVCache | None = None,
         positions: Tensor | None = None,
+        attention: AttentionContext | None = None,
         attention_mask: Tensor | None = None,
         logits_to_keep: int | Tensor = 0,
         document_ids: Tensor | None = None,
     ) -> Tensor:
-        """Logits for ``input_ids`` (B, T).
+        """Logits for ``input_ids`` (B, T): this model's one forward, for training, decoding,
+        serving and every parallel layout.
 
-        ``cache``: a ``KVCache`` from ``new_cache``; the new tokens are appended to it.
+        ``attention``: the context that knows which keys each query sees and keeps new keys and
+        values (:mod:`llmlab.models.attention`): a ``KVCache`` from ``new_cache`` for
+        decoding, the serving engine's paged context; None for training (causal over the row).
         ``attention_mask``: (B, past + T) with 1 for real tokens and 0 for (left) padding.
-        ``positions``: (B, T) position ids; by default derived from the mask (or the cache).
-        ``logits_to_keep``: if > 0, only the last that many positions go through the LM head; a
-        LongTensor of positions keeps exactly those (HF's convention).
-        ``document_ids``: (B, T) ids of the packed documents, non-decreasing per row (training):
-        attention stays inside each document and positions restart at each document's start.
+        ``positions``: (B, T) position ids; by default the context's (past .. past + T - 1, or
+        following the padding mask). ``logits_to_keep``: if > 0, only the last that many
+        positions go through the LM head; a LongTensor of positions keeps exactly those (HF's
+        convention). ``document_ids``: (B, T) ids of the packed documents, non-decreasing per
+        row (training): attention stays inside each document and positions restart at each
+        document's start.
         """
-        past = cache.length if cache is not None else 0
+        attention = resolve_context(attention, attention_mask, document_ids)
         T = input_ids.shape[1]
-        last_position = None  # without padding it is past + T - 1, known here
-        if positions is None and document_ids is None and attention_mask is None:
-            last_position = past + T - 1
-        positions = resolve_positions(
-            input_ids, positions, past, attention_mask, document_ids, cache is not None
-        )
-        # Without padding, a fresh sequence is plainly causal and a single new token may attend to
-        # every cached key: neither needs a mask tensor, so the fused causal kernel stays in use.
-        attn_mask = None
-        if attention_mask is not None or (past > 0 and T > 1):
-            attn_mask = attention_bias(input_ids, past, attention_mask)
-        causal = past == 0
+        last_position = None  # known on the host where nothing can move it
+        if attention is None:
+            if positions is None and document_ids is None:
+                last_position = T - 1
+            positions = resolve_positions(input_ids, positions, 0, None, document_ids, False)
+        else:
+            if positions is None and attention_mask is None:
+                last_position = getattr(attention, "past", 0) + T - 1
+            positions = attention.begin(input_ids, positions, attention_mask)
         x = self.embed(input_ids, positions, last_position)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         for block in self.blocks:
-            x = block(x, cache, attn_mask, causal, **docs)
-        if cache is not None:
-            cache.advance(T)
-        if isinstance(logits_to_keep, Tensor):  # HF's meaning: the positions to keep
-            x = x[:, logits_to_keep]
-        elif logits_to_keep > 0:
-            x = x[:, -logits_to_keep:]
-        return self.head(x)
-
-    def inference_forward_applies(self) -> bool:
-        """Whether :meth:`inference_forward` computes what ``forward`` does for this model: every
-        submodule is one of the classes it spells out. A replaced or wrapped layer (a LoRA
-        adapter, an fp8 or quantized Linear, any subclass) has a forward of its own, which the
-        direct calls would skip silently. Hooks are the caller's to check (they can come and go).
-        """
-        plain = (GPT, Embedding, Block, CausalSelfAttention, MLP, LayerNorm, Head,
-                 nn.Linear, nn.Embedding, nn.Dropout, nn.ModuleList)  # fmt: skip
-        return all(type(m) in plain for m in self.modules())
-
-    def inference_forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        logits_to_keep: int | Tensor = 0,
-        linear: Callable[[Tensor, nn.Linear], Tensor] | None = None,
-    ) -> Tensor:
-        """``forward(input_ids, positions=positions, logits_to_keep=...)`` in eval mode, without
-        ``nn.Module`` dispatch: the same functions on the same tensors in the same order, so the
-        logits are bit-identical (the serving engine's hot path, see llmlab.serving).
-
-        Why: a batch-1 decode step of a small model is ~60 module calls and ~100 tiny ops
-        around 17 matrix-vector products; the calls' bookkeeping (hook checks, ``__getattr__``,
-        dropout no-ops) costs a third of the step on a CPU. Skipping ``Module.__call__`` also
-        skips hooks, so the caller must make sure none are registered (the engine checks;
-        tensor parallelism, which works through hooks, never comes here), and
-        :meth:`inference_forward_applies` must hold. No cache, no mask,
-        no dropout; ``positions`` (1, N) must lie below ``block_size`` (not checked: the caller
-        knows them on the host).
-
-        ``linear(x, module)``: how each ``nn.Linear`` product is computed (default: ``F.linear``
-        of its weight and bias, as its forward does); the serving engine passes its own (oneDNN
-        on packed weights, ``llmlab.serving.linear``), equal up to fp32 rounding.
-        """
-        lin = _plain_linear if linear is None else linear
-        x = F.embedding(input_ids, self.embed.wte.weight) + F.embedding(
-            positions, self.embed.wpe.weight
-        )
-        for block in self.blocks:
-            attn, mlp, ln_1, ln_2 = block.attn, block.mlp, block.ln_1, block.ln_2
-            B, T, _ = x.shape
-            heads, dim = attn.local_heads, attn.head_dim
-            h = ln_1.ops.layer_norm(x, ln_1.weight, ln_1.bias, ln_1.eps)
-            qkv = lin(h, attn.qkv).view(B, T, heads, 3, dim)
-            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # forward's views, one call
-            y = attn.ops.attention(q, k, v, causal=True, dropout_p=0.0)
-            y = y.transpose(1, 2).reshape(B, T, heads * dim)
-            x = x + lin(y, attn.proj)
-            h = ln_2.ops.layer_norm(x, ln_2.weight, ln_2.bias, ln_2.eps)
-            h = mlp.ops.gelu(lin(h, mlp.fc))
-            x = x + lin(h, mlp.proj)
-        if isinstance(logits_to_keep, Tensor):
-            x = x[:, logits_to_keep]
-        elif logits_to_keep > 0:
-            x = x[:, -logits_to_keep:]
-        ln_f = self.head.ln_f
-        x = ln_f.ops.layer_norm(x, ln_f.weight, ln_f.bias, ln_f.eps)
-        return lin(x, self.head.lm_head)
-
-    def native_decode_step(self, keys: list[Tensor], values: list[Tensor]) -> Any:
-        """This model's one-token step as one native call over per-layer KV pools, or None where
-        it does not apply or cannot be built: see :func:`llmlab.models.native.gpt_decode_step`
-        (the serving engine's hot path uses it; logits equal to ``forward``'s to fp32
-        rounding)."""
-        from llmlab.models.native import gpt_decode_step
-
-        return gpt_decode_step(self, keys, values)
-
-    def decode_step(
-        self, input_ids: Tensor, cache: KVCache, index: Tensor, positions: Tensor, key_mask: Tensor
-    ) -> Tensor:
-        """One decoding step with static shapes, for ``torch.compile`` (and CUDA graphs).
-
-        ``input_ids`` and ``positions``: (B, 1); ``index``: a 1-element LongTensor, the cache slot
-        to write (the same for every row); ``key_mask``: (B, max_len) bool, True for the cached
-        keys each row may see (its own new slot included). Every layer attends over all
-        ``max_len`` slots of the preallocated cache with that mask, so no shape depends on how
-        far decoding has got: one compiled graph serves every step. Returns logits (B, 1, V);
-        the caller advances the cache. Same maths as ``forward`` with the cache (the masked
-        slots contribute exact zeros to the softmax).
-        """
-        x = self.embed.drop(self.embed.wte(input_ids) + self.embed.wpe(positions))
-        slots = _SlotWriter(cache, index)
-        mask = key_mask[:, None, None, :]
-        for block in self.blocks:
-            x = block(x, slots, mask, False)
-        return self.head(x)
+            x = block(x, attention, **docs)
+        if attention is not None:
+            attention.end(T)
+        return self.head(keep_logits(x, logits_to_keep))
 
     # ----------------------------------------------------------------------- contracts
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:

@@ -1,9 +1,14 @@
 """A preallocated key/value cache: prefill once, then append one token per step without copies.
 
-Every layer writes its new keys and values at ``[length, length + T)`` of fixed buffers of shape
-(batch, heads, max_len, head_dim) and attends over the prefix ``[0, length + T)``; the model
-calls ``advance(T)`` once all layers have written. Rows of a batch share the write position: left
-padding (and the attention mask) keeps them aligned, as in HF.
+The cache is an attention context (:mod:`llmlab.models.attention`): ``model(ids, attention=cache,
+attention_mask=...)``. Every layer writes its new keys and values at ``[length, length + T)`` of
+fixed buffers of shape (batch, heads, max_len, head_dim) and attends over the prefix
+``[0, length + T)``; the forward's ``end`` commits the ``T`` tokens. Rows of a batch share the
+write position: left padding (and the attention mask) keeps them aligned, as in HF.
+
+``static_step(index, key_mask)`` is the same cache seen with fixed shapes, for ``torch.compile``
+(and CUDA graphs): the new token is written at a tensor index and every layer attends over all
+``max_len`` slots under a key mask, so no shape depends on how far decoding has got.
 
 Each layer has its own pair of buffers (lists, not one (layers, ...) tensor): a compiled decode
 step that writes into a *view* of one big input tensor makes torch.compile copy the whole base
@@ -16,8 +21,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from llmlab.models.attention import MaskedAttention, sdpa
 
-class KVCache:
+
+class KVCache(MaskedAttention):
     def __init__(
         self,
         n_layer: int,
@@ -49,7 +56,11 @@ class KVCache:
         """Bytes held by every layer's key and value buffers."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    @property
+    def past(self) -> int:  # what MaskedAttention's masks and positions count from
+        return self.length
+
+    def store(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new ``k``/``v`` (B, H, T, D) of one layer; return that layer's full prefix."""
         end = self.length + k.shape[2]
         if end > self.max_len:
@@ -61,9 +72,16 @@ class KVCache:
         self.values[layer_idx][:, :, self.length : end] = v
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
-    def advance(self, num_tokens: int) -> None:
+    def end(self, num_tokens: int) -> None:
         """Commit ``num_tokens`` new positions once every layer has written them."""
+        super().end(num_tokens)
         self.length += num_tokens
+
+    def static_step(self, index: Tensor, key_mask: Tensor) -> StaticStep:
+        """This cache as a fixed-shape context for one decoding step (module docstring):
+        ``index`` (1,) the slot to write, ``key_mask`` (B, max_len) the slots each row sees (its
+        new one included). The caller passes positions and commits the token (``length``)."""
+        return StaticStep(self.keys, self.values, index, key_mask)
 
     def reorder(self, batch_indices: Tensor) -> None:
         """Reorder (or repeat) rows, e.g. to follow the surviving beams in beam search."""
@@ -92,3 +110,35 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
         self.length = length
+
+
+class StaticStep:
+    """One decoding step over a :class:`KVCache`'s whole buffers (see ``KVCache.static_step``):
+    the same maths as the cache's own attention (masked slots add exact zeros to the softmax),
+    with no Python number that changes between steps, so one compiled graph serves them all."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], index: Tensor, key_mask: Tensor):
+        self.keys, self.values, self.index = keys, values, index
+        self.mask = key_mask[:, None, None, :]
+
+    def begin(
+        self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None
+    ) -> Tensor:
+        if positions is None:
+            raise ValueError("a static decoding step needs the new token's positions")
+        return positions
+
+    def attend(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None
+    ) -> Tensor:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.index, k)
+        values.index_copy_(2, self.index, v)
+        mask = self.mask
+        if window is not None and window < keys.shape[2]:  # slot i holds position i
+            slots = torch.arange(keys.shape[2], device=keys.device)
+            mask = mask & (slots > self.index - window)
+        return sdpa(q, keys, values, mask)
+
+    def end(self, num_tokens: int) -> None:
+        pass

@@ -19,9 +19,10 @@ The contracts of docs/architecture.md#contracts are the GPT's, met the same way:
   row-wise. Separate q/k/v projections make every contiguous column shard hold whole heads, and a
   rank's query heads ``[r·H/tp, (r+1)·H/tp)`` read exactly its KV heads ``[r·H_kv/tp, ...)``.
   Attention takes its local head counts from its (possibly sharded) projections, never the config.
-* **Decoding**: ``forward(input_ids, cache=None, positions=None, attention_mask=None,
-  logits_to_keep=0)`` with a ``KVCache`` from ``new_cache`` that stores only the KV heads: a
-  GQA model's cache is ``n_kv_head / n_head`` of a multi-head one's. Positions follow the
+* **One forward, one attention context**: ``forward(input_ids, positions=None, attention=None,
+  attention_mask=None, logits_to_keep=0)`` for training, decoding and serving alike
+  (:mod:`llmlab.models.attention`); a ``KVCache`` from ``new_cache`` stores only the KV heads:
+  a GQA model's cache is ``n_kv_head / n_head`` of a multi-head one's. Positions follow the
   attention mask into the RoPE angles, so left-padded rows decode like unpadded ones.
 
 RoPE uses HF's "rotate half" pairs ``(x_i, x_{i+D/2})`` (see ``llmlab.kernels.rope``), and the
@@ -38,10 +39,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from llmlab.models.attention import AttentionContext, keep_logits, resolve_context
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama_config import LlamaConfig
 from llmlab.models.llama_layers import Block, Embedding, Head
-from llmlab.models.masks import attention_bias, resolve_positions
+from llmlab.models.masks import resolve_positions
 from llmlab.models.ops import get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -83,58 +85,59 @@ class Llama(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        cache: KVCache | None = None,
         positions: Tensor | None = None,
+        attention: AttentionContext | None = None,
         attention_mask: Tensor | None = None,
         logits_to_keep: int | Tensor = 0,
         document_ids: Tensor | None = None,
     ) -> Tensor:
-        """Logits for ``input_ids`` (B, T).
+        """Logits for ``input_ids`` (B, T): this model's one forward, for training, decoding,
+        serving and every parallel layout.
 
-        ``cache``: a ``KVCache`` from ``new_cache``; the new tokens are appended to it.
-        ``attention_mask``: (B, past + T) with 1 for real tokens and 0 for (left) padding.
-        ``positions``: (B, T) position ids, the RoPE angles' positions; by default derived from
-        the mask (or the cache). ``logits_to_keep``: if > 0, only the last that many positions
-        go through the LM head; a LongTensor of positions keeps exactly those (HF's convention).
-        ``document_ids``: (B, T) ids of packed documents, non-decreasing per row (training):
-        attention stays inside each document, RoPE positions restart at each one's start.
+        ``attention``: the context that knows which keys each query sees and keeps new keys and
+        values (:mod:`llmlab.models.attention`): a ``KVCache`` from ``new_cache`` for decoding,
+        the serving engine's paged context; None for training (causal over the row, each
+        layer's sliding window applied). ``attention_mask``: (B, past + T) with 1 for real
+        tokens and 0 for (left) padding. ``positions``: (B, T) position ids, the RoPE angles'
+        positions; by default the context's (following the padding mask). ``logits_to_keep``:
+        if > 0, only the last that many positions go through the LM head; a LongTensor of
+        positions keeps exactly those (HF's convention). ``document_ids``: (B, T) ids of packed
+        documents, non-decreasing per row (training): attention stays inside each document, RoPE
+        positions restart at each one's start.
         """
-        past = cache.length if cache is not None else 0
+        attention = resolve_context(attention, attention_mask, document_ids)
         T = input_ids.shape[1]
         self._check_documents(document_ids, T)
-        given = positions is not None or document_ids is not None
-        if not given and past + T > self.config.block_size:
-            raise ValueError(
-                f"{past + T} tokens (cached {past} + new {T}) exceed the model's block_size "
-                f"{self.config.block_size}; sequences may hold at most "
-                f"{self.config.block_size} tokens"
-            )
-        positions = resolve_positions(
-            input_ids, positions, past, attention_mask, document_ids, cache is not None
-        )
-        if given and int(positions.max()) >= self.config.block_size:  # packed sequences
-            raise ValueError(
-                f"position {int(positions.max())} is beyond the model's block_size "
-                f"{self.config.block_size}; sequences may hold at most "
-                f"{self.config.block_size} tokens"
-            )
-        # Without padding, a fresh sequence is plainly causal and a single new token may attend to
-        # every cached key: neither needs a mask tensor, so the fused causal kernel stays in use.
-        attn_mask = None
-        if attention_mask is not None or (past > 0 and T > 1):
-            attn_mask = attention_bias(input_ids, past, attention_mask)
-        masks = self._layer_masks(input_ids, past, attention_mask, attn_mask)
+        last_position = None  # known on the host where nothing can move it
+        if attention is None:
+            if positions is None and document_ids is None:
+                last_position = T - 1
+            positions = resolve_positions(input_ids, positions, 0, None, document_ids, False)
+        else:
+            if positions is None and attention_mask is None:
+                last_position = getattr(attention, "past", 0) + T - 1
+            positions = attention.begin(input_ids, positions, attention_mask)
+        self._check_positions(positions, last_position)
         x = self.embed(input_ids)
         docs = {} if document_ids is None else {"document_ids": document_ids}
-        for block, mask in zip(self.blocks, masks):
-            x = block(x, positions, cache, mask, past == 0 and mask is None, **docs)
-        if cache is not None:
-            cache.advance(T)
-        if isinstance(logits_to_keep, Tensor):  # HF's meaning: the positions to keep
-            x = x[:, logits_to_keep]
-        elif logits_to_keep > 0:
-            x = x[:, -logits_to_keep:]
-        return self.head(x)
+        for block in self.blocks:
+            x = block(x, positions, attention, **docs)
+        if attention is not None:
+            attention.end(T)
+        return self.head(keep_logits(x, logits_to_keep))
+
+    def _check_positions(self, positions: Tensor, last_position: int | None) -> None:
+        """Positions past ``block_size`` refused (RoPE would extrapolate silently). Read from the
+        device only where the host does not know them, and never inside a compiled step (its
+        caller checks its lengths on the host)."""
+        if last_position is None and not torch.compiler.is_compiling():
+            last_position = int(positions.max())
+        if last_position is not None and last_position >= self.config.block_size:
+            raise ValueError(
+                f"position {last_position} is beyond the model's block_size "
+                f"{self.config.block_size}; sequences may hold at most "
+                f"{self.config.block_size} tokens"
+            )
 
     def _check_documents(self, document_ids: Tensor | None, T: int) -> None:
         """A sliding window narrower than the row takes the explicit-mask path, which the
@@ -145,24 +148,6 @@ class Llama(nn.Module):
                 f"document_ids with a sliding window of {min(windows)} tokens over rows of {T} "
                 "are not supported; use rows no longer than the window"
             )
-
-    def _layer_masks(
-        self, input_ids: Tensor, past: int, attention_mask: Tensor | None, full: Tensor | None
-    ) -> list[Tensor | None]:
-        """Each block's mask: ``full`` (the causal/padding mask, or None for the fused causal
-        path), or its sliding window's mask once the keys outnumber the window."""
-        keys = past + input_ids.shape[1]
-        windowed: dict[int, Tensor] = {}
-        masks = []
-        for block in self.blocks:
-            window = block.attn.window
-            if window is None or keys <= window:
-                masks.append(full)
-                continue
-            if window not in windowed:
-                windowed[window] = attention_bias(input_ids, past, attention_mask, window)
-            masks.append(windowed[window])
-        return masks
 
     # ----------------------------------------------------------------------- contracts
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
@@ -190,17 +175,6 @@ class Llama(nn.Module):
     def repeated_blocks(self) -> list[nn.Module]:
         """The transformer blocks: what activation checkpointing wraps and compile compiles."""
         return list(self.blocks)
-
-    def native_decode_step(self, keys: list[Tensor], values: list[Tensor]) -> Any:
-        """This model's one-token step as one native call over per-layer paged KV pools, or None
-        where it does not apply or cannot be built: see
-        :func:`llmlab.models.native.llama_decode_step` (the serving engine's hot path uses it;
-        logits equal to ``forward``'s to fp32 rounding)."""
-        from llmlab.models.native import llama_decode_step
-
-        if type(self) is not Llama:  # a subclass may compute something else
-            return None
-        return llama_decode_step(self, keys, values)
 
     def swap_attention(self, wrap: Any) -> int:
         """Replace each block's attention function ``fn`` by ``wrap(fn)``; returns the count.

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llmlab.models.kv_cache import KVCache
+from llmlab.models.attention import AttentionContext
 from llmlab.models.llama_config import LlamaConfig
 from llmlab.models.ops import Ops
 from llmlab.models.rope import Rotary
@@ -31,7 +31,7 @@ class Attention(nn.Module):
     """Causal grouped-query attention with RoPE; separate q, k, v projections (head-major rows).
 
     With ``qk_norm`` each head of q and k goes through an RMSNorm of width ``head_dim`` before
-    RoPE (Qwen3). A layer with a sliding window receives its windowed mask from the model.
+    RoPE (Qwen3). A layer's sliding window goes to the attention context with its keys.
     """
 
     def __init__(self, config: LlamaConfig, layer_idx: int, ops: Ops) -> None:
@@ -68,9 +68,7 @@ class Attention(nn.Module):
         self,
         x: Tensor,
         positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        attn_mask: Tensor | None = None,
-        causal: bool = True,
+        attention: AttentionContext | None = None,
         document_ids: Tensor | None = None,
     ) -> Tensor:
         B, T, _ = x.shape
@@ -85,21 +83,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if positions is None:  # a block run on its own (a pipeline stage): a fresh sequence
             positions = torch.arange(T, device=x.device).unsqueeze(0)
-        if attn_mask is None and causal and self.window is not None and self.window < T:
-            attn_mask = _window_mask(T, self.window, x.device)  # a stage sees no model mask
         cos, sin = self.rotary(positions, q.dtype)
         q, k = self.ops.rope(q, k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, D)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is None and causal:
-            docs = {} if document_ids is None else {"document_ids": document_ids}
-            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
-        else:  # decoding, padding or a window: an explicit mask (or one token seeing every key)
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, enable_gqa=True
-            )
+        if attention is not None:  # decoding, serving: the context knows the keys
+            y = attention.attend(self.layer_idx, q, k, v, window=self.window)
+        else:  # training: causal over the row (or its documents), through the layer's op
+            dropout_p = self.dropout if self.training else 0.0
+            if self.window is not None and self.window < T:  # a window inside the row
+                mask = _window_mask(T, self.window, x.device)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                   enable_gqa=True)  # fmt: skip
+            else:
+                docs = {} if document_ids is None else {"document_ids": document_ids}
+                y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.o_proj(y))
 
@@ -140,14 +137,12 @@ class Block(nn.Module):
         self,
         x: Tensor,
         positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        attn_mask: Tensor | None = None,
-        causal: bool = True,
+        attention: AttentionContext | None = None,
         document_ids: Tensor | None = None,
     ) -> Tensor:
         # ids by keyword: sequence parallelism gathers only the first positional input
         h = self.attn_norm(x)
-        x = x + self.attn(h, positions, cache, attn_mask, causal, document_ids=document_ids)
+        x = x + self.attn(h, positions, attention, document_ids=document_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 

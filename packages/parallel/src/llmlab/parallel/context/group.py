@@ -80,11 +80,11 @@ class ContextParallel:
 
         Every attention goes through :meth:`attention` (the model's ``swap_attention``), and a
         forward pre-hook gives a call without position ids this rank's global ones, so a task
-        that calls ``model(ids)`` on its chunk needs no change. The hook refuses a KV cache or
-        an attention mask: the models answer those (decoding, padding) with their own SDPA call
-        over the local keys, which would silently see only this rank's chunk. The model must
-        take ``forward(input_ids, cache=None, positions=None, attention_mask=None)`` (the
-        decoding contract GPT and Llama meet).
+        that calls ``model(ids)`` on its chunk needs no change. The hook refuses an attention
+        context (a KV cache) or an attention mask: the models answer those (decoding, padding)
+        through the context, over the local keys, which would silently see only this rank's
+        chunk. The model must take ``forward(input_ids, positions=None, attention=None,
+        attention_mask=None)`` (the one forward GPT and Llama have).
 
         ``active=False`` keeps the model plain (its own attention, no hook) outside
         :meth:`split`: the N-D strategy splits only its training and validation steps, so a
@@ -114,14 +114,14 @@ class ContextParallel:
     def _global_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.active:
             return args, kwargs
-        given = dict(zip(("input_ids", "cache", "positions", "attention_mask"), args)) | kwargs
+        given = dict(zip(("input_ids", "positions", "attention", "attention_mask"), args)) | kwargs
         if given.get("document_ids") is not None:
             raise ValueError(
                 f"a context-parallel {type(module).__name__} cannot mask packed documents "
                 "(document_ids=): ring attention passes key chunks between ranks without their "
                 "documents; train with data.document_mask=false or without context parallelism"
             )
-        for name in ("cache", "attention_mask"):
+        for name in ("attention", "attention_mask"):
             if given.get(name) is not None:
                 raise ValueError(
                     f"a context-parallel {type(module).__name__} runs whole training sequences "
@@ -131,8 +131,8 @@ class ContextParallel:
         if given.get("positions") is None:
             ids = given["input_ids"]
             positions = self.positions(ids.shape[1] * self.degree, ids.device)
-            if len(args) > 2:
-                args = (*args[:2], positions, *args[3:])
+            if len(args) > 1:
+                args = (args[0], positions, *args[2:])
             else:
                 kwargs = {**kwargs, "positions": positions}
         return args, kwargs
