@@ -90,12 +90,7 @@ async def load(url: str, jobs: list[dict]) -> tuple[list[dict], list[int]]:
 
 def test_64_streaming_clients_a_quarter_leaving_and_bad_requests():
     jobs = plan()
-    # The abort count below needs each leaver's 60 tokens to outlast the server noticing its
-    # disconnect. The native step decodes a lone sequence of this 2-layer byte model in tens of
-    # microseconds per token, so a leaver left running alone at the end can finish first: one
-    # full-suite run in seven aborted 15 of 16 (none in ten runs of this test alone). This test
-    # is about the server; the native step has its own tests.
-    state = byte_state(max_num_seqs=64, num_blocks=160, native_step=False)
+    state = byte_state(max_num_seqs=64, num_blocks=160)
     with LiveServer(state) as live:
         results, codes = asyncio.run(asyncio.wait_for(load(live.url, jobs), timeout=120))
         live.wait_idle()

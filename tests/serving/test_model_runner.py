@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmlab.decoding import GenerationConfig
+from llmlab.models import Llama, LlamaConfig
 from llmlab.serving.block_manager import BlockManager
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.model_runner import ModelRunner
@@ -59,19 +60,39 @@ def test_the_pool_holds_the_kv_heads_only_under_grouped_query_attention():
     assert tuple(runner.pool.keys[0].shape) == (40, 4, 2, 12)  # 2 KV heads of dim 48 / 4
 
 
-def test_the_model_is_unchanged_outside_the_engine():
+def test_the_model_is_unchanged_by_the_engine():
+    """No attention swapped in, no weight re-laid or copied: the engine's forward is the
+    model's own, with a context (the same tensors, bit for bit, before and after)."""
     model = gpt_pair()[1]
     x = torch.tensor([[3, 1, 4, 1, 5]])
+    weights = {n: (t.data_ptr(), t.stride(), t.clone()) for n, t in model.state_dict().items()}
+    modules = [type(m) for m in model.modules()]
     with torch.no_grad():
         before = model(x)
-        ModelRunner(model, CONFIG)
+        runner = ModelRunner(model, CONFIG)
+        seq = sequences([[3, 1, 4, 1, 5]])[0]
+        assert BlockManager(CONFIG.num_blocks, CONFIG.block_size).allocate(seq, 5)
+        runner.execute([Chunk(seq, 0, 5)])
         after = model(x)
         cache = model.new_cache(1, 8)  # and the decoding contract still works
         cached = model(x, attention=cache)
     torch.testing.assert_close(before, after, atol=0, rtol=0)
     torch.testing.assert_close(cached, before, atol=1e-6, rtol=1e-6)
+    assert [type(m) for m in model.modules()] == modules
+    for name, t in model.state_dict().items():
+        ptr, stride, value = weights[name]
+        assert (t.data_ptr(), t.stride()) == (ptr, stride) and torch.equal(t, value), name
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused_by_the_probe():
+    config = LlamaConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                         n_embd=48, intermediate_size=96, sliding_window=8)  # fmt: skip
+    model = Llama(config).eval()
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] attend through a sliding window of 8"):
+        ModelRunner(model, CONFIG)
+    ModelRunner(model, EngineConfig(block_size=4, num_blocks=40, max_model_len=8))
 
 
 def test_a_model_without_the_contract_is_refused_by_name():
-    with pytest.raises(TypeError, match=r"missing: swap_attention, config.block_size"):
+    with pytest.raises(TypeError, match=r"missing: forward\(positions=\), forward\(attention="):
         ModelRunner(torch.nn.Linear(2, 2), CONFIG)

@@ -2,12 +2,14 @@
 contracts of docs/architecture.md#contracts (no Lightning here). ``build_model({"arch": ...})``
 builds any registered language model from its config dict; ``from_pretrained(folder)`` and
 ``save_pretrained(model, folder)`` read and write Hugging Face-format folders (config.json +
-safetensors) without ``transformers``."""
+safetensors) without ``transformers``; ``quantize(model, "int8")`` stores its weights in fewer
+bytes (bf16, int8, int4)."""
 
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.hf import from_pretrained, save_pretrained
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama import Llama, LlamaConfig
+from llmlab.models.quantize import QuantizedEmbedding, QuantizedLinear, quantize
 from llmlab.models.registry import (
     ARCHITECTURES,
     build_model,
@@ -24,11 +26,14 @@ __all__ = [
     "KVCache",
     "Llama",
     "LlamaConfig",
+    "QuantizedEmbedding",
+    "QuantizedLinear",
     "ResNet50",
     "build_model",
     "from_pretrained",
     "from_state_dict",
     "model_config",
+    "quantize",
     "register",
     "save_pretrained",
 ]

@@ -31,6 +31,7 @@ from llmlab.models.attention import AttentionContext, keep_logits, resolve_conte
 from llmlab.models.gpt_config import GPTConfig
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.masks import resolve_positions
+from llmlab.models.quantize import output_width
 from llmlab.models.ops import Ops, get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -67,7 +68,7 @@ class CausalSelfAttention(nn.Module):
     @property
     def local_heads(self) -> int:
         """Heads held by this module: all of them, or this rank's share once qkv is sharded."""
-        return self.qkv.weight.shape[0] // (3 * self.head_dim)
+        return output_width(self.qkv) // (3 * self.head_dim)
 
     def forward(
         self,
@@ -77,7 +78,7 @@ class CausalSelfAttention(nn.Module):
     ) -> Tensor:
         B, T, _ = x.shape
         # (B, T, H, 3, D): each head's q, k and v are adjacent, so a column shard keeps heads whole.
-        qkv = self.qkv(x).view(B, T, self.local_heads, 3, self.head_dim)
+        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, H, T, D)
         if attention is not None:  # decoding, serving: the context knows the keys
             y = attention.attend(self.layer_idx, q, k, v)
@@ -85,7 +86,7 @@ class CausalSelfAttention(nn.Module):
             docs = {} if document_ids is None else {"document_ids": document_ids}
             dropout_p = self.dropout if self.training else 0.0
             y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
-        y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y))
 
 
@@ -240,7 +241,7 @@ class GPT(nn.Module):
             raise ValueError(
                 f"max_len={max_len} exceeds the model's block_size={self.config.block_size}"
             )
-        ref = self.embed.wte.weight
+        ref = self.head.ln_f.weight  # a norm stays in the compute dtype, quantized or not
         heads = self.blocks[0].attn.local_heads if len(self.blocks) else self.config.n_head
         return KVCache(
             n_layer=self.config.n_layer,

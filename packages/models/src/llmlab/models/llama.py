@@ -156,7 +156,7 @@ class Llama(nn.Module):
             raise ValueError(
                 f"max_len={max_len} exceeds the model's block_size={self.config.block_size}"
             )
-        ref = self.embed.tokens.weight
+        ref = self.head.norm.weight  # a norm stays in the compute dtype, quantized or not
         heads = self.blocks[0].attn.local_kv_heads if len(self.blocks) else self.config.n_kv_head
         return KVCache(
             n_layer=self.config.n_layer,

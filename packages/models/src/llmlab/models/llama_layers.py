@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from llmlab.models.attention import AttentionContext
 from llmlab.models.llama_config import LlamaConfig
 from llmlab.models.ops import Ops
+from llmlab.models.quantize import output_width
 from llmlab.models.rope import Rotary
 
 
@@ -57,12 +58,12 @@ class Attention(nn.Module):
     @property
     def local_heads(self) -> int:
         """Query heads held here: all of them, or this rank's share once q_proj is sharded."""
-        return self.q_proj.weight.shape[0] // self.head_dim
+        return output_width(self.q_proj) // self.head_dim
 
     @property
     def local_kv_heads(self) -> int:
         """Key/value heads held here (what the KV cache stores)."""
-        return self.k_proj.weight.shape[0] // self.head_dim
+        return output_width(self.k_proj) // self.head_dim
 
     def forward(
         self,

@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    p.add_argument("--quantize", help="weights as bf16, int8, int4, int4:g64 or int4:g128 "
+                   "(llmlab.models.quantize; default: as loaded)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
@@ -58,6 +60,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         attention_backend=args.attention_backend,
+        quantize=args.quantize,
     )
     config.validate()
     return config
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import uvicorn
 
+        from llmlab.models.quantize import weight_bytes
         from llmlab.serving.chat_template import PLAIN_TEMPLATE, ChatTemplate
         from llmlab.serving.engine import LLMEngine
         from llmlab.serving.loading import load
@@ -92,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     c = engine.config
     name = args.served_model_name or loaded.name
-    params = sum(p.numel() for p in loaded.model.parameters())
     log.info(
-        "model %r: %s, %.2fM parameters, context %d; KV pool %d blocks x %d tokens (%.1f MiB); "
-        "chat template: %s",
-        name, type(loaded.model).__name__, params / 1e6, c.max_model_len, c.num_blocks,
-        c.block_size, engine.runner.pool.nbytes / 2**20, source,
+        "model %r: %s, weights %.1f MiB (%s), context %d; KV pool %d blocks x %d tokens "
+        "(%.1f MiB); chat template: %s",
+        name, type(loaded.model).__name__, weight_bytes(loaded.model) / 2**20,
+        c.quantize or "as loaded", c.max_model_len, c.num_blocks, c.block_size,
+        engine.runner.pool.nbytes / 2**20, source,
     )  # fmt: skip
     state = ServerState(engine, name, chat, loaded.eos_token_ids)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)

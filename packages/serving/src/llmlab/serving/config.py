@@ -32,15 +32,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # "auto": Triton on CUDA, the torch reference on CPU
-    # CPU: store each linear weight in the memory order that multiplies one row faster here
-    # (llmlab.decoding.layout; same values, rounding-level differences in the products)
-    tune_weight_layouts: bool = True
-    # CPU: multiply through oneDNN on packed copies of the linear weights from the row count
-    # where that is faster here (llmlab.serving.linear; a second copy of those weights in memory)
-    onednn_linear: bool = True
-    # a lone sequence's decode step as one native call where the model offers one
-    # (llmlab.models.native: C++, logits equal to the Python step's to fp32 rounding)
-    native_step: bool = True
+    # weight-only quantization of the model's linear layers at load ("bf16", "int8", "int4",
+    # "int4:g64", see llmlab.models.quantize): fewer bytes read per token. The model given to
+    # the engine is converted in place (its full-precision weights are released: no second copy)
+    quantize: str | None = None
 
     def resolved(self, model_context: int) -> EngineConfig:
         """A copy with ``max_model_len`` and ``num_blocks`` filled in, validated.
@@ -89,11 +84,13 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 positive(name)
-        for name in ("tune_weight_layouts", "onednn_linear", "native_step"):
-            need(
-                isinstance(getattr(self, name), bool),
-                f"{name} must be True or False, got {getattr(self, name)!r}",
-            )
+        if self.quantize is not None:
+            from llmlab.models.quantize import parse_scheme
+
+            try:
+                parse_scheme(self.quantize)
+            except ValueError as err:
+                need(False, str(err))
         need(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend={self.attention_backend!r}; valid: {list(ATTENTION_BACKENDS)}",

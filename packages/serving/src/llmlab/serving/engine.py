@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmlab.decoding import GenerationConfig
+from llmlab.models.quantize import quantize
 from llmlab.serving.beam import BeamGroup
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.detokenize import IncrementalText
@@ -68,6 +69,8 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None):
         self.config = (config or EngineConfig()).resolved(model.config.block_size)
+        if self.config.quantize is not None:  # in place: the full-precision weights are freed
+            quantize(model, self.config.quantize)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, self.config)
