@@ -9,10 +9,9 @@ chat traffic is), greedy, no eos (every system does the same work). Three
 systems serve it, each with the same KV memory (``STATIC_BATCH`` sequences of the longest
 prompt + output):
 
-* **continuous**: ``llmlab.serving.LLMEngine``, stepped as requests arrive (its defaults: on a
-  CPU, products of two rows or more go through oneDNN on packed weights,
-  ``llmlab.serving.linear``; a second run with ``onednn_linear=False``, every product through
-  ``F.linear`` as the static system's, shows what the batching alone gives);
+* **continuous**: ``llmlab.serving.LLMEngine``, stepped as requests arrive (the model's own
+  forward with a paged attention context, products through ``F.linear`` as the static
+  system's);
 * **static**: ``llmlab.decoding.generate`` over left-padded batches of ``STATIC_BATCH`` requests
   in arrival order; a batch starts when its last request has arrived and the previous batch is
   done, and runs until its longest request ends (token times from a forward hook);
@@ -37,21 +36,10 @@ the next arrival. HF's manager stamps tokens with the wall clock in its own thre
 are scaled by the CPU seconds the process used over the wall seconds of its run.
 
 The hot path: one request, greedy, 256 new tokens, against HF ``generate`` and llmlab's
-``generate`` (one thread, best CPU time of 4 interleaved rounds), with the engine's time per
-token broken down: the 16 linear layers, the LM head, paged attention, the rest of the forward,
-the engine's own bookkeeping, and the same matrix products timed alone (the fp32 floor: every
-token reads all the weights; the "ceiling" row sets HF's rate against it, the ratio an engine
-whose step cost nothing beyond its products would reach). The "bound" row decodes with a bare
-step written out op by op (``bare_greedy``: no engine, no modules): how far eager PyTorch can
-go here. The engine stores its weights in the memory order that multiplies one row fastest
-here (``EngineConfig.tune_weight_layouts``, see ``llmlab.decoding.layout``); the notes name the
-weights it moved. HF's GPT-2 keeps its own layout (Conv1D: column-major).
-The engine's step at batch 1 is its hot path (``llmlab.serving.model_runner``): GPT's native
-step (``llmlab.models.native``, one C++ call per token); a second row runs the same engine with
-its step in Python (``native_step=False``: one SDPA call per layer on a slice of the pool, the
-model's ``inference_forward`` without module dispatch), and the notes break both down. Two
-more rows time the same lone request on a Llama of the same size (grouped-query, 4 heads over
-2), with its native step and without (``llama_hot_path``).
+``generate`` (one thread, best CPU time of 4 interleaved rounds, every system warmed up alike),
+on this GPT and on a Llama of the same size (grouped-query, 4 heads over 2). These toy sizes
+measure per-step overhead only; decoding at the sizes users run (GPT-2 124M, a 1B Llama), where
+bytes per token decide, is ``benchmarks/decode.py``.
 
 Run: ``.venv/bin/python -m benchmarks.serving`` (``--smoke``: tiny sizes, seconds).
 """
@@ -59,16 +47,13 @@ Run: ``.venv/bin/python -m benchmarks.serving`` (``--smoke``: tiny sizes, second
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
 from benchmarks.common import Row, report
 from benchmarks.common import best_of as common_best_of
@@ -145,15 +130,13 @@ class VirtualClock:
 
 
 # ------------------------------------------------------------------------------ systems
-def run_continuous(model, jobs: list[Job], num_blocks: int, max_len: int,
-                   onednn_linear: bool = True) -> Trace:  # fmt: skip
+def run_continuous(model, jobs: list[Job], num_blocks: int, max_len: int) -> Trace:
     from llmlab.decoding import GenerationConfig
     from llmlab.serving import EngineConfig, LLMEngine
 
     engine = LLMEngine(model, config=EngineConfig(
         block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=len(jobs),
-        max_num_batched_tokens=256, max_model_len=max_len,
-        onednn_linear=onednn_linear))  # fmt: skip
+        max_num_batched_tokens=256, max_model_len=max_len))  # fmt: skip
     trace = Trace("continuous")
     pending = list(enumerate(jobs))
     clock = VirtualClock()
@@ -270,69 +253,45 @@ def interleaved_best(systems: dict, repeats: int) -> dict[str, float]:
     return best
 
 
-def hot_path(hf, model, new_tokens: int, repeats: int) -> tuple[list[Row], str]:
+def hot_path(hf, model, new_tokens: int, repeats: int, label: str = "") -> list[Row]:
+    """A lone greedy request: the engine, HF ``generate`` and llmlab's ``generate`` on the same
+    weights, each warmed up, best CPU time of ``repeats`` interleaved rounds."""
     from llmlab.decoding import GenerationConfig, generate
     from llmlab.serving import LLM
 
     ids = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
     cfg = GenerationConfig(max_new_tokens=new_tokens)
-    sizes = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
-    llm = LLM(model, **sizes)
-    python_step = LLM(model, **sizes, native_step=False)  # the same engine, its step in Python
+    llm = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
     prompt = ids[0].tolist()
-    for engine in (llm, python_step):  # warm
-        engine.generate([prompt], cfg.replace(max_new_tokens=4), progress=False)
-    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, pad_token_id=0)
 
-    def run_hf():
+    def run_hf(n: int = new_tokens):
         return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=new_tokens, pad_token_id=0)  # fmt: skip
+                           max_new_tokens=n, pad_token_id=0)  # fmt: skip
 
+    llm.generate([prompt], cfg.replace(max_new_tokens=4), progress=False)  # warm, all alike
+    run_hf(4)
+    generate(model, ids, cfg.replace(max_new_tokens=4))
     same = llm.generate([prompt], cfg, progress=False)[0].token_ids[0] == run_hf()[0, 16:].tolist()
-    systems = {
+    best = interleaved_best({
         "engine": lambda: llm.generate([prompt], cfg, progress=False),
-        "python step": lambda: python_step.generate([prompt], cfg, progress=False),
         "hf": run_hf,
         "ours": lambda: generate(model, ids, cfg),
-    }
-    best = interleaved_best(systems, repeats)
-    t_engine, t_hf, t_ours, t_python = best["engine"], best["hf"], best["ours"], best["python step"]
-    native = llm.engine.runner.native.get() is not None
-    rows = [
-        Row("hot path: greedy batch 1 (engine) vs HF generate", new_tokens / t_engine,
-            new_tokens / t_hf, "HF generate", "new tokens/s", target=2.0,
-            extra={"identical": same, "native step": native}),
-        Row("hot path: the engine with its step in Python (native_step=False) vs HF generate",
-            new_tokens / t_python, new_tokens / t_hf, "HF generate", "new tokens/s"),
-        Row("hot path: greedy batch 1 (engine) vs llmlab generate", new_tokens / t_engine,
-            new_tokens / t_ours, "llmlab generate (contiguous cache)", "new tokens/s"),
+    }, repeats)  # fmt: skip
+    rate = {name: new_tokens / t for name, t in best.items()}
+    return [
+        Row(f"hot path{label}: greedy batch 1 (engine) vs HF generate", rate["engine"],
+            rate["hf"], "HF generate", "new tokens/s", extra={"identical": same}),
+        Row(f"hot path{label}: greedy batch 1 (engine) vs llmlab generate", rate["engine"],
+            rate["ours"], "llmlab generate (contiguous cache)", "new tokens/s"),
     ]  # fmt: skip
-    bare = bare_greedy(model, prompt, new_tokens)
-    t_bare = min(best_cpu(bare, 1) for _ in range(repeats))
-    floor = products_alone(llm.engine.model)
-    rows += [
-        Row("hot path bound: a bare eager step vs HF generate", new_tokens / t_bare,
-            new_tokens / t_hf, "HF generate", "new tokens/s",
-            extra={"identical": bare() == run_hf()[0, 16:].tolist()}),
-        Row("hot path ceiling: the matrix products alone vs HF generate", 1e3 / floor,
-            new_tokens / t_hf, "HF generate", "new tokens/s"),
-    ]  # fmt: skip
-    moved = [n for n, w in model.named_parameters() if w.dim() == 2 and w.stride(0) == 1]
-    moved = ", ".join(moved) or "none"
-    notes = [breakdown(engine, prompt, cfg, new_tokens, floor) for engine in (llm, python_step)]
-    notes.append(products_note(llm.engine.model, floor))
-    return rows, f"{' '.join(notes)} Column-major weights: {moved}."
 
 
-def llama_hot_path(new_tokens: int, repeats: int) -> tuple[str, list[Row]]:
-    """A lone request's greedy decode on a Llama of the GPT's size (4 x 256, vocab 8192, 4 query
-    heads over 2 KV heads, MLP 688), against HF ``generate``, with the native step and with the
-    step in Python (the engine's general path for this model: it has no ``inference_forward``)."""
+def llama_models():
+    """A Llama of the GPT's size (4 x 256, vocab 8192, 4 query heads over 2 KV heads, MLP 688),
+    in ``transformers`` and in llmlab, the same random weights."""
     import transformers
 
-    from llmlab.decoding import GenerationConfig
     from llmlab.models import Llama
-    from llmlab.serving import LLM
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -341,171 +300,7 @@ def llama_hot_path(new_tokens: int, repeats: int) -> tuple[str, list[Row]]:
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     hf = transformers.LlamaForCausalLM(config).eval()
-    model = Llama.from_hf(hf).eval()
-    ids = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
-    prompt, cfg = ids[0].tolist(), GenerationConfig(max_new_tokens=new_tokens)
-    sizes = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
-    engines = {"native": LLM(model, **sizes), "python": LLM(model, **sizes, native_step=False)}
-
-    def run_hf():
-        return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=new_tokens, pad_token_id=0)  # fmt: skip
-
-    want = run_hf()[0, 16:].tolist()
-    same = {n: e.generate([prompt], cfg, progress=False)[0].token_ids[0] == want
-            for n, e in engines.items()}  # fmt: skip
-    systems = {n: functools.partial(e.generate, [prompt], cfg, progress=False)
-               for n, e in engines.items()}  # fmt: skip
-    systems["hf"] = run_hf
-    rate = {name: new_tokens / t for name, t in interleaved_best(systems, repeats).items()}
-    native = engines["native"].engine.runner.native.get() is not None
-    note = (
-        f"Llama hot path: native step {'on' if native else 'OFF'}; the engine's tokens equal "
-        f"HF's: native {same['native']}, Python step {same['python']}."
-    )
-    return note, [
-        Row("hot path, Llama (GQA 4/2): greedy batch 1 (engine) vs HF generate", rate["native"],
-            rate["hf"], "HF generate", "new tokens/s",
-            extra={"identical": same["native"], "native step": native}),
-        Row("hot path, Llama: the engine with its step in Python vs HF generate",
-            rate["python"], rate["hf"], "HF generate", "new tokens/s",
-            extra={"identical": same["python"]}),
-    ]  # fmt: skip
-
-
-def bare_greedy(model, prompt: list[int], new_tokens: int):
-    """Greedy decoding of ``model`` (the benchmark's GPT) with nothing left to cut: weights
-    resolved once, one ATen call per op, a contiguous cache per layer, no engine, no module
-    dispatch. Not a system, a bound: how fast eager PyTorch runs this step on one thread.
-    Returns a function that decodes and returns the new token ids."""
-    cfg = model.config
-    width, heads = cfg.n_embd, cfg.n_head
-    dim, length = width // heads, len(prompt) + new_tokens
-    layers = [
-        (b.ln_1.weight, b.ln_1.bias, b.attn.qkv.weight, b.attn.qkv.bias, b.attn.proj.weight,
-         b.attn.proj.bias, b.ln_2.weight, b.ln_2.bias, b.mlp.fc.weight, b.mlp.fc.bias,
-         b.mlp.proj.weight, b.mlp.proj.bias, torch.zeros(length, heads, dim),
-         torch.zeros(length, heads, dim))
-        for b in model.blocks
-    ]  # fmt: skip
-    wte, wpe = model.embed.wte.weight, model.embed.wpe.weight
-    ln_f, lm_head = model.head.ln_f, model.head.lm_head.weight
-    linear, norm, gelu = torch._C._nn.linear, torch.layer_norm, torch._C._nn.gelu
-    sdpa, scale, eps = torch._C._nn.scaled_dot_product_attention, dim**-0.5, ln_f.eps
-
-    def forward(ids: Tensor, start: int) -> Tensor:
-        end = start + ids.numel()
-        x = (wte[ids] + wpe[start:end])[None]
-        for l1w, l1b, qw, qb, pw, pb, l2w, l2b, fw, fb, mw, mb, keys, values in layers:
-            qkv = linear(norm(x, (width,), l1w, l1b, eps), qw, qb).view(-1, heads, 3, dim)
-            keys[start:end], values[start:end] = qkv[:, :, 1], qkv[:, :, 2]
-            q = qkv[:, :, 0].transpose(0, 1)[None]
-            k, v = keys[:end].transpose(0, 1)[None], values[:end].transpose(0, 1)[None]
-            y = sdpa(q, k, v, is_causal=start == 0, scale=scale)
-            x = x + linear(y[0].transpose(0, 1).reshape(1, -1, width), pw, pb)
-            x = x + linear(gelu(linear(norm(x, (width,), l2w, l2b, eps), fw, fb)), mw, mb)
-        return linear(norm(x[:, -1], (width,), ln_f.weight, ln_f.bias, eps), lm_head)
-
-    def tokens() -> list[int]:
-        out = [int(forward(torch.tensor(prompt), 0).argmax())]
-        for p in range(len(prompt), length - 1):
-            out.append(int(forward(torch.tensor([out[-1]]), p).argmax()))
-        return out
-
-    return tokens
-
-
-def products_alone(model) -> float:
-    """Milliseconds per token of a decode step's matrix products alone, back to back: the floor
-    no bookkeeping can go under at fp32 (every token reads every weight once)."""
-    import torch.nn.functional as F
-
-    products = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    rows = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w, _ in products}
-
-    def all_products():
-        for w, b in products:
-            F.linear(rows[w.shape[1]], w, b)
-
-    return best_cpu(lambda: [all_products() for _ in range(20)], 3) / 20 * 1e3
-
-
-def breakdown(llm, prompt: list[int], cfg, new_tokens: int, alone: float) -> str:
-    """Where one engine token's CPU time goes: timers around the parts of a step, beside the
-    matrix products alone (``alone``, ms per token). With the native step, the model's forward
-    is one call the timers cannot look into; with the Python step, they split it by op."""
-    import torch.nn.functional as F
-
-    engine = llm.engine
-    runner = engine.runner
-    module = sys.modules[type(runner).__module__]
-    vocab = engine.model.config.vocab_size
-    native = runner.native.get()
-    spent: dict[str, float] = {}
-
-    def timed(name, fn, key=None):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            start = time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                part = key(*args) if key else name
-                spent[part] = spent.get(part, 0.0) + time.process_time() - start
-
-        return wrapper
-
-    def linear_part(x, weight, *_):
-        return "lm_head" if weight.shape[0] == vocab else "linear"
-
-    patches = [(runner, "execute", timed("forward", runner.execute))]
-    if native is not None:
-        patches.append((runner.native, "_step", timed("native", native)))
-    else:
-        patches += [
-            (F, "linear", timed("", F.linear, linear_part)),
-            (module, "_attend_single", timed("attention", module._attend_single)),
-            (module, "_attend_each", timed("attention", module._attend_each)),
-            (module, "paged_attention", timed("attention", module.paged_attention)),
-        ]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    try:
-        for obj, name, fn in patches:
-            setattr(obj, name, fn)
-        start = time.process_time()
-        llm.generate([prompt], cfg, progress=False)
-        total = (time.process_time() - start) / new_tokens * 1e3
-    finally:
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
-    ms = {k: v / new_tokens * 1e3 for k, v in spent.items()}
-    engine_part = f"scheduler, sampling and bookkeeping {total - ms['forward']:.2f}"
-    if native is not None:
-        return (
-            f"Engine, greedy batch 1, per token (timers on): {total:.2f} ms = the native step "
-            f"{ms['native']:.2f} (its 17 products alone {alone:.2f}, so "
-            f"{ms['native'] - alone:.2f} for the rest: attention through the block table (KV "
-            f"writes and reads), layer norms, GELU, adds) + the runner around it "
-            f"{ms['forward'] - ms['native']:.2f} + "
-            f"{engine_part}."
-        )
-    rest = ms["forward"] - ms["linear"] - ms["lm_head"] - ms["attention"]
-    return (
-        f"Engine with its step in Python, per token (timers on): {total:.2f} ms = model forward "
-        f"{ms['forward']:.2f} (16 linear layers {ms['linear']:.2f}, LM head 256x{vocab} "
-        f"{ms['lm_head']:.2f}, paged attention (4 layers, KV write + SDPA) {ms['attention']:.2f}, "
-        f"the rest: embeddings, layer norms, GELU, residual adds, views, Python {rest:.2f}) + "
-        f"{engine_part}."
-    )
-
-
-def products_note(model, alone: float) -> str:
-    products = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    nbytes = sum(w.numel() * w.element_size() for w in products)
-    return (
-        f"The same {len(products)} products alone, one after another: {alone:.2f} ms per token "
-        f"({nbytes / 1e6:.1f} MB of fp32 weights read at {nbytes / alone / 1e6:.0f} GB/s)."
-    )
+    return hf, Llama.from_hf(hf).eval()
 
 
 # ------------------------------------------------------------------------------ main
@@ -541,14 +336,11 @@ def main() -> None:
         run_continuous(model, jobs[:2], num_blocks, longest)  # warm-up: first-call costs
         traces = [run_continuous(model, jobs, num_blocks, longest), run_static(model, jobs),
                   run_hf(hf, jobs, num_blocks)]  # fmt: skip
-        plain = run_continuous(model, jobs, num_blocks, longest, onednn_linear=False)
-        hot_rows, profile = hot_path(hf, model, hot_tokens, repeats)
-        llama_note, llama_rows = llama_hot_path(hot_tokens, max(1, repeats // 2))
-        hot_rows += llama_rows
+        hot_rows = hot_path(hf, model, hot_tokens, repeats)
+        hot_rows += hot_path(*llama_models(), hot_tokens, repeats, ", Llama (GQA 4/2)")
     cont, static, hf_cb = (t.summary(jobs) for t in traces)
-    plain_throughput = plain.summary(jobs)["throughput"]
     same = {t.name: sum(t.tokens[i] == traces[0].tokens[i] for i in range(len(jobs)))
-            for t in (*traces[1:], plain)}  # fmt: skip
+            for t in traces[1:]}  # fmt: skip
 
     def pair(name, key, other, other_name, higher, target=None, unit="s"):
         return Row(name, cont[key], other[key], other_name, unit, higher, target)
@@ -556,8 +348,6 @@ def main() -> None:
     rows = [
         pair("throughput: continuous vs static (same KV memory)", "throughput", static,
              "llmlab static batching", True, 2.0, "output tokens/s"),
-        Row("throughput: continuous, every product F.linear (onednn_linear=False) vs static",
-            plain_throughput, static["throughput"], "llmlab static batching", "output tokens/s"),
         pair("throughput: continuous vs HF continuous batching", "throughput", hf_cb,
              "HF generate_batch manager", True, 1.0, "output tokens/s"),
     ]  # fmt: skip
@@ -579,11 +369,10 @@ def main() -> None:
         f"{min(j.new_tokens for j in jobs)}-{max(j.new_tokens for j in jobs)}; KV memory for all: "
         f"{STATIC_BATCH} x {longest} token slots ({num_blocks} blocks of {BLOCK_SIZE}). GPT-2 "
         f"4x256 vocab 8192 (random), greedy, no eos, 1 thread, CPU-time clock. Requests with "
-        f"the engine's tokens: static {same['static']}/{len(jobs)}, HF {same['hf']}/{len(jobs)}, "
-        f"the engine with F.linear products {same['continuous']}/{len(jobs)}. Idle, waiting for "
-        f"a request: continuous {traces[0].idle:.2f} s of its {cont['span']:.2f} s, static "
-        f"{traces[1].idle:.2f} s of {static['span']:.2f} s. "
-        f"{profile} {llama_note}"
+        f"the engine's tokens: static {same['static']}/{len(jobs)}, "
+        f"HF {same['hf']}/{len(jobs)}. "
+        f"Idle, waiting for a request: continuous {traces[0].idle:.2f} s of its "
+        f"{cont['span']:.2f} s, static {traces[1].idle:.2f} s of {static['span']:.2f} s."
     )
     report("serving", rows, notes)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

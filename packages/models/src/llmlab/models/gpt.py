@@ -31,8 +31,8 @@ from llmlab.models.attention import AttentionContext, keep_logits, resolve_conte
 from llmlab.models.gpt_config import GPTConfig
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.masks import resolve_positions
-from llmlab.models.quantize import output_width
 from llmlab.models.ops import Ops, get_ops
+from llmlab.models.quantize import output_width
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
     from transformers import GPT2LMHeadModel

@@ -27,6 +27,7 @@ adapters in training, where input gradients flow through the same product.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +156,9 @@ class QuantizedLinear(nn.Module):
             flat = x.reshape(rows, self.in_features).float()
             try:
                 out = _rows_product(self.scheme.kind)(flat, self.data, self.scales)
-            except Exception:  # noqa: BLE001 - no compiler here: the same product, eager
+            except Exception as err:  # no C++ compiler here: the same product, eager
+                warnings.warn(f"quantized products run eagerly (torch.compile failed: {err})",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
                 _COMPILED[self.scheme.kind] = _ROWS[self.scheme.kind]
                 out = _ROWS[self.scheme.kind](flat, self.data, self.scales)
             out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -198,8 +201,10 @@ def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
     odd = [f"{name} ({type(m).__name__})" for name, m in targets
            if type(m) not in (nn.Linear, nn.Embedding)]  # fmt: skip
     if odd:
-        raise ValueError(f"quantize: cannot convert {', '.join(odd)}; only plain nn.Linear and "
-                         "nn.Embedding layers are quantized (quantize before parallelizing)")
+        raise ValueError(
+            f"quantize: cannot convert {', '.join(odd)}; only plain nn.Linear and "
+            "nn.Embedding layers are quantized (quantize before parallelizing)"
+        )
     shared: dict[int, tuple[Tensor, Tensor | None]] = {}  # tied weights: packed once
     for name, module in targets:
         weight = module.weight
