@@ -205,12 +205,15 @@ def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
             f"quantize: cannot convert {', '.join(odd)}; only plain nn.Linear and "
             "nn.Embedding layers are quantized (quantize before parallelizing)"
         )
+    if scheme.kind == "int4":  # checked for every layer before any is converted
+        for name, module in targets:
+            width = module.weight.shape[1]
+            if width % scheme.group:
+                raise ValueError(f"quantize: {name} has {width} inputs, not a multiple of "
+                                 f"int4's group {scheme.group}; valid: {VALID}")  # fmt: skip
     shared: dict[int, tuple[Tensor, Tensor | None]] = {}  # tied weights: packed once
     for name, module in targets:
         weight = module.weight
-        if scheme.kind == "int4" and weight.shape[1] % scheme.group:
-            raise ValueError(f"quantize: {name} has {weight.shape[1]} inputs, not a multiple "
-                             f"of int4's group {scheme.group}; valid: {VALID}")  # fmt: skip
         if id(weight) not in shared:
             shared[id(weight)] = pack(weight, scheme)
         data, scales = shared[id(weight)]
