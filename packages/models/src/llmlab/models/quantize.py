@@ -106,28 +106,50 @@ def _bf16_rows(x: Tensor, data: Tensor, scales: Any) -> Tensor:
     return (x.unsqueeze(-2) * data).sum(-1)
 
 
-def _int4_rows(x: Tensor, data: Tensor, scales: Tensor) -> Tensor:
+def _int4_rows(x: Tensor, data: Tensor, scales: Tensor, group: int) -> Tensor:
     # one reduction over in/2 packed bytes: each byte's low nibble meets the first half of its
     # group's inputs, the high nibble the second half, scaled by its group's scale
-    rows, half = x.shape[0], data.shape[1] // scales.shape[1]
-    groups = x.view(rows, scales.shape[1], 2, half)
-    x_lo = groups[:, :, 0].reshape(rows, 1, -1)
-    x_hi = groups[:, :, 1].reshape(rows, 1, -1)
-    lo = (data & 15).float() - 8
-    hi = (data >> 4).float() - 8
+    half, rows = group // 2, x.shape[0]
+    groups = x.view(rows, -1, group)
+    x_lo = groups[..., :half].reshape(rows, 1, -1)
+    x_hi = groups[..., half:].reshape(rows, 1, -1)
+    lo = (data & 15).to(torch.float32) - 8
+    hi = (data >> 4).to(torch.float32) - 8
     return ((x_lo * lo + x_hi * hi) * scales.repeat_interleave(half, dim=1)).sum(-1)
 
 
-_ROWS = {"bf16": _bf16_rows, "int8": _int8_rows, "int4": _int4_rows}
-_COMPILED: dict[str, Any] = {}
+# The group size must reach the compiler as a literal: passed through a closure or
+# functools.partial it became a dynamic size and the kernel ran 50-100x slower (measured).
+def _int4_g32(x: Tensor, data: Tensor, scales: Tensor) -> Tensor:
+    return _int4_rows(x, data, scales, 32)
 
 
-def _rows_product(kind: str) -> Any:
-    """The decode product of ``kind``, compiled once per process (eager where compiling fails,
-    e.g. with no C++ compiler: the same arithmetic, slower)."""
-    if kind not in _COMPILED:
-        _COMPILED[kind] = torch.compile(_ROWS[kind], dynamic=True)
-    return _COMPILED[kind]
+def _int4_g64(x: Tensor, data: Tensor, scales: Tensor) -> Tensor:
+    return _int4_rows(x, data, scales, 64)
+
+
+def _int4_g128(x: Tensor, data: Tensor, scales: Tensor) -> Tensor:
+    return _int4_rows(x, data, scales, 128)
+
+
+_INT4 = {32: _int4_g32, 64: _int4_g64, 128: _int4_g128}
+
+
+_COMPILED: dict[Scheme, Any] = {}
+
+
+def _eager_product(scheme: Scheme) -> Any:
+    if scheme.kind == "int4":
+        return _INT4[scheme.group]
+    return _int8_rows if scheme.kind == "int8" else _bf16_rows
+
+
+def _rows_product(scheme: Scheme) -> Any:
+    """The decode product of ``scheme``, compiled once per process (eager where compiling
+    fails, e.g. with no C++ compiler: the same arithmetic, slower)."""
+    if scheme not in _COMPILED:
+        _COMPILED[scheme] = torch.compile(_eager_product(scheme), dynamic=True)
+    return _COMPILED[scheme]
 
 
 class QuantizedLinear(nn.Module):
@@ -155,12 +177,12 @@ class QuantizedLinear(nn.Module):
         if rows <= DECODE_ROWS and not (torch.is_grad_enabled() and x.requires_grad):
             flat = x.reshape(rows, self.in_features).float()
             try:
-                out = _rows_product(self.scheme.kind)(flat, self.data, self.scales)
+                out = _rows_product(self.scheme)(flat, self.data, self.scales)
             except Exception as err:  # no C++ compiler here: the same product, eager
                 warnings.warn(f"quantized products run eagerly (torch.compile failed: {err})",
                               RuntimeWarning, stacklevel=2)  # fmt: skip
-                _COMPILED[self.scheme.kind] = _ROWS[self.scheme.kind]
-                out = _ROWS[self.scheme.kind](flat, self.data, self.scales)
+                _COMPILED[self.scheme] = _eager_product(self.scheme)
+                out = _COMPILED[self.scheme](flat, self.data, self.scales)
             out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.dequantize(x.dtype), self.bias)
