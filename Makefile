@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.llmlab-installed
 WHEELHOUSE := $(VENV)/wheelhouse/.filled
+LLAMA_CPP := $(VENV)/peers/llama.cpp
 EXP ?= gpt_shakespeare
 ARGS ?=
 TASKS ?= shakespeare_bpb,shakespeare_cloze
@@ -21,7 +22,7 @@ EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/dec
 
 .PHONY: install test test-all lint format data train compare bench sample serve export eval gpu-check clean
 
-install: $(STAMP) $(WHEELHOUSE)
+install: $(STAMP) $(WHEELHOUSE) $(LLAMA_CPP)
 
 # torch goes in first, alone and pinned, because deepspeed's sdist imports it while building
 # (hence --no-build-isolation: an isolated build env would pull an unpinned CUDA torch).
@@ -36,6 +37,17 @@ $(STAMP): $(INSTALL_INPUTS)
 	$(PIP) install -q --no-deps "litgpt==0.5.13"
 	@touch $(STAMP)
 	@echo "llmlab installed in $(VENV)"
+
+# llama.cpp's own GGUF converter (convert_hf_to_gguf.py with its conversion/ and gguf-py/), the
+# oracle of tests/models/test_gguf.py: taken from llama-cpp-python's source package, nothing built.
+$(LLAMA_CPP): $(STAMP)
+	rm -rf $(VENV)/peers/sdist && mkdir -p $(VENV)/peers/sdist
+	$(PIP) download -q --no-deps --no-binary :all: -d $(VENV)/peers/sdist "llama-cpp-python==0.3.36"
+	tar -xzf $(VENV)/peers/sdist/llama_cpp_python-0.3.36.tar.gz -C $(VENV)/peers/sdist \
+		--wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' \
+		'*/vendor/llama.cpp/gguf-py/*'
+	rm -rf $@ && mv $(VENV)/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp $@
+	rm -rf $(VENV)/peers/sdist
 
 # tests/test_wheels.py installs llmlab-tokenizer's wheel into a fresh venv with no network: its
 # one runtime dependency waits here, the same regex version as in .venv.

@@ -82,6 +82,11 @@ def check_pretrained(path: str | Path, **use: Any) -> dict[str, Any]:
     """The spec of the folder at ``path`` once every file is checked against its
     ``config.json`` -- shards present, files whole, every tensor there with its shape, none
     left over -- without reading a weight: what to call before starting processes."""
+    if str(path).endswith(".gguf"):
+        from llmlab.models.gguf import from_gguf
+
+        model = from_gguf(path, dtype=dtype, **use)
+        return model.to(device) if device is not None else model
     spec = pretrained_spec(path, **use)
     model_cls, config_cls = MODELS[spec["arch"]]
     check_checkpoint(CheckpointFolder(path), make_config(config_cls, spec), model_cls)
@@ -114,13 +119,20 @@ def from_pretrained(
     **use: Any,
 ) -> nn.Module:
     """llmlab's ``GPT`` or ``Llama`` with the config and weights of the HF folder at ``path``
-    (``config.json`` + ``model.safetensors``, or shards with ``model.safetensors.index.json``).
+    (``config.json`` + ``model.safetensors``, or shards with ``model.safetensors.index.json``),
+    or of a llama.cpp GGUF file of the Llama family (``path`` ending in ``.gguf``, see
+    :mod:`llmlab.models.gguf`).
 
     ``dtype``: the parameters' dtype (default: the dtype the weights are stored in).
     ``device="meta"`` builds the shape only, reading no weight. ``use``: ``block_size``,
     ``dropout``, ``kernels`` (see :func:`pretrained_spec`); a GPT with a smaller
     ``block_size`` keeps the first rows of its position table (exact for such sequences).
     """
+    if str(path).endswith(".gguf"):
+        from llmlab.models.gguf import from_gguf
+
+        model = from_gguf(path, dtype=dtype, **use)
+        return model.to(device) if device is not None else model
     spec = pretrained_spec(path, **use)
     model_cls, config_cls = MODELS[spec["arch"]]
     if device is not None and torch.device(device).type == "meta":
