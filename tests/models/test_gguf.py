@@ -44,8 +44,8 @@ def hf_llama(tied: bool = False):
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute`` (rotate-half pairs -> adjacent pairs)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     )
 
 
@@ -171,13 +171,15 @@ def test_a_file_from_llama_cpps_converter_loads(tmp_path, outtype, rel):
     hf.save_pretrained(tmp_path / "hf")
     # the converter reads the folder's tokenizer too: a SentencePiece model of the same 96 ids
     text = tmp_path / "text.txt"
-    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "hf" / "tokenizer"),
-                                   vocab_size=96, model_type="bpe", minloglevel=2)  # fmt: skip
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the dog" for i in range(200)))
+    prefix = str(tmp_path / "hf" / "tokenizer")
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=prefix, vocab_size=96,
+                                   model_type="bpe", minloglevel=2)  # fmt: skip
     out = tmp_path / f"model-{outtype}.gguf"
     script = Path(LLAMA_CPP) / "convert_hf_to_gguf.py"
-    subprocess.run([sys.executable, script, tmp_path / "hf", "--outfile", out, "--outtype", outtype],
-                   check=True, env={**os.environ, "PYTHONPATH": str(Path(LLAMA_CPP) / "gguf-py")})  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(LLAMA_CPP) / "gguf-py")}
+    command = [sys.executable, script, tmp_path / "hf", "--outfile", out, "--outtype", outtype]
+    subprocess.run(command, check=True, env=env, capture_output=True)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
     got, ref = logits(from_pretrained(out).eval(), ids), logits(hf, ids)
     assert float((got - ref).abs().max() / ref.abs().max()) < rel

@@ -115,8 +115,10 @@ def unpermute(weight: Tensor, heads: int) -> Tensor:
     """Undo llama.cpp's ``permute`` of q/k rows: within each head, rows ``(i, i + D/2)``
     (HF's rotate-half pairs) had been laid out as ``(2i, 2i + 1)``."""
     rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(
-        weight.shape
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
     )
 
 

@@ -82,11 +82,6 @@ def check_pretrained(path: str | Path, **use: Any) -> dict[str, Any]:
     """The spec of the folder at ``path`` once every file is checked against its
     ``config.json`` -- shards present, files whole, every tensor there with its shape, none
     left over -- without reading a weight: what to call before starting processes."""
-    if str(path).endswith(".gguf"):
-        from llmlab.models.gguf import from_gguf
-
-        model = from_gguf(path, dtype=dtype, **use)
-        return model.to(device) if device is not None else model
     spec = pretrained_spec(path, **use)
     model_cls, config_cls = MODELS[spec["arch"]]
     check_checkpoint(CheckpointFolder(path), make_config(config_cls, spec), model_cls)
