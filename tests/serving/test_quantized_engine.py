@@ -37,3 +37,20 @@ def test_a_bad_scheme_is_refused_before_the_engine_is_built():
     with pytest.raises(ValueError, match=r"EngineConfig: quantize='int3' is not a scheme; valid"):
         LLMEngine(model, config=EngineConfig(block_size=8, num_blocks=32, quantize="int3"))
     assert isinstance(model.head.lm_head, torch.nn.Linear)  # untouched
+
+
+def test_a_bf16_kv_pool_halves_the_cache_and_stays_close():
+    """kv_cache_dtype="bfloat16": the pool holds half an fp32 pool's bytes; the greedy tokens of
+    a short decode agree with the fp32 pool's (keys and values rounded to bf16 only)."""
+    model = llama()
+    sizes = dict(block_size=8, num_blocks=32)
+    fp32 = LLMEngine(model, config=EngineConfig(**sizes))
+    bf16 = LLMEngine(model, config=EngineConfig(**sizes, kv_cache_dtype="bfloat16"))
+    assert bf16.runner.pool.keys[0].dtype == torch.bfloat16
+    assert bf16.runner.pool.nbytes * 2 == fp32.runner.pool.nbytes
+    prompts = random_prompts(200, [9, 14], seed=4)
+    config = GenerationConfig(max_new_tokens=6)
+    arrivals = {0: [(f"r{i}", p, config) for i, p in enumerate(prompts)]}
+    assert drive(bf16, arrivals) == drive(fp32, arrivals)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8'; valid: \['auto', 'bfloat16'"):
+        EngineConfig(kv_cache_dtype="int8").validate()

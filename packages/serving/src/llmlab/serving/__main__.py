@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from llmlab.serving.config import ATTENTION_BACKENDS, EngineConfig
+from llmlab.serving.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
 
 log = logging.getLogger("llmlab.serving")
 
@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV pool's dtype (auto: the model's)")  # fmt: skip
     p.add_argument("--quantize", help="weights as bf16, int8, int4, int4:g64 or int4:g128 "
                    "(llmlab.models.quantize; default: as loaded)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -61,6 +63,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         attention_backend=args.attention_backend,
         quantize=args.quantize,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     config.validate()
     return config

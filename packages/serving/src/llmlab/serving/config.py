@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -36,6 +37,9 @@ class EngineConfig:
     # "int4:g64", see llmlab.models.quantize): fewer bytes read per token. The model given to
     # the engine is converted in place (its full-precision weights are released: no second copy)
     quantize: str | None = None
+    # the KV pool's dtype: "auto" is the model's; "bfloat16" halves an fp32 model's KV bytes
+    # (keys and values rounded when written, attention computed in that dtype)
+    kv_cache_dtype: str = "auto"
 
     def resolved(self, model_context: int) -> EngineConfig:
         """A copy with ``max_model_len`` and ``num_blocks`` filled in, validated.
@@ -91,6 +95,10 @@ class EngineConfig:
                 parse_scheme(self.quantize)
             except ValueError as err:
                 need(False, str(err))
+        need(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype={self.kv_cache_dtype!r}; valid: {list(KV_CACHE_DTYPES)}",
+        )
         need(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend={self.attention_backend!r}; valid: {list(ATTENTION_BACKENDS)}",

@@ -75,14 +75,16 @@ class PagedAttention:
     def attend(
         self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None
     ) -> Tensor:
-        """``q`` (1, H, N, D), ``k``/``v`` (1, H_kv, N, D) -> (1, H, N, D)."""
+        """``q`` (1, H, N, D), ``k``/``v`` (1, H_kv, N, D) -> (1, H, N, D), in ``q``'s dtype
+        (computed in the pool's: a bf16 pool attends in bf16)."""
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        heads, dim = keys.shape[2], keys.shape[3]
-        keys.view(-1, heads, dim).index_copy_(0, self.slot_mapping, k[0].transpose(0, 1))
-        values.view(-1, heads, dim).index_copy_(0, self.slot_mapping, v[0].transpose(0, 1))
-        out = paged_attention(q[0].transpose(0, 1), keys, values, self.layout,
+        heads, dim, dtype = keys.shape[2], keys.shape[3], keys.dtype
+        keys.view(-1, heads, dim).index_copy_(0, self.slot_mapping, k[0].transpose(0, 1).to(dtype))
+        values.view(-1, heads, dim).index_copy_(0, self.slot_mapping,
+                                                v[0].transpose(0, 1).to(dtype))  # fmt: skip
+        out = paged_attention(q[0].transpose(0, 1).to(dtype), keys, values, self.layout,
                               backend=self.backend)  # fmt: skip
-        return out.transpose(0, 1)[None]
+        return out.transpose(0, 1)[None].to(q.dtype)
 
     def end(self, num_tokens: int) -> None:
         pass
@@ -122,6 +124,8 @@ class ModelRunner:
             self.backend = "triton" if self.device.type == "cuda" else "torch"
         self.scratch = Scratch()  # gather buffers reused by every forward
         shapes, dtype = self._probe_shapes()
+        if config.kv_cache_dtype != "auto":
+            dtype = getattr(torch, config.kv_cache_dtype)
         self.num_layers = len(shapes)
         self.pool = KVPool(shapes, config.num_blocks, config.block_size, dtype, self.device)
 
