@@ -18,8 +18,9 @@ from torch import nn
 
 from llmlab.models import GPT, GPTConfig, build_model
 from llmlab.models.registry import ARCHITECTURES, register
-from llmlab.parallel.parallelize import ModelTransforms, parallelize_model
+from llmlab.parallel.parallelize import parallelize_model
 from llmlab.parallel.precision import FP8Precision
+from llmlab.parallel.transforms import ModelTransforms
 
 SMALL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 

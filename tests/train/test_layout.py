@@ -24,7 +24,7 @@ def _gpt(**fields):
 
 
 def test_both_spellings_of_the_pipeline_degree_read_the_same():
-    from llmlab.parallel.pipeline.preset import PipelineStrategy
+    from llmlab.parallel.presets import PipelineStrategy
     from llmlab.parallel.strategy import NDParallelStrategy
 
     nd = NDParallelStrategy(data=2, pipeline=2, microbatches=4, schedule="interleaved")

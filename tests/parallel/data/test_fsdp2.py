@@ -193,10 +193,10 @@ def test_what_fsdp2_cannot_express_is_refused_at_construction(options, match) ->
 
 
 def test_fsdp2_refuses_master_weights_fp8_fp16_and_compile_before_any_process() -> None:
-    from llmlab.parallel.parallelize import ModelTransforms
     from llmlab.parallel.precision.plugins import FP8Precision, FP16MasterPrecision
     from llmlab.parallel.preflight import RunConfig, check_strategy_config
     from llmlab.parallel.strategy import NDParallelStrategy
+    from llmlab.parallel.transforms import ModelTransforms
 
     options = dict(zero=3, zero_impl="fsdp2")
     for run, match in [

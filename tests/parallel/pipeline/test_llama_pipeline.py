@@ -37,7 +37,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pipeline_run(rank: int, world_size: int, ckpt: str) -> dict:
-    from llmlab.parallel.pipeline import PipelineStrategy
+    from llmlab.parallel.presets import PipelineStrategy
 
     os.environ["WORLD_SIZE"] = str(world_size)
     losses: list[float] = []

@@ -38,7 +38,7 @@ def test_batch_not_divisible_by_microbatches():
 def test_world_size_not_divisible_by_stages():
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from llmlab.parallel.pipeline.preset import PipelineStrategy
+    from llmlab.parallel.presets import PipelineStrategy
 
     env = LightningEnvironment()
     env.set_world_size(3)
@@ -49,7 +49,7 @@ def test_world_size_not_divisible_by_stages():
 
 def test_strategy_checks_batch_size_and_schedule_arguments():
     from llmlab.parallel.mesh import ParallelDims
-    from llmlab.parallel.pipeline.preset import PipelineStrategy
+    from llmlab.parallel.presets import PipelineStrategy
 
     with pytest.raises(
         ValueError, match=r"num_microbatches \(6\) to be a multiple of num_stages \(4\)"

@@ -59,7 +59,7 @@ def fit(strategy, devices: int, max_steps: int = STEPS, ckpt_path=None, root=Non
 
 
 def _pipeline_runs(rank: int, world: int, root: str, cases: list[dict]):
-    from llmlab.parallel.pipeline import PipelineStrategy
+    from llmlab.parallel.presets import PipelineStrategy
 
     out = {}
     for case in cases:

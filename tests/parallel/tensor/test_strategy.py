@@ -72,7 +72,7 @@ def _trainer(strategy, max_steps: int, losses: list, devices: int = 4, **kwargs)
 
 
 def strategy_run(rank: int, world_size: int, ckpt: str) -> dict:
-    from llmlab.parallel.tensor import TensorParallelStrategy
+    from llmlab.parallel.presets import TensorParallelStrategy
 
     # DP × TP = 2 × 2 with sequence parallelism, then a consolidated checkpoint.
     first: list[tuple[float, int]] = []
@@ -151,7 +151,7 @@ def fp16_master_run(rank: int, world_size: int, ckpt: str) -> list[float]:
     """FP16MasterPrecision under ``tensor=world_size`` (or plain Lightning on one process);
     saves a consolidated checkpoint and returns the losses."""
     from llmlab.parallel.precision import FP16MasterPrecision
-    from llmlab.parallel.tensor import TensorParallelStrategy
+    from llmlab.parallel.presets import TensorParallelStrategy
 
     losses: list[tuple[float, int]] = []
     strategy = TensorParallelStrategy(tensor=world_size) if world_size > 1 else "auto"
@@ -193,7 +193,7 @@ def test_layout_mismatch_fails_before_training() -> None:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     from llmlab.parallel.mesh import check_layout
-    from llmlab.parallel.tensor import TensorParallelStrategy
+    from llmlab.parallel.presets import TensorParallelStrategy
 
     def dims(world: int, **kwargs):
         env = LightningEnvironment()

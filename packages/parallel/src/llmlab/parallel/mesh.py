@@ -28,7 +28,7 @@ from llmlab.parallel.contracts import (
     require,
     tensor_parallel_problems,
 )
-from llmlab.parallel.pipeline.schedules import V_SHAPED, validate_schedule_args
+from llmlab.parallel.schedule_args import V_SHAPED, validate_schedule_args
 
 DIMS = ("data", "pipeline", "context", "tensor")  # outermost first; tensor innermost
 

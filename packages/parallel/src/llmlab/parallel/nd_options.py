@@ -12,8 +12,8 @@ from llmlab.parallel.context.step import check_context
 from llmlab.parallel.data.sharding import check_zero_impl
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
 from llmlab.parallel.mesh import ParallelDims
-from llmlab.parallel.parallelize import ModelTransforms
 from llmlab.parallel.pipeline.split_layout import check_split_backward
+from llmlab.parallel.transforms import ModelTransforms
 
 ZERO_WITH_PIPELINE = (
     "a pipeline runs several micro-batch backward passes per step, so ZeRO-2 would either keep "

@@ -23,7 +23,7 @@ from torch import nn
 
 from llmlab.parallel.compile import compile_refusal
 from llmlab.parallel.mesh import ParallelDims, check_layout
-from llmlab.parallel.parallelize import ModelTransforms
+from llmlab.parallel.transforms import ModelTransforms
 
 # Lightning's own data-parallel strategies, run as they are (compile=true was checked with them).
 LIGHTNING_DATA_PARALLEL = ("auto", "ddp", "DDPStrategy", "SingleDeviceStrategy")

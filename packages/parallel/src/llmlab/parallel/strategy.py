@@ -55,7 +55,7 @@ from llmlab.parallel.data.zero_precision import ZeroMasterWeights
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
 from llmlab.parallel.nd_options import check_options
 from llmlab.parallel.norm import WholeModelNorm
-from llmlab.parallel.parallelize import ModelTransforms, ParallelModel, parallelize_model
+from llmlab.parallel.parallelize import ParallelModel, parallelize_model
 from llmlab.parallel.pipeline.grad_sync import GradientReducer
 from llmlab.parallel.pipeline.split_layout import check_split_backward
 from llmlab.parallel.pipeline.stage import move_held_tensors
@@ -67,6 +67,7 @@ from llmlab.parallel.precision.plugins import (
 )
 from llmlab.parallel.preflight import RunConfig
 from llmlab.parallel.step_comm import StepComm
+from llmlab.parallel.transforms import ModelTransforms
 
 log = logging.getLogger(__name__)
 

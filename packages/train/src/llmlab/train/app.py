@@ -288,7 +288,7 @@ def build_logger(cfg: DictConfig, run_dir: Path, run_id: str) -> Any:
 
 def model_transforms(cfg: DictConfig) -> Any:
     """``model_transforms`` and ``compile`` as one ``ModelTransforms`` (validated)."""
-    from llmlab.parallel.parallelize import ModelTransforms
+    from llmlab.parallel.transforms import ModelTransforms
 
     node = cfg.get("model_transforms")
     options = OmegaConf.to_container(node, resolve=True) if node else {}

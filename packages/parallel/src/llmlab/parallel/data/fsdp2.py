@@ -47,9 +47,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmlab.parallel.data.zero_memory import model_state_stats, optimizer_state_bytes
 from llmlab.parallel.mesh import ProcessGroups
-from llmlab.parallel.parallelize import ModelTransforms
 from llmlab.parallel.precision.plugins import WholeModelMixedPrecision, WholeModelPrecision
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
+from llmlab.parallel.transforms import ModelTransforms
 
 IMPLS = ("llmlab", "fsdp2")
 RESHARD_AFTER_FORWARD = {2: False, 3: True}  # llmlab ZeRO stage -> fully_shard's setting

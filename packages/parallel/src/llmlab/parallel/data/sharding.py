@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from llmlab.parallel.data.fsdp2 import IMPLS, FSDP2Engine, data_mesh, fsdp2_refusal
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.mesh import ProcessGroups
-from llmlab.parallel.parallelize import ModelTransforms
+from llmlab.parallel.transforms import ModelTransforms
 
 
 def check_zero_impl(

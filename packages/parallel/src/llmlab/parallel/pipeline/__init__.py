@@ -3,8 +3,9 @@
 ``schedule(name, num_stages, num_microbatches, stage)`` gives one stage's instruction list for
 "naive", "gpipe", "1f1b", "interleaved" or the split-backward "zb1", "zbv", "dualpipev";
 ``validate_programs`` checks all stages' lists and ``simulate`` runs them on paper;
-``PipelineEngine`` executes a list on ``torch.distributed`` point-to-point ops; and
-``PipelineStrategy`` (registered with Lightning as ``"pipeline"``) runs it inside ``Trainer``.
+``PipelineEngine`` executes a list on ``torch.distributed`` point-to-point ops; the N-D strategy
+runs it inside ``Trainer`` (``PipelineStrategy``, registered with Lightning as ``"pipeline"``, is
+its preset in :mod:`llmlab.parallel.presets`).
 """
 
 from llmlab.parallel.pipeline.engine import PipelineEngine, StepResult
@@ -39,16 +40,6 @@ from llmlab.parallel.pipeline.stage import (
 from llmlab.parallel.pipeline.timeline import measured_bubble, plot_timeline
 from llmlab.parallel.pipeline.validate import check_programs, validate_programs
 
-
-def __getattr__(name: str):
-    # The strategy pulls in Lightning (seconds to import); schedules and the engine do not need it.
-    if name == "PipelineStrategy":
-        from llmlab.parallel.pipeline import preset
-
-        return getattr(preset, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "SCHEDULES",
     "SPLIT_BACKWARD",
@@ -58,7 +49,6 @@ __all__ = [
     "Instruction",
     "Op",
     "PipelineEngine",
-    "PipelineStrategy",
     "ScheduleError",
     "SimulationResult",
     "StageModules",

@@ -8,13 +8,11 @@
 
 A sharded module's full state dict (to save, or to load into another degree) is
 :mod:`llmlab.parallel.checkpoint.consolidated`'s ``full_state_dict`` / ``load_full_state_dict``.
-* :mod:`.preset`: ``TensorParallelStrategy`` (Lightning, registered as ``"tensor"``); imported
-  lazily so the layers can be used without Lightning.
+The Lightning strategy that runs it, ``TensorParallelStrategy`` (registered as ``"tensor"``), is
+a preset of the N-D strategy in :mod:`llmlab.parallel.presets`.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from llmlab.parallel.tensor.accounting import CommLedger, CommRecord, comm_ledger, count_comm
 from llmlab.parallel.tensor.cross_entropy import (
@@ -48,7 +46,6 @@ __all__ = [
     "CommRecord",
     "RowParallelLinear",
     "TensorParallelRNG",
-    "TensorParallelStrategy",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "comm_ledger",
@@ -65,11 +62,3 @@ __all__ = [
     "validate_plan",
     "vocab_parallel_cross_entropy",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TensorParallelStrategy":
-        from llmlab.parallel.tensor.preset import TensorParallelStrategy
-
-        return TensorParallelStrategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

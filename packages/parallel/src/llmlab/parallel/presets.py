@@ -1,8 +1,12 @@
-"""``PipelineStrategy``: pipeline parallelism (× data parallelism), a preset of the N-D strategy.
+"""The N-D strategy's presets, under the names and arguments their users know.
 
 ``strategy=pipeline`` is :class:`~llmlab.parallel.strategy.NDParallelStrategy` with
-``tensor = 1`` and ``pipeline = stages``: the same code path (``world_size = data × stages``,
-ranks of one pipeline consecutive), kept under the name and arguments pipeline users know.
+``tensor = 1`` and ``pipeline = stages`` (``world_size = data × stages``, ranks of one pipeline
+consecutive); ``strategy=tensor`` (and ``tensor_sp``) is the same strategy with ``pipeline = 1``:
+the model sharded by its own ``tensor_parallel_plan()``, the task's loss the vocab-parallel
+cross-entropy, gradients averaged over the data group once per optimizer step. One code path,
+two doors. They live beside the strategy they preset, so the ``pipeline`` and ``tensor``
+mechanisms never import the strategy that drives them.
 """
 
 from __future__ import annotations
@@ -60,3 +64,36 @@ class PipelineStrategy(NDParallelStrategy):
 
 if "pipeline" not in StrategyRegistry:
     PipelineStrategy.register_strategies(StrategyRegistry)
+
+
+class TensorParallelStrategy(NDParallelStrategy):
+    """Tensor parallelism of ``lightning_module.<model_attribute>`` (× data parallelism).
+
+    ``tensor``: the tensor-parallel degree; ``data``: optional, checked against
+    ``world_size / tensor``. ``sequence_parallel``: LayerNorm/dropout/residual on sequence shards
+    (all-gather + reduce-scatter instead of all-reduce).
+    """
+
+    strategy_name = "tensor"
+    # measured: its sharded blocks recompile until dynamo's recompile_limit, then silently run
+    # eager; refused by check_config with the strategy's name
+    compile_checked = False
+
+    def __init__(
+        self,
+        tensor: int = 2,
+        sequence_parallel: bool = False,
+        data: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(data=data, tensor=tensor, sequence_parallel=sequence_parallel, **kwargs)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="llmlab Megatron-style tensor parallelism (× DP)"
+        )
+
+
+if "tensor" not in StrategyRegistry:
+    TensorParallelStrategy.register_strategies(StrategyRegistry)
