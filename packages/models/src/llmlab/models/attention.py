@@ -50,7 +50,9 @@ class AttentionContext(Protocol):
     def end(self, num_tokens: int) -> None: ...
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False):
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False
+) -> Tensor:
     """``F.scaled_dot_product_attention`` with grouped-query heads (H_kv dividing H)."""
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
