@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,10 @@ def test_the_wheels_build_and_the_tokenizer_runs_alone_without_torch(tmp_path):
     )  # fmt: skip
     built = {p.name.split("-")[0].replace("_", "-") for p in dist.glob("*.whl")}
     assert built == set(DISTRIBUTIONS), f"wheels built: {sorted(built)}"
+    # llmlab.kernels.quantized compiles its C++ kernel where it runs: the wheel must carry it
+    (kernels,) = dist.glob("llmlab_kernels-*.whl")
+    with zipfile.ZipFile(kernels) as wheel:
+        assert "llmlab/kernels/cpu/quantized_matmul.cpp" in wheel.namelist()
 
     env_dir = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)

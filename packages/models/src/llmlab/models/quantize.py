@@ -18,27 +18,25 @@ weights; a tied embedding and LM head share one quantized table (its per-row sca
 head's per-output-channel scales). The activations stay in the model's dtype ("weight-only").
 
 The product computes ``x @ dequantize(W).T`` (+ bias), and nothing else (tests hold it to 1e-4
-of that product in fp32): for one or two rows (decoding) a reduction over the packed weights,
-compiled by ``torch.compile`` so the weights are read in their small form and widened in
-registers; for more rows (prefill, training) the weights are widened once and go through the
-matmul (the widening is paid once for all rows). The modules are frozen: usable as the base of
-adapters in training, where input gradients flow through the same product.
+of that product in fp32), through :func:`llmlab.kernels.quantized.quantized_matmul`: on a CPU a
+kernel that reads the packed bytes and widens them in registers (each widened weight vector
+serving up to four rows), elsewhere a ``torch.compile``d reduction for one or two rows or the
+widened weight through ``F.linear``. The modules are frozen: usable as the base of adapters in
+training, where input gradients flow through the widened weight.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-INT4_GROUPS = (32, 64, 128)
-KINDS = ("bf16", "int8", "int4")
+from llmlab.kernels.quantized import INT4_GROUPS, quantized_matmul
+from llmlab.kernels.quantized import pack as kernel_pack
+from llmlab.kernels.quantized import unpack as kernel_unpack
+
 VALID = "bf16, int8, int4 (group 32), int4:g64, int4:g128"
-DECODE_ROWS = 2  # products of at most this many rows read the packed weights directly
 
 
 @dataclass(frozen=True)
@@ -64,92 +62,15 @@ def parse_scheme(name: str | Scheme) -> Scheme:
     raise ValueError(f"quantize={name!r} is not a scheme; valid: {VALID}")
 
 
-# ------------------------------------------------------------------------------ packing
 def pack(weight: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor | None]:
-    """``(data, scales)`` of ``weight`` (out, in) in ``scheme``'s layout (module docstring)."""
-    w = weight.detach().float()
-    if scheme.kind == "bf16":
-        return weight.detach().to(torch.bfloat16), None
-    if scheme.kind == "int8":
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
-    out, inp = w.shape
-    g = scheme.group
-    if inp % g:
-        raise ValueError(f"int4 with group {g} needs an input width divisible by {g}, got {inp}")
-    groups = w.view(out, inp // g, g)
-    scales = (groups.abs().amax(dim=2) / 7).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
-    half = g // 2
-    data = q[..., :half] | (q[..., half:] << 4)  # (out, in/g, g/2)
-    return data.reshape(out, inp // 2).contiguous(), scales
+    """``(data, scales)`` of ``weight`` (out, in) in ``scheme``'s layout
+    (:mod:`llmlab.kernels.quantized`)."""
+    return kernel_pack(weight, scheme.kind, scheme.group)
 
 
 def unpack(data: Tensor, scales: Tensor | None, scheme: Scheme, dtype: torch.dtype) -> Tensor:
     """The weight (out, in) that ``data`` and ``scales`` stand for, in ``dtype``."""
-    if scheme.kind == "bf16":
-        return data.to(dtype)
-    if scheme.kind == "int8":
-        return (data.float() * scales[:, None]).to(dtype)
-    out, g = data.shape[0], scheme.group
-    nibbles = data.view(out, -1, g // 2)
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=2).float() - 8  # (out, in/g, g)
-    return (q * scales[..., None]).reshape(out, -1).to(dtype)
-
-
-# ----------------------------------------------------------------------- decode products
-def _int8_rows(x: Tensor, data: Tensor, scales: Tensor) -> Tensor:
-    return (x.unsqueeze(-2) * data).sum(-1) * scales
-
-
-def _bf16_rows(x: Tensor, data: Tensor, scales: Any) -> Tensor:
-    return (x.unsqueeze(-2) * data).sum(-1)
-
-
-def _int4_rows(x: Tensor, data: Tensor, scales: Tensor, group: int) -> Tensor:
-    # one reduction over in/2 packed bytes: each byte's low nibble meets the first half of its
-    # group's inputs, the high nibble the second half, scaled by its group's scale
-    half, rows = group // 2, x.shape[0]
-    groups = x.view(rows, -1, group)
-    x_lo = groups[..., :half].reshape(rows, 1, -1)
-    x_hi = groups[..., half:].reshape(rows, 1, -1)
-    lo = (data & 15).to(torch.float32) - 8
-    hi = (data >> 4).to(torch.float32) - 8
-    return ((x_lo * lo + x_hi * hi) * scales.repeat_interleave(half, dim=1)).sum(-1)
-
-
-# The group size must reach the compiler as a literal: passed through a closure or
-# functools.partial it became a dynamic size and the kernel ran 50-100x slower (measured).
-def _int4_g32(x: Tensor, data: Tensor, scales: Tensor) -> Tensor:
-    return _int4_rows(x, data, scales, 32)
-
-
-def _int4_g64(x: Tensor, data: Tensor, scales: Tensor) -> Tensor:
-    return _int4_rows(x, data, scales, 64)
-
-
-def _int4_g128(x: Tensor, data: Tensor, scales: Tensor) -> Tensor:
-    return _int4_rows(x, data, scales, 128)
-
-
-_INT4 = {32: _int4_g32, 64: _int4_g64, 128: _int4_g128}
-
-
-_COMPILED: dict[Scheme, Any] = {}
-
-
-def _eager_product(scheme: Scheme) -> Any:
-    if scheme.kind == "int4":
-        return _INT4[scheme.group]
-    return _int8_rows if scheme.kind == "int8" else _bf16_rows
-
-
-def _rows_product(scheme: Scheme) -> Any:
-    """The decode product of ``scheme``, compiled once per process (eager where compiling
-    fails, e.g. with no C++ compiler: the same arithmetic, slower)."""
-    if scheme not in _COMPILED:
-        _COMPILED[scheme] = torch.compile(_eager_product(scheme), dynamic=True)
-    return _COMPILED[scheme]
+    return kernel_unpack(data, scales, scheme.kind, dtype)
 
 
 class QuantizedLinear(nn.Module):
@@ -173,19 +94,8 @@ class QuantizedLinear(nn.Module):
         return unpack(self.data, self.scales, self.scheme, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // self.in_features
-        if rows <= DECODE_ROWS and not (torch.is_grad_enabled() and x.requires_grad):
-            flat = x.reshape(rows, self.in_features).float()
-            try:
-                out = _rows_product(self.scheme)(flat, self.data, self.scales)
-            except Exception as err:  # no C++ compiler here: the same product, eager
-                warnings.warn(f"quantized products run eagerly (torch.compile failed: {err})",
-                              RuntimeWarning, stacklevel=2)  # fmt: skip
-                _COMPILED[self.scheme] = _eager_product(self.scheme)
-                out = _COMPILED[self.scheme](flat, self.data, self.scales)
-            out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-            return out if self.bias is None else out + self.bias
-        return F.linear(x, self.dequantize(x.dtype), self.bias)
+        out = quantized_matmul(x, self.data, self.scales, self.scheme.kind)
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}"

@@ -1,0 +1,68 @@
+"""``llmlab.kernels.quantized``: every face computes ``x @ dequantize(W).T``.
+
+The oracle is the weight widened by :func:`unpack` and multiplied in fp64; the CPU kernel (where
+it builds: AVX2/AVX-512 and a compiler), the compiled reduction and the reference must each
+equal it within 1e-4 of the product's largest entry (fp32 sums in their own orders), for every
+format, row count (the kernel's tiles of 4, 2 and 1 rows and 4, 2 and 1 output rows), and
+widths that leave a tail of the vector loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmlab.kernels import quantized
+from llmlab.kernels.quantized import compiled_rows, cpu_kernel, pack, quantized_matmul, unpack
+
+FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("bf16", None)]
+
+
+def _oracle(x: torch.Tensor, data, scales, kind: str) -> torch.Tensor:
+    return x.double() @ unpack(data, scales, kind, torch.float64).T
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize(("kind", "group"), FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_every_face_equals_the_widened_product(kind, group, rows):
+    torch.manual_seed(rows)
+    width = 256 if kind != "int8" else 264  # int8: a tail past the vector width
+    data, scales = pack(torch.randn(37, width), kind, group)  # 37 outputs: 4-, 2-, 1-row tiles
+    x = torch.randn(rows, width)
+    want = _oracle(x, data, scales, kind)
+    assert _rel(quantized.reference(x, data, scales, kind), want) < 1e-4
+    assert _rel(quantized_matmul(x, data, scales, kind), want) < 1e-4
+    if rows <= 2:
+        assert _rel(compiled_rows(x, data, scales, kind), want) < 1e-4
+    kernel = cpu_kernel()
+    if kernel is not None and kind == "int8":
+        assert _rel(kernel.int8_matmul(x, data, scales), want) < 1e-4
+    elif kernel is not None and kind == "int4":
+        assert _rel(kernel.int4_matmul(x, data, scales, group), want) < 1e-4
+
+
+def test_the_kernel_is_built_here():
+    """This machine has a compiler and AVX2: the kernel must build (a silent fallback would
+    leave every quantized product on the slow faces)."""
+    assert cpu_kernel() is not None
+
+
+def test_gradients_and_other_dtypes_take_the_reference():
+    data, scales = pack(torch.randn(16, 64), "int8")
+    x = torch.randn(3, 64, requires_grad=True)
+    quantized_matmul(x, data, scales, "int8").sum().backward()
+    want = unpack(data, scales, "int8", torch.float32).sum(0).expand(3, 64)
+    torch.testing.assert_close(x.grad, want)
+    x64 = torch.randn(3, 64, dtype=torch.float64)
+    assert quantized_matmul(x64, data, scales, "int8").dtype == torch.float64
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"int4 needs a group in \(32, 64, 128\) dividing"):
+        pack(torch.randn(4, 48), "int4", 32)
+    data, scales = pack(torch.randn(8, 64), "int8")
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_kernel().int8_matmul(torch.randn(2, 32), data, scales)
