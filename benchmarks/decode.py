@@ -94,8 +94,9 @@ def bytes_per_token(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def decode_rate(run, new_tokens: int, repeats: int) -> float:
-    """Tokens/s of decoding alone: (N - 1) / (t(N) - t(1)), each the best of ``repeats``."""
+def decode_rate(run, new_tokens: int, repeats: int, batch: int = 1) -> float:
+    """Tokens/s of decoding alone: batch × (N - 1) / (t(N) - t(1)), each the best of
+    ``repeats``."""
     run(2)  # warm-up (compiles the quantized products on first use)
     t_one = t_all = float("inf")
     for _ in range(repeats):
@@ -106,7 +107,7 @@ def decode_rate(run, new_tokens: int, repeats: int) -> float:
         run(new_tokens)
         t_all = min(t_all, time.perf_counter() - start)
     spent = t_all - t_one  # not positive only on a machine too noisy to measure: no figure
-    return (new_tokens - 1) / spent if spent > 0 else float("nan")
+    return batch * (new_tokens - 1) / spent if spent > 0 else float("nan")
 
 
 def measure(hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool):
@@ -121,7 +122,7 @@ def measure(hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool):
         return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                            max_new_tokens=n, min_new_tokens=n, pad_token_id=0)  # fmt: skip
 
-    rates = {"hf": decode_rate(hf_run, new_tokens, repeats)}
+    rates = {"hf": decode_rate(hf_run, new_tokens, repeats, batch)}
     want = hf_run(new_tokens)[:, PROMPT:].tolist()
     same, sizes = {}, {}
     if batch == 1 and not smoke:  # llmlab's generate, its forward compiled over a static cache
@@ -142,7 +143,7 @@ def measure(hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool):
             return llm.generate(prompts, cfg, progress=False)
 
         key = scheme or "fp32"
-        rates[key] = decode_rate(run, new_tokens, repeats)
+        rates[key] = decode_rate(run, new_tokens, repeats, batch)
         got = [o.token_ids[0] for o in run(new_tokens)]
         same[key] = sum(g == w for g, w in zip(got, want))
         sizes[key] = bytes_per_token(target)
