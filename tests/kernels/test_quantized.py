@@ -29,7 +29,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 def test_every_face_equals_the_widened_product(kind, group, rows):
     torch.manual_seed(rows)
-    width = 256 if kind != "int8" else 264  # int8: a tail past the vector width
+    width = 256 if kind == "int4" else 264  # int8, bf16: a tail past the vector width
     data, scales = pack(torch.randn(37, width), kind, group)  # 37 outputs: 4-, 2-, 1-row tiles
     x = torch.randn(rows, width)
     want = _oracle(x, data, scales, kind)
@@ -42,6 +42,8 @@ def test_every_face_equals_the_widened_product(kind, group, rows):
         assert _rel(kernel.int8_matmul(x, data, scales), want) < 1e-4
     elif kernel is not None and kind == "int4":
         assert _rel(kernel.int4_matmul(x, data, scales, group), want) < 1e-4
+    elif kernel is not None:
+        assert _rel(kernel.bf16_matmul(x, data), want) < 1e-4
 
 
 def test_the_kernel_is_built_here():

@@ -11,12 +11,12 @@ Formats (what ``llmlab.models.quantize`` stores):
 * ``bf16``: the weights rounded to bfloat16; ``data`` (O, I) bf16, no scales.
 
 Faces, as every op here: :func:`reference` (widen the weight, ``F.linear``: the oracle);
-the CPU kernel (``cpu/quantized_matmul.cpp``, AVX-512 or AVX2 + FMA: reads the packed bytes
-and widens them in registers, each widened weight vector reused by up to four rows of ``x``;
-built once with ``torch.utils.cpp_extension``); and :func:`quantized_matmul`, which
-dispatches: the kernel for fp32 CPU inputs where it is built, else a ``torch.compile``d
-reduction over the packed bytes for one or two rows (bf16 too), else the reference. All
-compute ``x @ dequantize(W).T`` to fp32 rounding (their sums run in different orders).
+the CPU kernel (``cpu/quantized_matmul.cpp``, AVX-512 or AVX2 + FMA, every format: reads the
+packed bytes and widens them in registers, each widened weight vector reused by up to four
+rows of ``x``; built once with ``torch.utils.cpp_extension``); and :func:`quantized_matmul`,
+which dispatches: the kernel for fp32 CPU inputs where it is built, else a ``torch.compile``d
+reduction over the packed bytes for one or two rows, else the reference. All compute
+``x @ dequantize(W).T`` to fp32 rounding (their sums run in different orders).
 """
 
 from __future__ import annotations
@@ -203,14 +203,16 @@ def quantized_matmul(x: Tensor, data: Tensor, scales: Tensor | None, kind: str) 
     flat = x.reshape(-1, width)
     rows = flat.shape[0]
     grad = torch.is_grad_enabled() and x.requires_grad
-    if not grad and kind != "bf16" and x.device.type == "cpu" and x.dtype == torch.float32:
+    if not grad and x.device.type == "cpu" and x.dtype == torch.float32:
         kernel = cpu_kernel()
         if kernel is not None:
             flat = flat.contiguous()
             if kind == "int8":
                 out = kernel.int8_matmul(flat, data, scales)
-            else:
+            elif kind == "int4":
                 out = kernel.int4_matmul(flat, data, scales, width // scales.shape[1])
+            else:
+                out = kernel.bf16_matmul(flat, data)
             return out.view(*x.shape[:-1], data.shape[0])
     if not grad and rows <= COMPILED_ROWS:
         out = compiled_rows(flat.float(), data, scales, kind).to(x.dtype)

@@ -1,10 +1,11 @@
-// x @ dequantize(W).T for weight-only int8 and int4 weights, on a CPU with AVX2 + FMA (AVX-512
+// x @ dequantize(W).T for weight-only bf16, int8 and int4 weights, on a CPU with AVX2 + FMA (AVX-512
 // where the build targets it).
 //
 // Decoding reads every weight once per step, so the product is bound by the bytes it reads; a
 // kernel that reads the packed bytes and widens them in registers reads 4x (int8) or ~7x (int4)
 // fewer bytes than an fp32 product, and reuses each widened weight vector for every row of x.
 // Layouts (llmlab.kernels.quantized):
+//   bf16: w (O, I) bfloat16 (widened by a 16-bit shift): out[r, o] = sum_i x[r, i] * w[o, i]
 //   int8: w (O, I) int8, scales (O,) fp32:            out[r, o] = s_o * sum_i x[r, i] * w[o, i]
 //   int4: w (O, I/2) uint8, scales (O, I/G) fp32: per group of G inputs, byte j holds value j in
 //         its low nibble and value j + G/2 in its high nibble, both stored as q + 8 (q in -8..7):
@@ -14,6 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <cstring>
 
 namespace {
 
@@ -31,6 +34,10 @@ inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline vec widen_low(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
 inline vec widen(const int8_t* p) {
   return widen_low(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vec widen(const uint16_t* p) {  // bf16: the top half of an fp32
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 #else
 using vec = __m256;
@@ -50,13 +57,26 @@ inline vec widen_low(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32
 inline vec widen(const int8_t* p) {
   return widen_low(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
+inline vec widen(const uint16_t* p) {  // bf16: the top half of an fp32
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
 #endif
+
+inline float scalar(int8_t v) { return static_cast<float>(v); }
+inline float scalar(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // OT output rows at once (OT weight streams in flight: the memory system overlaps their reads)
 // for R rows of x; every widened weight vector serves all R rows.
-template <int R, int OT>
-void int8_tile(const float* x, int64_t in, const int8_t* w, const float* scales, float* out,
-               int64_t out_features, int64_t o) {
+// T: int8_t (scaled per output row) or uint16_t (bf16 bits; scales is null).
+template <typename T, int R, int OT>
+void dense_tile(const float* x, int64_t in, const T* w, const float* scales, float* out,
+                int64_t out_features, int64_t o) {
   vec acc[OT][R];
   for (int t = 0; t < OT; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = vzero();
@@ -65,29 +85,29 @@ void int8_tile(const float* x, int64_t in, const int8_t* w, const float* scales,
     vec xs[R];
     for (int r = 0; r < R; ++r) xs[r] = vload(x + r * in + i);
     for (int t = 0; t < OT; ++t) {
-      const int8_t* row = w + (o + t) * in;
-      _mm_prefetch(reinterpret_cast<const char*>(row + i + 512), _MM_HINT_T0);
+      const T* row = w + (o + t) * in;
+      _mm_prefetch(reinterpret_cast<const char*>(row + i) + 512, _MM_HINT_T0);
       const vec wv = widen(row + i);
       for (int r = 0; r < R; ++r) acc[t][r] = vfma(wv, xs[r], acc[t][r]);
     }
   }
   for (int t = 0; t < OT; ++t) {
-    const int8_t* row = w + (o + t) * in;
+    const T* row = w + (o + t) * in;
     for (int r = 0; r < R; ++r) {
       float sum = vsum(acc[t][r]);
-      for (int64_t j = i; j < in; ++j) sum += x[r * in + j] * static_cast<float>(row[j]);
-      out[r * out_features + o + t] = sum * scales[o + t];
+      for (int64_t j = i; j < in; ++j) sum += x[r * in + j] * scalar(row[j]);
+      out[r * out_features + o + t] = scales ? sum * scales[o + t] : sum;
     }
   }
 }
 
-template <int R>
-void int8_rows(const float* x, int64_t in, const int8_t* w, const float* scales, float* out,
-               int64_t out_features, int64_t o_begin, int64_t o_end) {
+template <typename T, int R>
+void dense_rows(const float* x, int64_t in, const T* w, const float* scales, float* out,
+                int64_t out_features, int64_t o_begin, int64_t o_end) {
   constexpr int OT = R == 4 ? 2 : 4;
   int64_t o = o_begin;
-  for (; o + OT <= o_end; o += OT) int8_tile<R, OT>(x, in, w, scales, out, out_features, o);
-  for (; o < o_end; ++o) int8_tile<R, 1>(x, in, w, scales, out, out_features, o);
+  for (; o + OT <= o_end; o += OT) dense_tile<T, R, OT>(x, in, w, scales, out, out_features, o);
+  for (; o < o_end; ++o) dense_tile<T, R, 1>(x, in, w, scales, out, out_features, o);
 }
 
 template <int R, int OT>
@@ -175,9 +195,24 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   by_row_tiles(rows, in, out_features,
-      [&](int64_t r, int64_t b, int64_t e) { int8_rows<4>(xp + r * in, in, wp, sp, op + r * out_features, out_features, b, e); },
-      [&](int64_t r, int64_t b, int64_t e) { int8_rows<2>(xp + r * in, in, wp, sp, op + r * out_features, out_features, b, e); },
-      [&](int64_t r, int64_t b, int64_t e) { int8_rows<1>(xp + r * in, in, wp, sp, op + r * out_features, out_features, b, e); });
+      [&](int64_t r, int64_t b, int64_t e) { dense_rows<int8_t, 4>(xp + r * in, in, wp, sp, op + r * out_features, out_features, b, e); },
+      [&](int64_t r, int64_t b, int64_t e) { dense_rows<int8_t, 2>(xp + r * in, in, wp, sp, op + r * out_features, out_features, b, e); },
+      [&](int64_t r, int64_t b, int64_t e) { dense_rows<int8_t, 1>(xp + r * in, in, wp, sp, op + r * out_features, out_features, b, e); });
+  return out;
+}
+
+torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w) {
+  const int64_t out_features = w.size(0), in = w.size(1), rows = x.size(0);
+  check(x, w, x, torch::kBFloat16, in);
+  auto out = torch::empty({rows, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  const float* none = nullptr;
+  by_row_tiles(rows, in, out_features,
+      [&](int64_t r, int64_t b, int64_t e) { dense_rows<uint16_t, 4>(xp + r * in, in, wp, none, op + r * out_features, out_features, b, e); },
+      [&](int64_t r, int64_t b, int64_t e) { dense_rows<uint16_t, 2>(xp + r * in, in, wp, none, op + r * out_features, out_features, b, e); },
+      [&](int64_t r, int64_t b, int64_t e) { dense_rows<uint16_t, 1>(xp + r * in, in, wp, none, op + r * out_features, out_features, b, e); });
   return out;
 }
 
@@ -201,6 +236,7 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_matmul", &bf16_matmul, "x @ w.float().T, w bfloat16 (O, I)");
   m.def("int8_matmul", &int8_matmul, "x @ (scales[:, None] * w).T, w int8 (O, I)");
   m.def("int4_matmul", &int4_matmul, "x @ dequantize(w).T, w packed int4 (O, I/2), group-wise scales");
 }
