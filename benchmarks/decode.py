@@ -84,6 +84,35 @@ def read_rate(model: nn.Module, repeats: int) -> tuple[float, tuple[int, int]]:
     return weight.numel() * 4 / best, tuple(shape)
 
 
+def product_rows(name: str, shape: tuple[int, int], repeats: int) -> list[Row]:
+    """One-row products at ``shape`` per weight format (``llmlab.kernels.quantized``) against
+    the fp32 product, each as the fp32-equivalent read rate (weights × 4 bytes / time)."""
+    from llmlab.kernels.quantized import pack, quantized_matmul
+
+    weight, x = torch.randn(*shape), torch.randn(1, shape[1])
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    fp32 = best(lambda: F.linear(x, weight))
+    rows = []
+    for kind, group in (("bf16", None), ("int8", None), ("int4", 32)):
+        data, scales = pack(weight, kind, group)
+        t = best(
+            lambda data=data, scales=scales, kind=kind: quantized_matmul(x, data, scales, kind)
+        )
+        rows.append(Row(f"one-row product {shape[0]}x{shape[1]} ({name}'s LM head): {kind} vs fp32",
+                        weight.numel() * 4 / t / 1e9, weight.numel() * 4 / fp32 / 1e9,
+                        "fp32 F.linear", "fp32-equivalent GB/s"))  # fmt: skip
+    return rows
+
+
 def bytes_per_token(model: nn.Module) -> int:
     """Stored bytes of every linear layer (what a batch-1 token reads), ties counted once."""
     seen: dict[int, int] = {}
@@ -162,6 +191,7 @@ def main() -> None:
         name, hf, model = build(args.smoke)
         with torch.inference_mode():
             rate, shape = read_rate(model, repeats)
+            rows += product_rows(name, shape, repeats)
             for batch in (1, 16) if not args.smoke else (1, 2):
                 # batch 16's prefills cost minutes at 1B: one timed round of fewer tokens
                 tokens, rounds = (new_tokens, repeats) if batch == 1 else (12, 1)
