@@ -60,15 +60,24 @@ def test_the_product_equals_x_times_the_dequantized_weight(scheme, rows):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "int4:g64"])
 def test_packing_bounds_the_error_and_unpacks_exactly(scheme):
-    """|w - dequantize(w)| is at most half a step of its scale (per row or group), and the
-    integers are what was packed: re-packing the dequantized weight gives the same bytes."""
+    """|w - dequantize(w)| is at most half a step of its scale (per row or group) -- a whole
+    step for int4 values clamped at +7 (Q4_0's rule puts the group's extreme at -8, so a value
+    of the opposite sign and nearly its size rounds to +8) --, each int4 group's extreme is
+    exact, and re-packing the dequantized weight gives the same bytes."""
     s = parse_scheme(scheme)
     w = torch.randn(32, 128)
     data, scales = pack(w, s)
     back = unpack(data, scales, s, torch.float32)
-    group = 128 if s.kind == "int8" else s.group
-    step = scales.repeat_interleave(group, dim=1) if s.kind == "int4" else scales[:, None]
-    assert bool(((w - back).abs() <= step / 2 + 1e-6).all())
+    error = (w - back).abs()
+    if s.kind == "int8":
+        assert bool((error <= scales[:, None] / 2 + 1e-6).all())
+    else:
+        step = scales.abs().repeat_interleave(s.group, dim=1)
+        clamped = (back / scales.repeat_interleave(s.group, dim=1)).round() == 7
+        assert bool((error <= torch.where(clamped, step, step / 2) + 1e-6).all())
+        extremes = w.view(32, -1, s.group).abs().argmax(dim=2, keepdim=True)
+        exact = (error.view(32, -1, s.group).gather(2, extremes) <= 1e-6).all()
+        assert bool(exact)
     again, _ = pack(back, s)
     assert torch.equal(again, data)
 

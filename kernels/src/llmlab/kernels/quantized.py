@@ -5,7 +5,8 @@ Formats (what ``llmlab.models.quantize`` stores):
 * ``int8``: per output channel, ``w ≈ s_o · q`` with ``q`` in [-127, 127] and
   ``s_o = max_i |w_oi| / 127``; ``data`` (O, I) int8, ``scales`` (O,) fp32.
 * ``int4`` with group ``g`` (32, 64, 128) along the input: ``w ≈ s_{o,j} · q`` with ``q`` in
-  [-8, 7] and ``s = max |w| / 7`` over each group; two values per byte, stored as ``q + 8``:
+  [-8, 7] and, as llama.cpp's Q4_0, ``s = -m / 8`` for the group's value ``m`` of largest
+  magnitude (which maps to -8 exactly); two values per byte, stored as ``q + 8``:
   within a group, byte ``j`` holds value ``j`` in its low nibble and value ``j + g/2`` in its high
   nibble (no interleave to undo); ``data`` (O, I/2) uint8, ``scales`` (O, I/g) fp32.
 * ``bf16``: the weights rounded to bfloat16; ``data`` (O, I) bf16, no scales.
@@ -53,7 +54,11 @@ def pack(weight: Tensor, kind: str, group: int | None = None) -> tuple[Tensor, T
         raise ValueError(f"int4 needs a group in {INT4_GROUPS} dividing the input width {inp}, "
                          f"got {group}")  # fmt: skip
     groups = w.view(out, inp // group, group)
-    scales = (groups.abs().amax(dim=2) / 7).clamp(min=torch.finfo(torch.float32).tiny)
+    # llama.cpp's Q4_0 rule: the group's extreme value maps to -8 exactly (its scale takes that
+    # value's sign), so the steps are max|w| / 8, not / 7, and all 16 levels are used
+    extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    tiny = torch.finfo(torch.float32).tiny
+    scales = torch.where(extreme.abs() < tiny, tiny, extreme / -8)
     q = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
     half = group // 2
     data = q[..., :half] | (q[..., half:] << 4)  # (out, in/g, g/2)
