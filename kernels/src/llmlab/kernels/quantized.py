@@ -5,8 +5,9 @@ Formats (what ``llmlab.models.quantize`` stores):
 * ``int8``: per output channel, ``w ≈ s_o · q`` with ``q`` in [-127, 127] and
   ``s_o = max_i |w_oi| / 127``; ``data`` (O, I) int8, ``scales`` (O,) fp32.
 * ``int4`` with group ``g`` (32, 64, 128) along the input: ``w ≈ s_{o,j} · q`` with ``q`` in
-  [-8, 7] and, as llama.cpp's Q4_0, ``s = -m / 8`` for the group's value ``m`` of largest
-  magnitude (which maps to -8 exactly); two values per byte, stored as ``q + 8``:
+  [-8, 7] and ``s`` per group the candidate step with the least squared error (``-m/8``,
+  llama.cpp's Q4_0 rule for the group's value ``m`` of largest magnitude, to ``m/7``, the
+  symmetric one: :func:`int4_scales`); two values per byte, stored as ``q + 8``:
   within a group, byte ``j`` holds value ``j`` in its low nibble and value ``j + g/2`` in its high
   nibble (no interleave to undo); ``data`` (O, I/2) uint8, ``scales`` (O, I/g) fp32.
 * ``bf16``: the weights rounded to bfloat16; ``data`` (O, I) bf16, no scales.
@@ -54,15 +55,35 @@ def pack(weight: Tensor, kind: str, group: int | None = None) -> tuple[Tensor, T
         raise ValueError(f"int4 needs a group in {INT4_GROUPS} dividing the input width {inp}, "
                          f"got {group}")  # fmt: skip
     groups = w.view(out, inp // group, group)
-    # llama.cpp's Q4_0 rule: the group's extreme value maps to -8 exactly (its scale takes that
-    # value's sign), so the steps are max|w| / 8, not / 7, and all 16 levels are used
-    extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-    tiny = torch.finfo(torch.float32).tiny
-    scales = torch.where(extreme.abs() < tiny, tiny, extreme / -8)
+    scales = int4_scales(groups)
     q = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
     half = group // 2
     data = q[..., :half] | (q[..., half:] << 4)  # (out, in/g, g/2)
     return data.reshape(out, inp // 2).contiguous(), scales
+
+
+# int4 step candidates, as fractions of the group's extreme value m: -m/8 is llama.cpp's Q4_0
+# (m lands on -8 exactly, a value near -m is clamped to +7), m/7 the symmetric rule (m on +7),
+# and between; each group keeps the one with the least squared error
+INT4_STEPS = (-1 / 8, -1 / 7.5, 1 / 7.5, 1 / 7, -1 / 7)
+
+
+def int4_scales(groups: Tensor) -> Tensor:
+    """(O, I/g) scales of ``groups`` (O, I/g, g): per group, the candidate step (``INT4_STEPS``)
+    whose rounding ``clamp(round(w / s), -8, 7) · s`` has the least squared error."""
+    extreme = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    extreme = torch.where(extreme.abs() < torch.finfo(torch.float32).tiny, 1.0, extreme)
+    best, best_error = None, None
+    for fraction in INT4_STEPS:
+        scale = extreme * fraction
+        error = torch.round(groups / scale[..., None]).clamp(-8, 7) * scale[..., None] - groups
+        error = error.square().sum(dim=2)
+        if best is None:
+            best, best_error = scale, error
+        else:
+            better = error < best_error
+            best, best_error = torch.where(better, scale, best), torch.minimum(error, best_error)
+    return best
 
 
 def unpack(data: Tensor, scales: Tensor | None, kind: str, dtype: torch.dtype) -> Tensor:

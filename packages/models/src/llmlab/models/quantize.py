@@ -8,9 +8,10 @@ fewer bytes moves that bound, as llama.cpp's Q8_0 / Q4_0 blocks do:
 * ``int8``: per output channel, ``w ≈ s_o · q`` with ``q`` in [-127, 127] and
   ``s_o = max_i |w_oi| / 127`` (1 byte + 4 bytes per row);
 * ``int4`` (group ``g`` = 32, 64 or 128 along the input): ``w ≈ s_{o,j} · q`` with ``q`` in
-  [-8, 7] and ``|s| = max |w| / 8`` over each group (llama.cpp's Q4_0 rule), two values per
-  byte (0.5 byte + 4 bytes per group). Within a group the first half sits in the low nibbles,
-  the second half in the high nibbles, so unpacking is two masks and no interleave.
+  [-8, 7] and per group the step, from ``max |w| / 8`` (llama.cpp's Q4_0 rule) to ``/ 7``,
+  with the least squared error, two values per byte (0.5 byte + 4 bytes per group). Within a
+  group the first half sits in the low nibbles, the second half in the high nibbles, so
+  unpacking is two masks and no interleave.
 
 :func:`quantize` swaps every ``nn.Linear`` for a :class:`QuantizedLinear` and every
 ``nn.Embedding`` for a :class:`QuantizedEmbedding`, in place, and releases the full-precision
