@@ -77,8 +77,14 @@ def unpack(data: Tensor, scales: Tensor | None, scheme: Scheme, dtype: torch.dty
 class QuantizedLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight is stored in ``scheme``'s bytes (module docstring)."""
 
-    def __init__(self, data: Tensor, scales: Tensor | None, bias: Tensor | None,
-                 in_features: int, scheme: Scheme) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data: Tensor,
+        scales: Tensor | None,
+        bias: Tensor | None,
+        in_features: int,
+        scheme: Scheme,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, data.shape[0]
         self.scheme = scheme
@@ -106,8 +112,14 @@ class QuantizedEmbedding(nn.Module):
     """A frozen ``nn.Embedding`` in ``scheme``'s bytes: a lookup widens only the rows it reads.
     Its storage is shared with a tied LM head (:func:`quantize`)."""
 
-    def __init__(self, data: Tensor, scales: Tensor | None, dim: int, scheme: Scheme,
-                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data: Tensor,
+        scales: Tensor | None,
+        dim: int,
+        scheme: Scheme,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.scheme = data.shape[0], dim, scheme
         self.dtype = dtype  # what the rows come out as: the model's dtype
@@ -129,10 +141,14 @@ def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
     docstring) and return it. Layers of other classes (a tensor-parallel shard, an adapter) are
     refused by name: quantize before making a model parallel, and wrap adapters afterwards."""
     scheme = parse_scheme(scheme)
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.Linear,
-               nn.Embedding))]  # fmt: skip
-    odd = [f"{name} ({type(m).__name__})" for name, m in targets
-           if type(m) not in (nn.Linear, nn.Embedding)]  # fmt: skip
+    targets = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
+    ]
+    odd = [
+        f"{name} ({type(m).__name__})"
+        for name, m in targets
+        if type(m) not in (nn.Linear, nn.Embedding)
+    ]
     if odd:
         raise ValueError(
             f"quantize: cannot convert {', '.join(odd)}; only plain nn.Linear and "
@@ -142,8 +158,10 @@ def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
         for name, module in targets:
             width = module.weight.shape[1]
             if width % scheme.group:
-                raise ValueError(f"quantize: {name} has {width} inputs, not a multiple of "
-                                 f"int4's group {scheme.group}; valid: {VALID}")  # fmt: skip
+                raise ValueError(
+                    f"quantize: {name} has {width} inputs, not a multiple of "
+                    f"int4's group {scheme.group}; valid: {VALID}"
+                )
     shared: dict[int, tuple[Tensor, Tensor | None]] = {}  # tied weights: packed once
     for name, module in targets:
         weight = module.weight
@@ -151,8 +169,9 @@ def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
             shared[id(weight)] = pack(weight, scheme)
         data, scales = shared[id(weight)]
         if isinstance(module, nn.Embedding):
-            new: nn.Module = QuantizedEmbedding(data, scales, module.embedding_dim, scheme,
-                                                weight.dtype)  # fmt: skip
+            new: nn.Module = QuantizedEmbedding(
+                data, scales, module.embedding_dim, scheme, weight.dtype
+            )
         else:
             new = QuantizedLinear(data, scales, module.bias, module.in_features, scheme)
         parent, _, child = name.rpartition(".")

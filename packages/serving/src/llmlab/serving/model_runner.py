@@ -37,8 +37,14 @@ from llmlab.serving.scheduler import Chunk
 class KVPool:
     """Per-layer key and value blocks, shared by every sequence through block tables."""
 
-    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        shapes: list[tuple[int, int]],
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.block_size = block_size
         self.keys = [
             torch.zeros(num_blocks, block_size, h, d, dtype=dtype, device=device) for h, d in shapes
@@ -80,10 +86,12 @@ class PagedAttention:
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         heads, dim, dtype = keys.shape[2], keys.shape[3], keys.dtype
         keys.view(-1, heads, dim).index_copy_(0, self.slot_mapping, k[0].transpose(0, 1).to(dtype))
-        values.view(-1, heads, dim).index_copy_(0, self.slot_mapping,
-                                                v[0].transpose(0, 1).to(dtype))  # fmt: skip
-        out = paged_attention(q[0].transpose(0, 1).to(dtype), keys, values, self.layout,
-                              backend=self.backend)  # fmt: skip
+        values.view(-1, heads, dim).index_copy_(
+            0, self.slot_mapping, v[0].transpose(0, 1).to(dtype)
+        )
+        out = paged_attention(
+            q[0].transpose(0, 1).to(dtype), keys, values, self.layout, backend=self.backend
+        )
         return out.transpose(0, 1)[None].to(q.dtype)
 
     def end(self, num_tokens: int) -> None:
@@ -104,8 +112,10 @@ class _Probe:
         self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None
     ) -> Tensor:
         if layer_idx != len(self.layers):
-            raise TypeError(f"attention layers must attend in order; layer {layer_idx} came "
-                            f"after {len(self.layers)} layers")  # fmt: skip
+            raise TypeError(
+                f"attention layers must attend in order; layer {layer_idx} came "
+                f"after {len(self.layers)} layers"
+            )
         self.layers.append((k.shape[1], k.shape[3], k.dtype, window))
         return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # softmax over one key
 
@@ -139,8 +149,9 @@ class ModelRunner:
             raise TypeError(f"{name}'s forward called no attention layer through its context")
         dtypes = {layer[2] for layer in probe.layers}
         if len(dtypes) != 1:
-            raise TypeError(f"{name}'s attention layers disagree on the KV dtype: "
-                            f"{sorted(map(str, dtypes))}")  # fmt: skip
+            raise TypeError(
+                f"{name}'s attention layers disagree on the KV dtype: {sorted(map(str, dtypes))}"
+            )
         longest = self.config.max_model_len or self.model.config.block_size
         short = {i: w for i, (*_, w) in enumerate(probe.layers) if w is not None and w < longest}
         if short:
@@ -179,8 +190,13 @@ class ModelRunner:
         def tensor(values: Any, dtype: torch.dtype = torch.long) -> Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        layout = PagedLayout(tensor(tables, torch.int32), tensor(starts, torch.int32),
-                             tensor(lens, torch.int32), bs, self.scratch)  # fmt: skip
+        layout = PagedLayout(
+            tensor(tables, torch.int32),
+            tensor(starts, torch.int32),
+            tensor(lens, torch.int32),
+            bs,
+            self.scratch,
+        )
         context = PagedAttention(self.pool, tensor(slots), layout, self.backend)
         # decode-only steps want every row: 0 (HF's "all") skips a gather before the head
         logits_indices = 0 if len(keep) == starts[-1] else tensor(keep)
