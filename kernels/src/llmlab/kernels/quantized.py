@@ -52,8 +52,9 @@ def pack(weight: Tensor, kind: str, group: int | None = None) -> tuple[Tensor, T
         return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
     out, inp = w.shape
     if group not in INT4_GROUPS or inp % group:
-        raise ValueError(f"int4 needs a group in {INT4_GROUPS} dividing the input width {inp}, "
-                         f"got {group}")  # fmt: skip
+        raise ValueError(
+            f"int4 needs a group in {INT4_GROUPS} dividing the input width {inp}, got {group}"
+        )
     groups = w.view(out, inp // group, group)
     scales = int4_scales(groups)
     q = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
@@ -148,12 +149,20 @@ def cpu_kernel() -> ModuleType | None:
         tag = f"{torch.__version__}_{isa[0][2:]}"
         name = "llmlab_quantized_matmul_" + "".join(c if c.isalnum() else "_" for c in tag)
         try:
-            return load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *isa],
-                        extra_ldflags=["-fopenmp"])  # fmt: skip
+            return load(
+                name,
+                [str(SOURCE)],
+                extra_cflags=["-O3", "-fopenmp", *isa],
+                extra_ldflags=["-fopenmp"],
+            )
         except Exception as err:  # a failed compile or load: say why, go on without it
             why = f"building {SOURCE.name} failed: {err}"
-    warnings.warn(f"llmlab.kernels.quantized: no CPU kernel ({why}); quantized products use "
-                  "torch.compile or the reference", RuntimeWarning, stacklevel=2)  # fmt: skip
+    warnings.warn(
+        f"llmlab.kernels.quantized: no CPU kernel ({why}); quantized products use "
+        "torch.compile or the reference",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return None
 
 
@@ -211,8 +220,11 @@ def compiled_rows(x: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> 
     try:
         return _COMPILED[key](x, data, scales)
     except Exception as err:  # no C++ compiler for inductor: the same product, eager
-        warnings.warn(f"quantized products run eagerly (torch.compile failed: {err})",
-                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"quantized products run eagerly (torch.compile failed: {err})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         _COMPILED[key] = _EAGER[key]
         return _EAGER[key](x, data, scales)
 
