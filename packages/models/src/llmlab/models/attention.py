@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 import torch.nn.functional as F
 from torch import Tensor
 
-from llmlab.models.masks import attention_bias, default_positions
+from llmlab.models.masks import attention_bias, default_positions, resolve_positions
 
 
 @runtime_checkable
@@ -120,6 +120,29 @@ def resolve_context(
     if attention is None and attention_mask is not None:
         return PaddedAttention()
     return attention
+
+
+def start_forward(
+    attention: AttentionContext | None,
+    input_ids: Tensor,
+    positions: Tensor | None,
+    attention_mask: Tensor | None,
+    document_ids: Tensor | None,
+) -> tuple[AttentionContext | None, Tensor, int | None]:
+    """What a model's forward does before its first layer: the context it runs with
+    (:func:`resolve_context`), begun, the new tokens' positions, and the largest of them where
+    the host knows it without reading the device (else None)."""
+    attention = resolve_context(attention, attention_mask, document_ids)
+    T = input_ids.shape[1]
+    if attention is None:
+        last = T - 1 if positions is None and document_ids is None else None
+        return None, resolve_positions(input_ids, positions, 0, None, document_ids, False), last
+    last = (
+        getattr(attention, "past", 0) + T - 1
+        if positions is None and attention_mask is None
+        else None
+    )
+    return attention, attention.begin(input_ids, positions, attention_mask), last
 
 
 def keep_logits(x: Tensor, logits_to_keep: int | Tensor) -> Tensor:

@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from llmlab.models.attention import AttentionContext, keep_logits, resolve_context
+from llmlab.models.attention import AttentionContext, keep_logits, start_forward
 from llmlab.models.gpt_config import GPTConfig
 from llmlab.models.kv_cache import KVCache
-from llmlab.models.masks import resolve_positions
 from llmlab.models.ops import Ops, get_ops
 from llmlab.models.quantize import output_width
 
@@ -215,23 +214,15 @@ class GPT(nn.Module):
         row (training): attention stays inside each document and positions restart at each
         document's start.
         """
-        attention = resolve_context(attention, attention_mask, document_ids)
-        T = input_ids.shape[1]
-        last_position = None  # known on the host where nothing can move it
-        if attention is None:
-            if positions is None and document_ids is None:
-                last_position = T - 1
-            positions = resolve_positions(input_ids, positions, 0, None, document_ids, False)
-        else:
-            if positions is None and attention_mask is None:
-                last_position = getattr(attention, "past", 0) + T - 1
-            positions = attention.begin(input_ids, positions, attention_mask)
+        attention, positions, last_position = start_forward(
+            attention, input_ids, positions, attention_mask, document_ids
+        )
         x = self.embed(input_ids, positions, last_position)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         for block in self.blocks:
             x = block(x, attention, **docs)
         if attention is not None:
-            attention.end(T)
+            attention.end(input_ids.shape[1])
         return self.head(keep_logits(x, logits_to_keep))
 
     # ----------------------------------------------------------------------- contracts

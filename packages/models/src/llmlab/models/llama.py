@@ -39,11 +39,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from llmlab.models.attention import AttentionContext, keep_logits, resolve_context
+from llmlab.models.attention import AttentionContext, keep_logits, start_forward
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama_config import LlamaConfig
 from llmlab.models.llama_layers import Block, Embedding, Head
-from llmlab.models.masks import resolve_positions
 from llmlab.models.ops import get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -105,18 +104,11 @@ class Llama(nn.Module):
         documents, non-decreasing per row (training): attention stays inside each document, RoPE
         positions restart at each one's start.
         """
-        attention = resolve_context(attention, attention_mask, document_ids)
         T = input_ids.shape[1]
         self._check_documents(document_ids, T)
-        last_position = None  # known on the host where nothing can move it
-        if attention is None:
-            if positions is None and document_ids is None:
-                last_position = T - 1
-            positions = resolve_positions(input_ids, positions, 0, None, document_ids, False)
-        else:
-            if positions is None and attention_mask is None:
-                last_position = getattr(attention, "past", 0) + T - 1
-            positions = attention.begin(input_ids, positions, attention_mask)
+        attention, positions, last_position = start_forward(
+            attention, input_ids, positions, attention_mask, document_ids
+        )
         self._check_positions(positions, last_position)
         x = self.embed(input_ids)
         docs = {} if document_ids is None else {"document_ids": document_ids}

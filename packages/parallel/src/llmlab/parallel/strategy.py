@@ -81,12 +81,12 @@ class NDParallelStrategy(DDPStrategy):
     "gpipe", "1f1b", "interleaved" (``virtual_stages`` chunks per rank, default 2) or the
     split-backward "zb1", "zbv", "dualpipev" (V-shaped: 2 chunks per rank); ``boundaries``: the
     first layer index of every virtual stage after the first (default: balanced by parameter
-    count). ``transforms``: memory options and compile (``ModelTransforms`` or its config
-    mapping), applied by ``parallelize_model``. ``timeline_every_n_steps``: how often a pipeline
-    records its timeline, logs ``pipeline/bubble`` and (rank 0) draws the Gantt chart; 0 turns
-    it off. ``zero``: ZeRO stage of the data (× context) dimension, by ``zero_impl`` "llmlab" or
-    "fsdp2" (:mod:`~llmlab.parallel.data.sharding`). ``sharded_checkpoints``: each rank writes
-    its own shards (a DCP folder) instead of gathering the model on rank 0.
+    count). ``transforms``: memory options and compile (``ModelTransforms`` or its mapping), as
+    ``parallelize_model`` applies them. ``timeline_every_n_steps``: how often a pipeline records
+    its timeline, logs ``pipeline/bubble`` and (rank 0) draws the Gantt chart (0: off).
+    ``zero``: ZeRO stage of the data (× context) dimension, by ``zero_impl`` "llmlab" or "fsdp2"
+    (:mod:`~llmlab.parallel.data.sharding`). ``sharded_checkpoints``: each rank writes its own
+    shards (a DCP folder) instead of gathering the model on rank 0.
     """
 
     strategy_name = "nd"
