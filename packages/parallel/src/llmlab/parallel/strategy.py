@@ -1,5 +1,5 @@
 """``NDParallelStrategy``: data × pipeline × context × tensor parallelism on one mesh, one
-Lightning strategy (``"nd"``; ``strategy=pipeline`` and ``strategy=tensor`` are presets).
+Lightning strategy (``"nd"``; ``strategy=pipeline`` and ``=tensor`` are presets: ``presets``).
 
 Lightning's hooks, each calling the mechanism that does the work:
 
@@ -11,8 +11,7 @@ Lightning's hooks, each calling the mechanism that does the work:
   pipeline's :class:`~llmlab.parallel.pipeline.step.PipelinedStep`, ZeRO's
   :class:`~llmlab.parallel.data.zero.ZeroEngine` on the data group (its fp32 shards become the
   precision plugin's masters, ``plugin.use_masters``), the whole-model norm the plugin clips by
-  (``plugin.clip_by_norm_of``), and the checkpoint door
-  (:class:`~llmlab.parallel.checkpoint.checkpointer.LayoutCheckpointer`);
+  (``plugin.clip_by_norm_of``), the checkpoint door (``checkpointer.LayoutCheckpointer``);
 * steps: the task's own forward and backward, or a schedule inside ``training_step`` whose
   gradients ``backward`` hands back; a context-parallel model runs split only inside steps
   (:mod:`llmlab.parallel.context.step`); once per optimizer step, tied weights summed over their
