@@ -162,12 +162,17 @@ def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
                     f"quantize: {name} has {width} inputs, not a multiple of "
                     f"int4's group {scheme.group}; valid: {VALID}"
                 )
-    shared: dict[int, tuple[Tensor, Tensor | None]] = {}  # tied weights: packed once
-    for name, module in targets:
+    # tied weights are packed once: which layers share a weight is read while every weight is
+    # alive (ids unique); then no full-precision module is held here, each freed once replaced
+    tie = {name: id(module.weight) for name, module in targets}
+    del targets, odd
+    shared: dict[int, tuple[Tensor, Tensor | None]] = {}
+    for name, key in tie.items():
+        module = model.get_submodule(name)
         weight = module.weight
-        if id(weight) not in shared:
-            shared[id(weight)] = pack(weight, scheme)
-        data, scales = shared[id(weight)]
+        if key not in shared:
+            shared[key] = pack(weight, scheme)
+        data, scales = shared[key]
         if isinstance(module, nn.Embedding):
             new: nn.Module = QuantizedEmbedding(
                 data, scales, module.embedding_dim, scheme, weight.dtype
