@@ -29,7 +29,7 @@ def test_a_typo_in_an_experiment_file_names_the_key_the_target_and_what_it_takes
         compose_config(["experiment=typo"])
     message = str(err.value)
     assert "strategy.tensr" in message
-    assert "llmlab.parallel.tensor.preset.TensorParallelStrategy takes no 'tensr'" in message
+    assert "llmlab.parallel.presets.TensorParallelStrategy takes no 'tensr'" in message
     assert "did you mean 'tensor'?" in message
     assert "tensor, sequence_parallel, data (TensorParallelStrategy)" in message
     assert "model_attribute" in message and "(NDParallelStrategy)" in message  # what it inherits

@@ -131,7 +131,7 @@ def _dtensor_and_decode(rank: int, world_size: int) -> dict:
 
 
 def four_ranks(rank: int, world_size: int) -> dict:
-    from llmlab.parallel.tensor import TensorParallelStrategy
+    from llmlab.parallel.presets import TensorParallelStrategy
 
     out = {}
     strategy = TensorParallelStrategy(tensor=4)
