@@ -125,7 +125,8 @@ def bytes_per_token(model: nn.Module) -> int:
 
 def decode_rate(run, new_tokens: int, repeats: int, batch: int = 1) -> float:
     """Tokens/s of decoding alone: batch × (N - 1) / (t(N) - t(1)), each the best of
-    ``repeats``."""
+    ``repeats`` (where noise makes the difference non-positive, as at smoke sizes, the whole
+    run's rate, prompt included)."""
     run(2)  # warm-up (compiles the quantized products on first use)
     t_one = t_all = float("inf")
     for _ in range(repeats):
@@ -135,8 +136,10 @@ def decode_rate(run, new_tokens: int, repeats: int, batch: int = 1) -> float:
         start = time.perf_counter()
         run(new_tokens)
         t_all = min(t_all, time.perf_counter() - start)
-    spent = t_all - t_one  # not positive only on a machine too noisy to measure: no figure
-    return batch * (new_tokens - 1) / spent if spent > 0 else float("nan")
+    spent = t_all - t_one
+    if spent <= 0:  # noise larger than the decode (tiny smoke sizes): the whole run's rate
+        return batch * new_tokens / t_all
+    return batch * (new_tokens - 1) / spent
 
 
 def measure(hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool):
