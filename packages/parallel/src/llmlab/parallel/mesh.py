@@ -121,8 +121,12 @@ class ParallelDims:
         return ((data * self.pipeline + pipeline) * self.context + context) * self.tensor + tensor
 
     def sizes(self) -> dict[str, int]:
-        return {"data": self._data(), "pipeline": self.pipeline, "context": self.context,
-                "tensor": self.tensor}  # fmt: skip
+        return {
+            "data": self._data(),
+            "pipeline": self.pipeline,
+            "context": self.context,
+            "tensor": self.tensor,
+        }
 
     def group_ranks(self, dim: str) -> list[list[int]]:
         """All groups along ``dim`` (one of :data:`DIMS`), each a list of ranks."""
@@ -146,8 +150,10 @@ class ParallelDims:
 
     def pipeline_ranks(self, coords: Coords) -> list[int]:
         """The ranks of the pipeline that ``coords`` belongs to, stage by stage."""
-        return [self.rank_of(coords.data, s, coords.context, coords.tensor)
-                for s in range(self.pipeline)]  # fmt: skip
+        return [
+            self.rank_of(coords.data, s, coords.context, coords.tensor)
+            for s in range(self.pipeline)
+        ]
 
 
 # ---------------------------------------------------------------------- the one check
@@ -181,9 +187,12 @@ def layout_problems(
         problems.append("sequence_parallel=true needs tensor > 1")
     try:
         validate_schedule_args(
-            dims.schedule, dims.pipeline, dims.microbatches, dims.virtual_stages,
+            dims.schedule,
+            dims.pipeline,
+            dims.microbatches,
+            dims.virtual_stages,
             allow_split_backward=True,
-        )  # fmt: skip
+        )
     except ValueError as err:
         problems.append(str(err))
     data = dims.data
