@@ -69,6 +69,7 @@ def test_cpu_fallback_matches_torch_and_warns_once_per_op():
                     F.scaled_dot_product_attention(x, x, x, is_causal=True),
                 ),
                 "matmul": (K.matmul(x[0, 0], w[:, None]), x[0, 0] @ w[:, None]),
+                "naive_matmul": (K.naive_matmul(x[0, 0], w[:, None]), x[0, 0] @ w[:, None]),
                 "add3": (K.add3(x, x, x), 3 * x),
             }
     for name, (got, want) in outs.items():
@@ -103,6 +104,8 @@ def test_gpt_with_triton_kernels_trains_on_cpu_via_fallback():
         (lambda: K.matmul(torch.ones(3, 4), torch.ones(4, 2), activation="tanh"), "'tanh'"),
         (lambda: K.matmul(torch.ones(3, 4), torch.ones(4, 2), block_m=24), "block_m=24"),
         (lambda: K.matmul(torch.ones(3, 4, dtype=torch.int32), torch.ones(4, 2)), "int32"),
+        (lambda: K.naive_matmul(torch.ones(3, 4), torch.ones(5, 2)), r"a.shape\[1\]=4"),
+        (lambda: K.naive_matmul(torch.ones(3, 4), torch.ones(4, 2), block_k=3), "block_k=3"),
         (lambda: K.layer_norm(torch.ones(2, 8), torch.ones(7), None), r"shape \(8,\)"),
         (lambda: K.layer_norm(torch.ones(2, 8), None, None, eps=0.0), "eps must be > 0"),
         (lambda: K.attention(torch.ones(2, 3, 4), torch.ones(2, 3, 4), torch.ones(2, 3, 4)), "4-D"),

@@ -15,6 +15,7 @@ from llmlab.kernels.elementwise import add3
 from llmlab.kernels.gelu import bias_gelu, gelu
 from llmlab.kernels.layer_norm import add_layer_norm, layer_norm
 from llmlab.kernels.matmul import matmul
+from llmlab.kernels.naive_matmul import naive_matmul
 from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.kernels.rms_norm import rms_norm
 from llmlab.kernels.rope import rope
@@ -37,6 +38,7 @@ __all__ = [
     "interpreter_requested",
     "layer_norm",
     "matmul",
+    "naive_matmul",
     "paged_attention",
     "rms_norm",
     "rope",
