@@ -98,8 +98,9 @@ serve: install
 	$(PY) -m llmlab.serving $(CKPT) $(ARGS)
 
 # make export CKPT=outputs/<exp>/<run> OUT=exported/  (a .ckpt, a sharded folder or a run dir)
+# OUT must be new or empty; FORCE=1 (or ARGS=--overwrite) writes into a folder that holds files.
 export: install
-	$(PY) -m llmlab.train.export $(CKPT) $(OUT) $(ARGS)
+	$(PY) -m llmlab.train.export $(CKPT) $(OUT) $(if $(FORCE),--overwrite) $(ARGS)
 
 # make eval CKPT=outputs/<exp>/<run> TASKS=shakespeare_bpb,shakespeare_cloze
 eval: install

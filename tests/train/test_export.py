@@ -5,6 +5,7 @@ greedy tokens; ``AutoTokenizer`` encodes and decodes as the training tokenizer d
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ import transformers
 
 from llmlab.decoding import generate
 from llmlab.models import from_pretrained
-from llmlab.train.export import checkpoint_path, export, main, parse_size
+from llmlab.train.export import check_out_dir, checkpoint_path, export, main, parse_size
 from tests.helpers.tiny import quiet_trainer, tiny_task, tiny_tokens
 
 BYTES = {"_target_": "llmlab.train.data.ByteTokenizer"}
@@ -23,11 +24,12 @@ LLAMA = dict(arch="llama", vocab_size=256, block_size=32, n_layer=2, n_head=4, n
 TEXT = "ROMEO: But soft, what light through yonder window breaks? Ünïcödé ✓"
 
 
-def _trained(model, tmp_path, name, strategy="auto"):
+def _trained(model, tmp_path, name, strategy="auto", tokenizer=BYTES):
     """Two real optimizer steps of ``CausalLMTask`` and the checkpoint Lightning writes."""
-    task = tiny_task(model=model, tokenizer=BYTES, max_steps=2)
+    task = tiny_task(model=model, tokenizer=tokenizer, max_steps=2)
     trainer = quiet_trainer(max_steps=2, strategy=strategy, limit_val_batches=0)
-    trainer.fit(task, datamodule=tiny_tokens(2, vocab_size=256, seq=16))
+    vocab = model["vocab_size"]
+    trainer.fit(task, datamodule=tiny_tokens(2, vocab_size=vocab, seq=16))
     path = tmp_path / name
     trainer.save_checkpoint(path)
     return task.model.eval(), path
@@ -39,7 +41,10 @@ def _check_transformers_loads(model, out):
     ids = torch.tensor([list(TEXT.encode())[:30]])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-5, rtol=0)
-    hf.generation_config.eos_token_id = None
+    # the byte tokenizer has no bos/eos/pad: written as null, not transformers' class defaults
+    # (GPT-2's 50256 lies outside the 256-token vocabulary; Llama's 1 and 2 are bytes)
+    assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (None,) * 3
+    assert hf.generation_config.eos_token_id is None
     theirs = hf.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]),
                          max_new_tokens=8, do_sample=False)  # fmt: skip
     assert torch.equal(theirs, generate(model, ids[:, :8], max_new_tokens=8))
@@ -83,3 +88,57 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert parse_size("30KB") == 30_000 and parse_size("5GB") == 5 * 10**9
     with pytest.raises(ValueError, match="not a size"):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_eos_and_pad_ids_lie_in_the_vocabulary(arch, tmp_path, caplog):
+    """A tokenizer with an end-of-text token (and no bos or pad): its id is eos in config.json
+    and eos and pad in generation_config.json, ``<|endoftext|>`` in tokenizer_config.json, and
+    ``generate`` on a left-padded batch stays inside the 257-token vocabulary."""
+    spec = {**(GPT if arch == "gpt" else LLAMA), "vocab_size": 257}
+    eos_bytes = {"_target_": "llmlab.tokenizer.ByteTokenizer", "eos": True}
+    _, ckpt = _trained(spec, tmp_path, "last.ckpt", tokenizer=eos_bytes)
+    out = export(ckpt, tmp_path / "hf")
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": None, "eos_token_id": 256, "pad_token_id": 256}
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        None, 256, None,
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert "within the vocabulary" not in caplog.text
+    assert (tok.eos_token, tok.eos_token_id) == ("<|endoftext|>", 256)
+    assert hf.generation_config.eos_token_id == 256 and hf.generation_config.pad_token_id == 256
+    ids = torch.tensor([[256, 256, 72, 105], [82, 79, 77, 69]])  # row 0 left-padded
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    new = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)[:, 4:]
+    assert int(new.max()) < 257 and int(new.min()) >= 0
+    for row in new.tolist():  # once eos is generated, only padding (= eos) follows
+        if 256 in row:
+            assert set(row[row.index(256) :]) == {256}
+
+
+def test_out_dir_must_be_a_new_or_empty_folder(tmp_path, capsys):
+    """An existing file or a folder holding files is refused in one line, before the checkpoint
+    is read (the checkpoint here does not even exist); ``--overwrite`` allows the folder."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main([str(tmp_path / "nope.ckpt"), str(afile)]) == 2
+    err = capsys.readouterr().err
+    assert "afile" in err and "existing file" in err and err.count("\n") == 1
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("keep me")
+    assert main([str(tmp_path / "nope.ckpt"), str(full)]) == 2
+    err = capsys.readouterr().err
+    assert "not empty" in err and "--overwrite" in err and "notes.txt" in err
+    assert err.count("\n") == 1
+    assert check_out_dir(full, overwrite=True) == full
+    assert check_out_dir(tmp_path / "new") == tmp_path / "new"
+    (tmp_path / "empty").mkdir()
+    assert check_out_dir(tmp_path / "empty") == tmp_path / "empty"
+    _, ckpt = _trained(GPT, tmp_path, "last.ckpt")
+    assert main([str(ckpt), str(full), "--overwrite"]) == 0
+    assert (full / "notes.txt").read_text() == "keep me" and (full / "config.json").is_file()

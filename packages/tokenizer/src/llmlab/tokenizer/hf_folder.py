@@ -48,6 +48,26 @@ class HFTokenizerFiles:
                 roles[role] = token
         return roles
 
+    def _role_id(self, role: str) -> int | None:
+        token = self.special_token_roles().get(role)
+        return None if token is None else int(self.tokenizer.special_tokens[token])
+
+    # The attribute names of HF tokenizers, so that ``llmlab.models.save_pretrained`` reads the
+    # ids the same way from either and writes them into ``config.json`` and
+    # ``generation_config.json`` (without them transformers falls back to its class defaults,
+    # e.g. GPT-2's 50256, an id outside a small vocabulary).
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._role_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._role_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._role_id("pad_token")
+
     def save_pretrained(self, folder: str | Path) -> list[str]:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder``."""
         folder = Path(folder)

@@ -6,8 +6,12 @@ tokenizer are rebuilt as ``make sample`` rebuilds them (:func:`llmlab.train.samp
 load_checkpoint`), then ``llmlab.models.save_pretrained`` writes ``config.json``, the
 safetensors weights (sharded above ``--max-shard-size``) and the tokenizer files, so that
 ``transformers``' ``AutoModelForCausalLM`` and ``AutoTokenizer`` load ``OUT_DIR`` with no custom
-code. This lives in ``llmlab.train`` because only the app knows its checkpoint formats; the
-writing itself is ``llmlab.models``' (which never imports Lightning).
+code (the tokenizer's bos/eos/pad ids, or ``null``, in ``config.json`` and
+``generation_config.json``, so ``generate`` never falls back to an id outside the vocabulary).
+``OUT_DIR`` must be new or empty unless ``--overwrite`` is given (``make export ... FORCE=1``):
+exporting into a folder that already holds files would mix them with the export. This lives
+in ``llmlab.train`` because only the app knows its checkpoint formats; the writing itself is
+``llmlab.models``' (which never imports Lightning).
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-USAGE = "python -m llmlab.train.export CKPT OUT_DIR [--max-shard-size BYTES] [--dtype DTYPE]"
+USAGE = (
+    "python -m llmlab.train.export CKPT OUT_DIR [--max-shard-size BYTES] [--dtype DTYPE] "
+    "[--overwrite]"
+)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -32,6 +39,24 @@ def checkpoint_path(path: str | Path) -> Path:
     if problem is not None:
         raise ValueError(f"{path} {problem}")
     return path
+
+
+def check_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """``out_dir`` if an export may write there: a new path or an empty folder, or any folder
+    with ``overwrite`` (the export's files replace their namesakes, others stay). Checked before
+    the checkpoint is read, so a wrong path costs nothing."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT_DIR {str(out)!r} is an existing file; name a folder (new or empty)")
+    if out.is_dir() and not overwrite:
+        entries = sorted(p.name for p in out.iterdir())
+        if entries:
+            raise ValueError(
+                f"OUT_DIR {str(out)!r} is not empty ({len(entries)} entries, e.g. {entries[0]!r}): "
+                "name a new or empty folder, or pass --overwrite (make export ... FORCE=1) to "
+                "write the export's files into it"
+            )
+    return out
 
 
 def hf_tokenizer(tokenizer: Any, model_max_length: int | None = None) -> Any:
@@ -60,9 +85,14 @@ def parse_size(text: str) -> int:
 
 
 def export(
-    ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9, dtype: str | None = None
+    ckpt: str | Path,
+    out_dir: str | Path,
+    max_shard_size: int = 5 * 10**9,
+    dtype: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write the checkpoint ``ckpt`` as an HF folder at ``out_dir``; returns ``out_dir``."""
+    """Write the checkpoint ``ckpt`` as an HF folder at ``out_dir``; returns ``out_dir``.
+    ``overwrite``: allow a folder that already holds files (:func:`check_out_dir`)."""
     import torch
 
     from llmlab.models import save_pretrained
@@ -70,6 +100,7 @@ def export(
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {list(DTYPES)}")
+    check_out_dir(out_dir, overwrite)
     model, tokenizer = load_checkpoint(str(checkpoint_path(ckpt)))
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
@@ -84,9 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="the HF-format folder to write")
     parser.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file")
     parser.add_argument("--dtype", default=None, help=f"cast the weights: {', '.join(DTYPES)}")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into OUT_DIR even if it already holds files")  # fmt: skip
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = export(args.ckpt, args.out_dir, parse_size(args.max_shard_size), args.dtype)
+        size = parse_size(args.max_shard_size)
+        out = export(args.ckpt, args.out_dir, size, args.dtype, overwrite=args.overwrite)
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

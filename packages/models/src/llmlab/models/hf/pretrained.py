@@ -6,7 +6,8 @@ them, tied embeddings staying tied. :func:`read_weights` is the same reading for
 parameters and for slices of them -- what a pipeline stage or a tensor-parallel rank needs.
 
 Saving is the inverse: ``config.json`` for the ``transformers`` class that computes the same
-function (:mod:`llmlab.models.hf.configs`), the tensors under HF's names and layouts in
+function (:mod:`llmlab.models.hf.configs`) with the tokenizer's bos/eos/pad ids (also in
+``generation_config.json``), the tensors under HF's names and layouts in
 ``model.safetensors`` -- or in shards of at most ``max_shard_size`` bytes with
 ``model.safetensors.index.json`` -- and, given a tokenizer, its files. Every file is written
 under a temporary name and renamed into place, so a reader never sees half a file.
@@ -51,6 +52,7 @@ MODELS: dict[str, tuple[type[nn.Module], type]] = {
 }
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3  # transformers' default: 5 GB per file
+GENERATION = "generation_config.json"
 
 
 def pretrained_spec(path: str | Path, **use: Any) -> dict[str, Any]:
@@ -148,7 +150,10 @@ def save_pretrained(
     ``transformers.AutoModelForCausalLM.from_pretrained`` and :func:`from_pretrained` load.
 
     ``tokenizer``: anything with ``save_pretrained(out_dir)`` (an HF tokenizer, or an llmlab
-    tokenizer wrapped by ``llmlab.tokenizer.hf_folder.HFTokenizerFiles``). Files above
+    tokenizer wrapped by ``llmlab.tokenizer.hf_folder.HFTokenizerFiles``); its
+    ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` (:func:`special_token_ids`) go into
+    ``config.json`` and ``generation_config.json``. Without a tokenizer no token id is written
+    (nothing is known about them). Files above
     ``max_shard_size`` bytes are split into shards with an index. Returns ``out_dir``.
     """
     config = getattr(model, "config", None)
@@ -168,7 +173,11 @@ def save_pretrained(
             f"save_pretrained needs one float dtype of {list(DTYPE_NAMES)}, got {dtypes}"
         )
     hf_config = to_hf_config(config, DTYPE_NAMES[next(iter(dtypes))])
+    token_ids = special_token_ids(tokenizer, config.vocab_size) if tokenizer is not None else {}
+    hf_config.update(token_ids)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is an existing file, not a folder: name a folder to write into")
     out.mkdir(parents=True, exist_ok=True)
     files = _shard(tensors, max_shard_size)
     keep = {*files, CONFIG} | ({INDEX} if len(files) > 1 else set())
@@ -185,8 +194,33 @@ def save_pretrained(
             stale.unlink()  # a previous export's weights, not part of this one
     _atomic(out / CONFIG, lambda p: p.write_text(json.dumps(hf_config, indent=2) + "\n"))
     if tokenizer is not None:
+        generation = dict(token_ids)
+        if generation["pad_token_id"] is None:  # what generate() would pick, with a warning
+            generation["pad_token_id"] = token_ids["eos_token_id"]
+        _atomic(out / GENERATION, lambda p: p.write_text(json.dumps(generation, indent=2) + "\n"))
         tokenizer.save_pretrained(str(out))
     return out
+
+
+def special_token_ids(tokenizer: Any, vocab_size: int) -> dict[str, int | None]:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of ``tokenizer`` (HF's attribute
+    names; ``None`` where it has no such token), each checked to be an
+    id of the model's vocabulary.
+
+    They are written explicitly, ``null`` included, because a ``config.json`` without them
+    gets the ``transformers`` class's defaults: GPT-2's 50256 (outside a small vocabulary, so
+    ``generate`` warns and can never stop) or Llama's 1 and 2 (bytes of the byte tokenizer).
+    """
+    ids: dict[str, int | None] = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is not None and not (isinstance(value, int) and 0 <= value < vocab_size):
+            raise ValueError(
+                f"the tokenizer's {key}={value!r} is not an id of the model's vocabulary "
+                f"(0..{vocab_size - 1}): tokenizer and model disagree"
+            )
+        ids[key] = value
+    return ids
 
 
 def _hf_tensors(model: nn.Module, config: Any) -> dict[str, Tensor]:
