@@ -1,5 +1,5 @@
 """The training entry point, read as a recipe: config → tokenizer → checks → strategy and
-precision → run dir → data → task → callbacks → logger → trainer → fit, each step logged (rank
+precision → data → task → callbacks → run dir → logger → trainer → fit, each step logged (rank
 zero only) as it happens.
 
 ``python -m llmlab.train experiment=<name> [key=value ...]`` composes Hydra's config groups
@@ -172,10 +172,13 @@ def previous_run_dir(cfg: DictConfig) -> Path:
 
 
 # --------------------------------------------------------------------------- run dir
-def resolve_run(cfg: DictConfig) -> tuple[Path, str]:
-    """The run's directory and W&B id: inherited from rank zero, resumed, or new."""
+def resolve_run(cfg: DictConfig) -> tuple[Path, str, bool]:
+    """The run's directory and W&B id: inherited from rank zero, resumed, or new. Nothing is
+    written here: ``new`` (True) says the directory is still to be made, by :func:`open_run`,
+    once every check has passed -- so a refused run leaves no directory behind and does not
+    move the experiment's ``latest`` (which ``ckpt_path=last`` resumes)."""
     if os.environ.get(RUN_DIR_ENV) and os.environ.get(RUN_ID_ENV):
-        return Path(os.environ[RUN_DIR_ENV]), os.environ[RUN_ID_ENV]
+        return Path(os.environ[RUN_DIR_ENV]), os.environ[RUN_ID_ENV], False
     node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     if node_rank > 0:
         raise ConfigError(
@@ -184,16 +187,20 @@ def resolve_run(cfg: DictConfig) -> tuple[Path, str]:
         )
     if cfg.ckpt_path == "last":
         run_dir = previous_run_dir(cfg)
-        run_id = (run_dir / "run_id").read_text().strip()
-    else:
-        exp_dir = Path(cfg.paths.output_dir) / cfg.experiment
-        run_id = secrets.token_hex(4)
-        run_dir = exp_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id}"
+        return run_dir.resolve(), (run_dir / "run_id").read_text().strip(), False
+    exp_dir = Path(cfg.paths.output_dir) / cfg.experiment
+    run_id = secrets.token_hex(4)
+    return (exp_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id}").resolve(), run_id, True
+
+
+def open_run(run_dir: Path, run_id: str, new: bool) -> None:
+    """Make a ``new`` run's directory (its ``run_id`` file, and the experiment's ``latest``
+    pointing at it), and export the dir and id for the ranks Lightning starts later."""
+    if new:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run_id").write_text(run_id + "\n")
-        (exp_dir / "latest").write_text(str(run_dir.resolve()) + "\n")
-    os.environ[RUN_DIR_ENV], os.environ[RUN_ID_ENV] = str(run_dir.resolve()), run_id
-    return run_dir.resolve(), run_id
+        (run_dir.parent / "latest").write_text(str(run_dir) + "\n")
+    os.environ[RUN_DIR_ENV], os.environ[RUN_ID_ENV] = str(run_dir), run_id
 
 
 def choose_rendezvous_port() -> None:
@@ -347,15 +354,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
         log.info("Instantiating precision plugin <%s>", cfg.precision.plugin._target_)
     precision, plugins = build_precision(cfg)
 
-    run_dir, run_id = resolve_run(cfg)
-    choose_rendezvous_port()
-    log.info("Run dir %s (W&B run %s)", run_dir, run_id)
-    cfg.run_dir = str(run_dir)
-    ckpt_path = checkpoint_to_resume(cfg, run_dir)
-    if int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    # Everything that can still be refused (the data dir missing or unprepared, a damaged
+    # shard, a callback's option) is built before the run dir exists or ``latest`` moves.
+    run_dir, run_id, new_run = resolve_run(cfg)
+    cfg.run_dir = str(run_dir)  # the checkpoint callback's dirpath; made by open_run
     L.seed_everything(cfg.seed, workers=True)
-
     log.info("Instantiating datamodule <%s>", cfg.data._target_)
     data = build(cfg.data, "datamodule", **({"tokenizer": tokenizer} if tokenizer else {}))
     log.info("Instantiating task <%s>", cfg.task._target_)
@@ -366,6 +369,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
             log.info("Instantiating callback %s <%s>", name, node._target_)
             callbacks.append(build(node, f"callback {name}"))
     hand_model_transforms(cfg, strategy, task, run.transforms)
+
+    ckpt_path = checkpoint_to_resume(cfg, run_dir)
+
+    open_run(run_dir, run_id, new_run)
+    choose_rendezvous_port()
+    log.info("Run dir %s (W&B run %s)", run_dir, run_id)
+    if int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if cfg.get("compile"):
         from llmlab.parallel.compile import CompileMonitor
 

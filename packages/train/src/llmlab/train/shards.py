@@ -64,7 +64,7 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise DatasetError(
             f"{root} is not a prepared token dataset (no {MANIFEST}); prepare one with "
-            "`make data INPUT='<files>' OUTPUT={root}` (python -m llmlab.train.prepare)"
+            f"`make data INPUT='<files>' OUTPUT={root}` (python -m llmlab.train.prepare)"
         )
     try:
         manifest = json.loads(path.read_text())
