@@ -235,3 +235,191 @@ def test_an_hf_dataset_folder_is_prepared_and_its_fingerprint_tracked(tmp_path, 
     got = stored_documents(out, "train") + stored_documents(out, "validation")
     assert sorted(bytes(d[:-1].astype(np.uint8)).decode() for d in got) == sorted(docs)
     assert not prepare(**kw, output=out).built
+
+
+# ------------------------------------------------------------ ordinary inputs (issue 41)
+def decoded(root: Path) -> dict[str, list[str]]:
+    """Each split's stored documents as text (byte ids), in order."""
+    return {
+        split: [bytes(d[:-1].astype(np.uint8)).decode("utf-8") for d in stored_documents(root, s)]
+        for split, s in (("train", "train"), ("validation", "validation"))
+    }
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str]:
+    """``main(args)``: its status and its stderr. A traceback would fail the test instead."""
+    status = main([*args, "--no-progress"])
+    return status, capsys.readouterr().err
+
+
+def error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_a_single_text_file_is_split_by_the_text_unit_its_error_names(tmp_path, capsys):
+    paras = make_documents(24, seed=5)
+    paras = [p.strip("\n") or "x" for p in paras]  # paragraphs: text between blank lines
+    single = tmp_path / "book.txt"
+    single.write_text("\n\n".join(paras), encoding="utf-8")
+    out = tmp_path / "out"
+    status, err = run_cli(capsys, "--input", str(single), "--output", str(out))
+    line = error_line(err)  # one document cannot fill two splits: a finer unit, not a fraction
+    assert status == 2 and "1 document(s)" in line and "--text-unit paragraph" in line
+    assert "raise --val-fraction" not in line and not out.exists()
+    status, err = run_cli(capsys, "--input", str(single), "--output", str(out),
+                          "--text-unit", "paragraph", "--val-fraction", "0.2")  # fmt: skip
+    assert status == 0, err
+    assert decoded(out) == split_documents(paras, 0.2)
+
+
+def test_a_folder_is_every_readable_file_under_it_in_path_order(tmp_path, caplog):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    docs = make_documents(12, seed=6)
+    for i, doc in enumerate(docs):
+        where = folder / "sub" if i % 2 else folder
+        (where / f"{i:02d}.txt").write_text(doc, encoding="utf-8")
+    (folder / "notes.csv").write_text("a,b\n")  # another type: named in a warning, not read
+    (folder / ".hidden.txt").write_text("never read\n")
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="llmlab.train.prepare"):
+        prepare([str(folder)], out, val_fraction=0.3, progress=False)
+    order = sorted(range(12), key=lambda i: ("sub/" if i % 2 else "") + f"{i:02d}.txt")
+    assert decoded(out) == split_documents([docs[i] for i in order], 0.3)
+    assert "skipped 1 file(s) of other types: notes.csv" in caplog.text
+    with pytest.raises(ValueError, match=r"folder holds no file HF datasets reads here"):
+        (tmp_path / "empty").mkdir()
+        prepare([str(tmp_path / "empty")], tmp_path / "o2", progress=False)
+
+
+BAD_JSONL = [
+    json.dumps({"body": "first good record"}),
+    "{not json",
+    json.dumps({"title": "no body field"}),
+    "",  # blank lines are not records
+    json.dumps({"body": None}),
+    json.dumps({"body": 7}),
+    json.dumps(["not", "an", "object"]),
+    json.dumps({"body": "second good record"}),
+]
+
+
+def test_bad_jsonl_records_are_skipped_named_and_counted_or_refused_with_strict(
+    tmp_path, caplog, capsys
+):
+    good = [f"good record {i}: " + " ".join(WORDS[: i % 9 + 1]) for i in range(30)]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "\n".join(BAD_JSONL + [json.dumps({"body": t}) for t in good]) + "\n", encoding="utf-8"
+    )
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="llmlab.train.prepare"):
+        result = prepare([str(rows)], out, text_field="body", val_fraction=0.3, progress=False)
+    kept = ["first good record", "second good record", *good]
+    assert decoded(out) == split_documents(kept, 0.3)
+    warnings = [r.getMessage() for r in caplog.records]
+    for where, what in [(2, "not JSON"), (3, "no 'body' field"), (5, "'body' is null"),
+                        (6, "'body' is int, not a string"), (7, "not a JSON object")]:  # fmt: skip
+        assert any(f"{rows} line {where}: {what}" in w for w in warnings), (where, warnings)
+    summary = [w for w in warnings if "skipped 5 bad record(s) of 37" in w]
+    assert len(summary) == 1 and f"{rows} (5)" in summary[0], warnings
+    assert result.manifest["skipped_records"] == 5
+    # --strict: the first bad record, by file and line, in one line; the dataset is kept
+    status, err = run_cli(capsys, "--input", str(rows), "--output", str(out),
+                          "--text-field", "body", "--val-fraction", "0.3", "--strict")  # fmt: skip
+    line = error_line(err)
+    assert status == 2 and f"{rows} line 2: not JSON" in line and "--strict" in line
+    assert read_manifest(out)["skipped_records"] == 5  # the old dataset is untouched
+    # a file none of whose records has the field: a wrong --text-field, named with the fields
+    status, err = run_cli(capsys, "--input", str(rows), "--output", str(tmp_path / "o2"))
+    line = error_line(err)
+    assert status == 2 and f"{rows}: none of its 37 records has a usable 'text' text" in line
+    assert "line 1: no 'text' field" in line and "['body']" in line and "--text-field" in line
+    assert not (tmp_path / "o2").exists()
+
+
+def test_parquet_null_texts_are_skipped_and_a_bad_column_is_named(tmp_path, caplog, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = make_documents(20, seed=7)
+    column = [None if i in (3, 11) else t for i, t in enumerate(texts)]
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"content": column, "n": list(range(20))}), table)
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="llmlab.train.prepare"):
+        prepare([str(table)], out, text_field="content", val_fraction=0.3, progress=False)
+    kept = [t for t in column if t is not None]
+    assert decoded(out) == split_documents(kept, 0.3)
+    assert f"{table} row 3: 'content' is null" in caplog.text
+    assert f"{table} row 11: 'content' is null" in caplog.text
+    assert "skipped 2 bad record(s) of 20" in caplog.text
+    status, err = run_cli(capsys, "--input", str(table), "--output", str(tmp_path / "o"),
+                          "--text-field", "n")  # fmt: skip
+    line = error_line(err)
+    assert status == 2 and f"{table}: column 'n' holds int64, not text" in line
+    assert "text columns: ['content']" in line
+    status, err = run_cli(capsys, "--input", str(table), "--output", str(tmp_path / "o"))
+    assert status == 2 and f"{table} has no column 'text'" in error_line(err)
+    fake = tmp_path / "fake.parquet"
+    fake.write_bytes(b"this is not parquet at all\n")
+    status, err = run_cli(capsys, "--input", str(fake), "--output", str(tmp_path / "o"))
+    assert status == 2 and f"{fake} is not a Parquet file" in error_line(err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_empty_and_binary_files_are_refused_in_one_line_naming_file_and_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    for name in ("empty.txt", "empty.jsonl", "empty.parquet"):
+        (tmp_path / name).write_bytes(b"")
+        status, err = run_cli(capsys, "--input", str(tmp_path / name), "--output", str(out))
+        assert status == 2 and f"{tmp_path / name} is empty (0 bytes)" in error_line(err)
+    binary = tmp_path / "image.txt"
+    binary.write_bytes(b"looks like text\nfor two lines\n\x89PNG\r\n\x1a\n\x00\x00")
+    status, err = run_cli(capsys, "--input", str(binary), "--output", str(out))
+    line = error_line(err)
+    assert status == 2 and f"{binary}: not UTF-8 text (byte 0x89 at offset 30, line 3)" in line
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"ascii\n\x00\x01\x02")
+    status, err = run_cli(capsys, "--input", str(nul), "--output", str(out))
+    assert status == 2 and f"{nul}: a NUL byte at offset 6 (line 2)" in error_line(err)
+    jsonl = tmp_path / "blob.jsonl"
+    jsonl.write_bytes(b"\xff\xfe\x00\x01\n\xc3\x28\n")
+    status, err = run_cli(capsys, "--input", str(jsonl), "--output", str(out))
+    line = error_line(err)
+    assert status == 2 and f"{jsonl}: none of its 2 records" in line
+    assert "line 1: not UTF-8 text" in line
+    # a multi-byte character cut across the 1 MiB read boundary is text, not binary
+    edge = tmp_path / "edge.txt"
+    edge.write_bytes(b"a" * (2**20 - 1) + "é".encode() + b"\n" + b"b" * 10)
+    from llmlab.train.documents import check_inputs
+
+    check_inputs([edge])
+    assert not out.exists()
+
+
+def test_the_val_fraction_advice_builds_when_followed(tmp_path, capsys):
+    """Each split's "use --val-fraction X" names a value that fills both splits."""
+    import re
+
+    docs = [f"document number {i}\n" for i in range(5)]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    for bad, split in (("0.0001", "validation"), ("0.9999", "train")):
+        out = tmp_path / f"out-{split}"
+        status, err = run_cli(capsys, "--input", str(rows), "--output", str(out),
+                              "--val-fraction", bad)  # fmt: skip
+        line = error_line(err)
+        assert status == 2 and f"no document went to the {split} split (5 document(s)" in line
+        (value,) = re.findall(r"use --val-fraction ([0-9.e-]+),", line)
+        status, err = run_cli(capsys, "--input", str(rows), "--output", str(out),
+                              "--val-fraction", value)  # fmt: skip
+        assert status == 0, err
+        assert decoded(out) == split_documents(docs, float(value))
+    same = tmp_path / "same.jsonl"
+    same.write_text(json.dumps({"text": "twin"}) + "\n" + json.dumps({"text": "twin"}) + "\n")
+    status, err = run_cli(capsys, "--input", str(same), "--output", str(tmp_path / "o"))
+    assert status == 2 and "all 2 documents are the same text" in error_line(err)
+    assert "use --val-fraction" not in err  # no fraction can split identical documents
