@@ -102,6 +102,44 @@ class Row:
         return None if self.target is None else self.ratio >= self.target
 
 
+def fair(cold: bool, runs: int, warmup: int = 0, engines: tuple[str, str] = ("", "")) -> dict:
+    """``Row.extra`` entries saying how a timed row was timed, the same for both of its sides:
+    every timed run ``cold`` (a fresh encoder, empty caches) or warm; ``runs`` timed runs of each
+    side (the best kept); ``warmup`` untimed runs of each before them; ``engines``: the code doing
+    each side's work. A timed row whose two sides run the same code (llmlab's byte-level fast
+    path is tiktoken's own core) measures noise around 1, so it carries no target.
+    :func:`fairness_problems` checks a reported row."""
+    return {"timed": True, "cold": cold, "runs": runs, "warmup": warmup, "engines": list(engines)}
+
+
+def untimed(engines: tuple[str, str]) -> dict:
+    """``Row.extra`` of a row that compares no timings (memory, a fraction against a bound)."""
+    return {"timed": False, "engines": list(engines)}
+
+
+def fairness_problems(row: dict[str, Any]) -> list[str]:
+    """What a reported row (one of ``report``'s JSON rows) lacks of :func:`fair`'s (or
+    :func:`untimed`'s) record, or breaks of its rules; empty when the row is fair by its record."""
+    extra = row.get("extra") or {}
+    problems = []
+    engines = extra.get("engines")
+    if not (isinstance(engines, list) and len(engines) == 2 and all(engines)):
+        problems.append("no engines named for its two sides")
+    if extra.get("timed") is False:
+        return problems
+    if extra.get("timed") is not True:
+        problems.append("no timed/untimed record")
+    if not isinstance(extra.get("cold"), bool):
+        problems.append("no cold/warm record")
+    if not isinstance(extra.get("runs"), int) or extra["runs"] < 1:
+        problems.append("no count of timed runs")
+    if not isinstance(extra.get("warmup"), int) or extra["warmup"] < 0:
+        problems.append("no count of warm-up runs")
+    if not problems and engines[0] == engines[1] and row.get("target") is not None:
+        problems.append(f"a target on a timed row whose two sides both run {engines[0]}")
+    return problems
+
+
 def report(benchmark: str, rows: list[Row], notes: str = "", skipped: str | None = None) -> Path:
     """Print a table of ``rows`` and write ``<results_dir()>/<benchmark>.json``."""
     out_dir = results_dir()

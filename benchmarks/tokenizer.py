@@ -3,6 +3,13 @@
 Run from the repo root: ``.venv/bin/python -m benchmarks.tokenizer`` (part of ``make bench``);
 ``--smoke`` runs tiny sizes once (its results go to a scratch directory).
 
+Every row is timed alike on both sides (``extra``: ``benchmarks.common.fair``): the best of the
+same number of runs, in rounds that run each system once in turn, no warm-up, every run cold:
+each encoder is fresh for each timed run (llmlab's with its word caches emptied,
+:func:`clear_caches`; HF's, tiktoken's and sentencepiece's loaded anew), since llmlab's encoders
+keep a word cache between calls and a warm run does a fraction of the work. A row whose two
+sides run the same engine (llmlab's fast path is tiktoken's core) carries no target.
+
 Training, on the ~10 MB Shakespeare corpus read line by line (targets: at least HF's speed):
 
 - byte-level BPE at vocab 8192 and 32768 vs HF ``BpeTrainer`` (and ``rustbpe``, no target);
@@ -15,9 +22,11 @@ Training, on the ~10 MB Shakespeare corpus read line by line (targets: at least 
   beside that whole run (the notes): what share of training the merges are.
 
 Encoding (targets: at least the reference's speed): the byte-level fast path vs tiktoken on the
-whole corpus; end-of-word BPE, WordPiece and SentencePiece BPE on its first 2 MB vs HF
-(``encode_batch`` of the lines, its fastest call, all cores) and SentencePiece BPE vs
-sentencepiece (one thread); ids checked equal.
+whole corpus as one string (no target: the same Rust core on both sides) and vs HF on the lines
+of its first 2 MB; end-of-word BPE, WordPiece and SentencePiece BPE on those lines vs HF
+(``encode_batch``, the batch call it is built for, all cores) and SentencePiece BPE vs
+sentencepiece (its batch call, one thread); llmlab through ``encode_ordinary_batch``; ids
+checked equal.
 llmlab's trainers are given ``workers=os.cpu_count()``, as HF uses every core: each family
 counts its words in that many processes (``pretokenize``: files by byte ranges, SentencePiece's
 lines in memory by forked slices); the merges run in one, in the compiled merge loop
@@ -31,6 +40,7 @@ import importlib.util
 import io
 import itertools
 import json
+import math
 import os
 import tempfile
 import time
@@ -38,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, parse_args, report
+from benchmarks.common import Row, fair, parse_args, report
 from llmlab.tokenizer import (
     BPETokenizer,
     SentencePieceBPETokenizer,
@@ -77,16 +87,56 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def interleaved(ours, theirs, repeats: int):
-    """Best times of ``ours`` and ``theirs`` run alternately (a burst of load on the shared
-    machine hits both alike), and the results of their last runs."""
-    best_ours = best_theirs = float("inf")
+def rounds(sides: dict[str, Callable[[], Callable[[], Any]]], repeats: int):
+    """Each side's best seconds over ``repeats`` rounds that run every side once in turn (a burst
+    of load on the shared machine hits all alike), and each side's last result. A side is a
+    factory, called untimed before each timed run, that returns the call to time: it makes a
+    fresh encoder (or empties llmlab's caches), so every run of every side starts cold."""
+    best = dict.fromkeys(sides, math.inf)
+    results: dict[str, Any] = {}
     for _ in range(repeats):
-        t, their_result = timed(theirs)
-        best_theirs = min(best_theirs, t)
-        t, our_result = timed(ours)
-        best_ours = min(best_ours, t)
-    return best_ours, best_theirs, our_result, their_result
+        for name, make in sides.items():
+            t, results[name] = timed(make())
+            best[name] = min(best[name], t)
+    return best, results
+
+
+def interleaved(ours, theirs, repeats: int):
+    """:func:`rounds` of two calls that keep nothing between runs (training)."""
+    best, out = rounds({"theirs": lambda: theirs, "ours": lambda: ours}, repeats)
+    return best["ours"], best["theirs"], out["ours"], out["theirs"]
+
+
+def _caches(obj: Any, seen: set[int]):
+    """Every word / chunk cache an llmlab tokenizer holds between calls: its parts' ``_cache``
+    attributes (a dict, or a ``ChunkCache``), found through the attributes of llmlab's objects."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _caches(item, seen)
+        return
+    if not type(obj).__module__.startswith("llmlab.tokenizer") or not hasattr(obj, "__dict__"):
+        return
+    for name, value in vars(obj).items():
+        if name == "_cache":
+            yield getattr(value, "data", value)
+        else:
+            yield from _caches(value, seen)
+
+
+def cache_entries(tok: Any) -> int:
+    """How many entries ``tok``'s caches hold (0: the next encode is cold)."""
+    return sum(len(cache) for cache in _caches(tok, set()) if cache is not None)
+
+
+def clear_caches(tok: Any) -> Any:
+    """Empty ``tok``'s word / chunk caches, as in a freshly loaded encoder; return ``tok``."""
+    for cache in _caches(tok, set()):
+        if cache is not None:
+            cache.clear()
+    return tok
 
 
 def hf_merges(tok) -> list[tuple[str, str]]:
@@ -113,12 +163,23 @@ def hf_trainer(model, trainer, texts, normalizer=None, pre_tokenizer=None):
     return train
 
 
-def training_row(name, ours, theirs, repeats, equals, rows, reference="HF tokenizers"):
-    """Time ``ours`` against ``theirs``, add a row, and return llmlab's tokenizer."""
-    ours_s, their_s, tok, their_tok = interleaved(ours, theirs, repeats)
-    extra = {} if equals is None else {"equals_hf": equals(tok, their_tok)}
-    rows.append(Row(name, ours_s, their_s, reference, "s", False, 1.0, extra))
-    return tok
+def training_row(name, ours, theirs, repeats, equals, rows, others=None):
+    """Time ``ours`` against HF's ``theirs`` (and the trainers ``others``, by name, reported
+    without a target) in the same rounds, add their rows, and return llmlab's tokenizer."""
+    sides = {
+        "HF tokenizers": lambda: theirs,
+        **{k: (lambda f=f: f) for k, f in (others or {}).items()},
+    }
+    best, out = rounds({**sides, "llmlab": lambda: ours}, repeats)
+    extra = {} if equals is None else {"equals_hf": equals(out["llmlab"], out["HF tokenizers"])}
+    for reference in sides:
+        target = 1.0 if reference == "HF tokenizers" else None
+        timing = fair(True, repeats, 0, ("llmlab", reference))
+        extra_row = {**extra, **timing} if target else timing
+        rows.append(
+            Row(name, best["llmlab"], best[reference], reference, "s", False, target, extra_row)
+        )
+    return out["llmlab"]
 
 
 # --------------------------------------------------------------------------- training
@@ -161,9 +222,8 @@ def train_families(files, sizes, repeats, rows) -> dict[str, Any]:
                 == hf_merges(theirs)
             ),
             rows,
+            others={"rustbpe": lambda v=v: _rustbpe(files, v)},
         )
-        rust_s, _ = timed(lambda v=v: _rustbpe(files, v))
-        rows.append(Row(rows[-1].name, rows[-1].llmlab, rust_s, "rustbpe", "s", False))
 
     v = sizes[0]
     # HF numbers the "</w>" and "##" forms of the alphabet in a random hash order: llmlab is
@@ -257,7 +317,8 @@ def merge_loop_rows(files, vocab_size: int, repeats: int, rows) -> str:
     name = f"byte-level BPE merge loop alone, vocab {_k(vocab_size)} ({len(words)} words)"
     rows.append(
         Row(name, c_s, py_s, "the Python loop", "s", False,
-            extra={"identical": c_merges == py_merges, "whole_training_s": whole})
+            extra={"identical": c_merges == py_merges, "whole_training_s": whole,
+                   **fair(True, repeats, 0, ("llmlab _merge_core", "llmlab Python loop"))})
     )  # fmt: skip
     return (
         f"Merge loop alone ({_k(vocab_size)}, one byte-level run's counts): compiled {c_s:.2f} s, "
@@ -291,7 +352,7 @@ def train_sentencepiece_bpe(files, vocab_size, repeats, rows) -> SentencePieceBP
         pre_tokenizers.Split(Regex("▁*[^▁]+|▁+"), behavior="isolated"),
     )
     name = f"train SentencePiece BPE, vocab {_k(vocab_size)}"
-    tok = training_row(
+    return training_row(
         name,
         lambda: SentencePieceBPETokenizer.train(
             lines, vocab_size, character_coverage=1.0, workers=WORKERS, show_progress=False
@@ -303,33 +364,30 @@ def train_sentencepiece_bpe(files, vocab_size, repeats, rows) -> SentencePieceBP
             == [a + b for a, b in hf_merges(theirs)]
         ),
         rows,
+        others={
+            "sentencepiece": lambda: spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(lines),
+                model_writer=io.BytesIO(),
+                vocab_size=vocab_size,
+                model_type="bpe",
+                byte_fallback=True,
+                character_coverage=1.0,
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                allow_whitespace_only_pieces=True,
+                max_sentence_length=1 << 20,
+                minloglevel=2,
+            )
+        },
     )
-    sp_s, _ = timed(
-        lambda: spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines),
-            model_writer=io.BytesIO(),
-            vocab_size=vocab_size,
-            model_type="bpe",
-            byte_fallback=True,
-            character_coverage=1.0,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            allow_whitespace_only_pieces=True,
-            max_sentence_length=1 << 20,
-            minloglevel=2,
-        )
-    )
-    rows.append(Row(name, rows[-1].llmlab, sp_s, "sentencepiece", "s", False))
-    return tok
 
 
-def train_unigram(lines: list[str], vocab_size: int, rows: list[Row]) -> None:
+def train_unigram(lines: list[str], vocab_size: int, rows: list[Row], repeats: int) -> None:
     import sentencepiece as spm
     from tokenizers import models, pre_tokenizers, trainers
 
-    ours_s, _ = timed(lambda: UnigramTokenizer.train(lines, vocab_size, normalization="identity"))
-    hf_s, _ = timed(
-        hf_trainer(
+    sides = {
+        "HF tokenizers": hf_trainer(
             models.Unigram,
             lambda: trainers.UnigramTrainer(
                 vocab_size=vocab_size,
@@ -339,65 +397,111 @@ def train_unigram(lines: list[str], vocab_size: int, rows: list[Row]) -> None:
             ),
             lines,
             pre_tokenizer=pre_tokenizers.Metaspace(),
-        )
-    )
-    sp_s, _ = timed(
-        lambda: spm.SentencePieceTrainer.train(
+        ),
+        "sentencepiece": lambda: spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines),
             model_writer=io.BytesIO(),
             vocab_size=vocab_size,
             model_type="unigram",
             normalization_rule_name="identity",
             minloglevel=2,
-        )
-    )
+        ),
+        "llmlab": lambda: UnigramTokenizer.train(lines, vocab_size, normalization="identity"),
+    }
+    best, _ = rounds({k: (lambda f=f: f) for k, f in sides.items()}, repeats)
     mb = sum(len(ln.encode("utf-8")) + 1 for ln in lines) / 1e6
     name = f"train Unigram {mb:.1f} MB, vocab {_k(vocab_size)}"
-    rows.append(Row(name, ours_s, hf_s, "HF tokenizers", "s", False))
-    rows.append(Row(name, ours_s, sp_s, "sentencepiece", "s", False))
+    for reference in ("HF tokenizers", "sentencepiece"):
+        timing = fair(True, repeats, 0, ("llmlab", reference))
+        rows.append(Row(name, best["llmlab"], best[reference], reference, "s", False, extra=timing))
 
 
 # --------------------------------------------------------------------------- encoding
 def encode_byte_level(text, tok, rows, repeats) -> None:
-    """The fast path vs tiktoken on the whole corpus; HF and the cold pure-Python reference
-    encoder on the first 2 MB (HF's one-huge-string case is slow)."""
+    """The fast path vs tiktoken on the whole corpus as one string (the same Rust core on both
+    sides: no target); vs HF's ``encode_batch`` on the lines of its first 2 MB; and the
+    pure-Python reference encoder (cold) on those 2 MB against a 1 MB/s floor."""
     import tiktoken
     from tokenizers import Tokenizer
 
+    def tiktoken_encoding():
+        return tiktoken.Encoding(
+            "bench", pat_str=tok.pattern, mergeable_ranks=tok.ranks,
+            special_tokens=tok.special_tokens,
+        )  # fmt: skip
+
+    def fresh_tiktoken():
+        enc = tiktoken_encoding()
+        return lambda: enc.encode(text)
+
+    def fresh_ours():
+        clear_caches(tok)
+        return lambda: tok.encode(text)
+
     mb = len(text.encode("utf-8")) / 1e6
-    enc = tiktoken.Encoding(
-        "bench", pat_str=tok.pattern, mergeable_ranks=tok.ranks, special_tokens=tok.special_tokens
-    )
-    hf = Tokenizer.from_str(json.dumps(tok.to_hf()))
-    fast_s, tiktoken_s, ids, expected = interleaved(
-        lambda: tok.encode(text), lambda: enc.encode(text), repeats
-    )
-    part = text[:2_000_000]
-    part_mb = len(part.encode("utf-8")) / 1e6
-    hf_s, hf_ids = timed(lambda: hf.encode(part).ids)
-    ref_s, ref_ids = timed(lambda: tok.with_backend("reference").encode(part))
-    assert ids == expected, "fast path disagrees with tiktoken"
-    assert hf_ids == ref_ids == enc.encode(part), "HF or the reference disagrees with tiktoken"
+    best, out = rounds({"tiktoken": fresh_tiktoken, "llmlab": fresh_ours}, repeats)
+    assert out["llmlab"] == out["tiktoken"], "fast path disagrees with tiktoken"
     name = f"encode byte-level BPE, vocab {_k(tok.vocab_size)}"
+    rows.append(
+        Row(f"{name} fast path, whole corpus as one string", mb / best["llmlab"],
+            mb / best["tiktoken"], "tiktoken", "MB/s", True, None,
+            fair(True, repeats, 0, ("tiktoken", "tiktoken")))
+    )  # fmt: skip
+
+    part = text[:2_000_000]
+    lines = part.split("\n")
+    part_mb = len(part.encode("utf-8")) / 1e6
+    hf_json = json.dumps(tok.to_hf())
+
+    def fresh_hf():
+        hf = Tokenizer.from_str(hf_json)
+        return lambda: [e.ids for e in hf.encode_batch(lines)]
+
+    def fresh_ours_lines():
+        clear_caches(tok)
+        return lambda: tok.encode_ordinary_batch(lines)
+
+    def fresh_reference():
+        ref = tok.with_backend("reference")  # a new, empty chunk cache
+        return lambda: ref.encode(part)
+
+    best, out = rounds(
+        {"HF": fresh_hf, "llmlab": fresh_ours_lines, "reference": fresh_reference}, repeats
+    )
+    assert out["llmlab"] == out["HF"], "HF disagrees with the fast path"
+    assert out["reference"] == tiktoken_encoding().encode(part), "the reference disagrees"
     part_name = f"{name}, first {part_mb:.1f} MB"
     rows.append(
-        Row(f"{name} fast path", mb / fast_s, mb / tiktoken_s, "tiktoken", "MB/s", True, 1.0)
-    )
-    rows.append(Row(f"{part_name} fast path", mb / fast_s, part_mb / hf_s, "HF tokenizers", "MB/s"))
+        Row(f"{part_name}, lines, fast path", part_mb / best["llmlab"], part_mb / best["HF"],
+            "HF tokenizers", "MB/s", extra=fair(True, repeats, 0, ("tiktoken", "HF tokenizers")))
+    )  # fmt: skip
     rows.append(
-        Row(f"{part_name} reference", part_mb / ref_s, 1.0, "1 MB/s floor", "MB/s", True, 1.0)
-    )
+        Row(f"{part_name} reference", part_mb / best["reference"], 1.0, "1 MB/s floor", "MB/s",
+            True, 1.0, fair(True, repeats, 0, ("llmlab reference encoder", "a fixed floor")))
+    )  # fmt: skip
 
 
-def encode_row(label, text, ours, theirs, reference, rows, repeats) -> None:
-    """llmlab encoding the corpus's lines vs ``theirs`` (lines -> list of id lists)."""
+def encode_row(label, text, ours, fresh_theirs, reference, rows, repeats) -> None:
+    """llmlab encoding the lines of ``text`` (``encode_ordinary_batch``) vs a reference;
+    ``fresh_theirs()`` loads it anew and returns its lines -> id lists call."""
     lines = text.split("\n")
     mb = len(text.encode("utf-8")) / 1e6
-    ours_s, their_s, ids, expected = interleaved(
-        lambda: ours.encode_ordinary_batch(lines), lambda: theirs(lines), repeats
-    )
-    assert ids == expected, f"{label}: llmlab and {reference} disagree"
-    rows.append(Row(f"encode {label}", mb / ours_s, mb / their_s, reference, "MB/s", True, 1.0))
+
+    def fresh_theirs_lines():
+        encode = fresh_theirs()
+        return lambda: encode(lines)
+
+    def fresh_ours():
+        clear_caches(ours)
+        return lambda: ours.encode_ordinary_batch(lines)
+
+    best, out = rounds({reference: fresh_theirs_lines, "llmlab": fresh_ours}, repeats)
+    assert out["llmlab"] == out[reference], f"{label}: llmlab and {reference} disagree"
+    engine = reference.split(" (")[0]
+    rows.append(
+        Row(f"encode {label}", mb / best["llmlab"], mb / best[reference], reference, "MB/s",
+            True, 1.0, fair(True, repeats, 0, ("llmlab", engine)))
+    )  # fmt: skip
 
 
 def encode_families(text, trained, rows, repeats) -> None:
@@ -405,7 +509,15 @@ def encode_families(text, trained, rows, repeats) -> None:
     from tokenizers import Tokenizer
 
     def batch(hf, **kwargs):
-        return lambda lines: [e.ids for e in hf.encode_batch(lines, **kwargs)]
+        """A factory of fresh copies of the HF tokenizer ``hf`` (its BPE keeps a word cache
+        too), each returning its ``encode_batch`` of lines as id lists."""
+        spec = hf.to_str()
+
+        def fresh():
+            tok = Tokenizer.from_str(spec)
+            return lambda lines: [e.ids for e in tok.encode_batch(lines, **kwargs)]
+
+        return fresh
 
     encode_row(
         "end-of-word BPE",
@@ -429,15 +541,13 @@ def encode_families(text, trained, rows, repeats) -> None:
     hf = Tokenizer.from_str(json.dumps(sp_bpe.to_hf()))
     encode_row("SentencePiece BPE", text, sp_bpe, batch(hf), "HF tokenizers", rows, repeats)
     path = sp_bpe.save(Path(tempfile.mkdtemp()) / "bench.model", "sentencepiece")
-    sp = spm.SentencePieceProcessor(model_file=str(path))
+
+    def fresh_sp():
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+        return lambda lines: sp.encode(lines, num_threads=1)
+
     encode_row(
-        "SentencePiece BPE",
-        text,
-        sp_bpe,
-        lambda lines: sp.encode(lines, num_threads=1),
-        "sentencepiece (1 thread)",
-        rows,
-        repeats,
+        "SentencePiece BPE", text, sp_bpe, fresh_sp, "sentencepiece (1 thread)", rows, repeats
     )
 
 
@@ -454,8 +564,8 @@ def main(argv: list[str] | None = None) -> None:
     merge_loop = merge_loop_rows(files, sizes[0], repeats, rows)
     lines = [ln.rstrip("\r\n") for ln in iter_file_lines(corpus(0.3))]
     lines = lines[:2000] if args.smoke else lines
-    train_unigram(lines, 300 if args.smoke else 2000, rows)
-    encode_byte_level(text, trained[f"bpe-{sizes[0]}"], rows, 1 if args.smoke else 5)
+    train_unigram(lines, 300 if args.smoke else 2000, rows, repeats)
+    encode_byte_level(text, trained[f"bpe-{sizes[0]}"], rows, repeats)
     encode_families(text[:2_000_000], trained, rows, repeats)
     megabytes = len(text.encode("utf-8")) / 1e6
     unigram_mb = sum(len(ln.encode("utf-8")) + 1 for ln in lines) / 1e6
@@ -469,18 +579,22 @@ def main(argv: list[str] | None = None) -> None:
         "tokenizer",
         rows,
         notes=(
-            f"Corpus: {megabytes:.1f} MB of Shakespeare, read line by line. Training: the best of "
-            f"{repeats} runs interleaved with the reference; llmlab is given workers={WORKERS} "
+            f"Corpus: {megabytes:.1f} MB of Shakespeare, read line by line. Every row: the best "
+            f"of {repeats} cold runs of each side, in rounds running each system once in turn, "
+            "no warm-up (llmlab's encoders with their word caches emptied, the others' loaded "
+            "anew before each run; extra: cold, runs, warmup, engines). Training: "
+            f"llmlab is given workers={WORKERS} "
             "(HF uses its threads): every family counts words in that many processes, the "
             f"merges run in one, in {merge_core}; extra.equals_hf: the learned merges / "
             "vocabulary equal HF's in order (given the initial id layout of an HF run, which HF "
             "draws from a random hash order for end-of-word BPE and WordPiece). "
-            f"{merge_loop}Unigram: {unigram_mb:.1f} MB, one run each, no target "
+            f"{merge_loop}Unigram: {unigram_mb:.1f} MB, no target "
             "(pure-Python EM; reported). "
-            "Encoding: the whole corpus for byte-level "
-            "BPE, its first 2 MB for the other families (lines), ids checked equal "
-            "to the reference's; the byte-level fast path is tiktoken's core on llmlab's ranks; "
-            "HF encodes the lines with encode_batch (all cores), sentencepiece with one thread. "
+            "Encoding: the whole corpus as one string for the byte-level fast path vs tiktoken "
+            "(no target: the fast path is tiktoken's core on llmlab's ranks), the lines of its "
+            "first 2 MB for everything else, ids checked equal to the reference's; llmlab "
+            "encodes the lines with encode_ordinary_batch, HF with encode_batch (all cores), "
+            "sentencepiece with its batch encode on one thread. "
             f"The machine is shared (1-minute load average {load}, on {WORKERS} cores): compare "
             "ratios, not absolute figures; both sides slow down under load, but not equally."
         ),
