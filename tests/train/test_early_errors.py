@@ -82,3 +82,39 @@ def test_val_check_interval_counts_optimizer_steps(tmp_path, shared_cache):
     # The recipe's steps, logged as they happen.
     for step in ("tokenizer", "datamodule", "task", "logger", "trainer"):
         assert f"Instantiating {step} <" in result.stdout, result.stdout[-3000:]
+
+
+def test_a_missing_or_unprepared_data_dir_after_a_good_run_leaves_latest_alone(tmp_path):
+    """``data=tokens`` with a ``data.dir`` that is missing or not prepared, after a good run:
+    refused in one line naming the dir, with no new run dir and ``latest`` (which
+    ``ckpt_path=last`` resumes) still at the good run."""
+    from llmlab.train.prepare import prepare
+
+    docs = [
+        f"document {i}: " + "the quick brown fox jumps over the lazy dog " * 3 for i in range(60)
+    ]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data = tmp_path / "data"
+    prepare([str(corpus)], data, val_fraction=0.2, progress=False)
+    out = tmp_path / "out"
+    quick = [*TINY, "trainer.max_steps=2", "trainer.val_check_interval=2"]
+    good = run_train(["experiment=gpt_tokens", f"data.dir={data}", *quick], out)
+    assert good.returncode == 0, good.stderr[-3000:]
+    latest = out / "gpt_tokens" / "latest"
+    (run_dir,) = [p for p in (out / "gpt_tokens").iterdir() if p.is_dir()]
+    assert latest.read_text().strip() == str(run_dir.resolve())
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    unprepared = tmp_path / "unprepared"
+    unprepared.mkdir()
+    (unprepared / "notes.txt").write_text("raw text, never prepared\n")
+    for bad, tokenizer in [
+        (tmp_path / "missing", "tokenizer=prepared"),  # refused reading the tokenizer
+        (unprepared, "tokenizer=byte"),  # refused building the data module
+        (tmp_path / "missing", "tokenizer=byte"),
+    ]:
+        result = run_train(["experiment=gpt_tokens", f"data.dir={bad}", tokenizer, *quick], out)
+        line = assert_one_error_line(result, f"{bad} is not a prepared token dataset")
+        assert f"OUTPUT={bad}`" in line and "{root}" not in line
+        assert [p for p in (out / "gpt_tokens").iterdir() if p.is_dir()] == [run_dir]
+        assert latest.read_text().strip() == str(run_dir.resolve())
