@@ -156,3 +156,41 @@ def test_the_legacy_rope_spelling_reads_like_transformers_5s(tmp_path):
     ids = torch.randint(0, 96, (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-5, rtol=0)
+
+
+def _rename_in_header(file, old, new):
+    """Rename tensor ``old`` to ``new`` in a safetensors file's JSON header, the data untouched
+    (the header is re-padded to 8 bytes, as safetensors writes it)."""
+    import struct
+
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header[new] = header.pop(old)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def test_a_renamed_key_in_the_header_names_the_file_and_both_names(saved, tmp_path):
+    """The model would miss a weight: refused, naming the file, the tensor config.json implies
+    and the one the file holds instead."""
+    folder = _copy_with(saved["gpt2-tied"], tmp_path / "m")
+    _rename_in_header(folder / "model.safetensors", "transformer.ln_f.bias", "transformer.lnf.bias")
+    with pytest.raises(CheckpointError) as err:
+        from_pretrained(folder)
+    message = str(err.value)
+    assert message.startswith(
+        f"{folder / 'model.safetensors'}: lacks tensor 'transformer.ln_f.bias'"
+    )
+    assert "'transformer.lnf.bias' instead" in message and "\n" not in message
+
+
+def test_a_renamed_key_in_a_shard_names_the_shard(saved, tmp_path):
+    folder = _copy_with(saved["llama-gqa-bias-sharded"], tmp_path / "m")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    name, shard = next(iter(sorted(index.items())))
+    _rename_in_header(folder / shard, name, name + "_renamed")
+    with pytest.raises(CheckpointError, match=rf"{shard}: lacks 1 tensor\(s\) the index") as err:
+        from_pretrained(folder)
+    assert repr(name) in str(err.value) and "\n" not in str(err.value)

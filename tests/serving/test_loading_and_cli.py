@@ -174,3 +174,31 @@ def test_the_cli_refuses_a_bad_port():
     with pytest.raises(SystemExit) as caught:
         main(["x.ckpt", "--port", "70000"])
     assert caught.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "file, text, message",
+    [
+        ("tokenizer_config.json", "{not json", "tokenizer_config.json: not valid JSON"),
+        ("tokenizer_config.json", "[1, 2]", "tokenizer_config.json: expected a JSON object"),
+        ("generation_config.json", '{"eos_token_id": 256,,}', "generation_config.json: not valid"),
+        (
+            "generation_config.json",
+            '{"eos_token_id": 50256}',
+            "generation_config.json: eos_token_id",
+        ),
+        ("generation_config.json", '{"eos_token_id": "eos"}', "is not an id of the model's vocab"),
+    ],
+)
+def test_a_malformed_config_file_is_named_in_one_line(
+    file, text, message, checkpoint, tmp_path, capsys
+):
+    """A damaged ``tokenizer_config.json`` / ``generation_config.json`` next to good weights:
+    the CLI exits 2 with one line naming the file, never a traceback."""
+    from llmlab.train.export import export
+
+    folder = export(str(checkpoint), tmp_path / "hf")
+    (folder / file).write_text(text)
+    assert main([str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert str(folder / file) in err and message in err and err.count("\n") == 1

@@ -21,7 +21,6 @@ serve only files you trust.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from llmlab.models import from_pretrained, from_state_dict
+from llmlab.models.hf.folder import read_json
 from llmlab.tokenizer import ByteTokenizer
 from llmlab.tokenizer import load as load_tokenizer
 
@@ -108,14 +108,33 @@ def _hf_folder(path: Path, tokenizer: Any) -> Loaded:
         template = {t.get("name"): t.get("template") for t in template}.get("default")
     if (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    eos = _json(path / "generation_config.json").get("eos_token_id")
-    if eos is None:
-        eos = _json(path / "config.json").get("eos_token_id")
-    if eos is None and isinstance(config.get("eos_token"), str):
-        eos = getattr(tokenizer, "token_to_id", lambda _: None)(config["eos_token"])
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos_ids = _eos_ids(path, config, tokenizer, model.config.vocab_size)
     texts = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
     return Loaded(model, tokenizer, template, eos_ids, path.name, texts)
+
+
+def _eos_ids(path: Path, config: dict[str, Any], tokenizer: Any, vocab_size: int) -> list[int]:
+    """The end-of-sequence ids, from the first of ``generation_config.json``, ``config.json``
+    and ``tokenizer_config.json``'s ``eos_token`` that names one; each checked to be an id of
+    the model's vocabulary, naming the file it came from (a wrong id would never stop
+    generation, or stop it on an ordinary token)."""
+    for name in ("generation_config.json", "config.json"):
+        eos = _json(path / name).get("eos_token_id")
+        if eos is not None:
+            break
+    if eos is None and isinstance(config.get("eos_token"), str):
+        name = "tokenizer_config.json"
+        eos = getattr(tokenizer, "token_to_id", lambda _: None)(config["eos_token"])
+    if eos is None:
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise ValueError(
+                f"{path / name}: eos_token_id {eos!r} is not an id of the model's vocabulary "
+                f"(integers 0..{vocab_size - 1}, or a list of them)"
+            )
+    return list(ids)
 
 
 def _token_text(entry: Any) -> str:
@@ -126,7 +145,9 @@ def _token_text(entry: Any) -> str:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """The JSON object in ``path``, ``{}`` if there is no such file; malformed JSON or another
+    kind of value is a ``ValueError`` naming the file (``llmlab.models``' reader)."""
+    return read_json(path) if path.is_file() else {}
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -82,6 +82,8 @@ def explain_tokenizer_error(cfg: DictConfig, message: str) -> str:
         spec = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return message
+    if not isinstance(spec, dict):  # not a tokenizer.json at all: the message already says so
+        return message
     text = json.dumps(
         [spec.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")], ensure_ascii=False
     )

@@ -156,17 +156,43 @@ def tensor_parallel_shards(
 
 def check_coverage(folder: CheckpointFolder, sources: Mapping[str, Source], ignored: Any) -> None:
     """Every tensor of the checkpoint is read by some llmlab tensor (or is known to be inert):
-    a tensor nobody reads would be a part of the model silently dropped."""
+    a tensor nobody reads would be a part of the model silently dropped.
+
+    The message names the weights file: the one holding a tensor nobody reads, or, for a
+    missing tensor, the file (or shard index) that should have listed it. A missing tensor
+    next to an unread one is reported together -- the usual cause is a renamed key."""
     used = {s.hf_name for s in sources.values()}
     missing = sorted(s.hf_name for s in sources.values() if s.hf_name not in folder.tensors)
-    if missing:
-        raise CheckpointError(
-            f"{folder.path}: lacks tensor {missing[0]!r} that its config.json implies "
-            f"({len(missing)} missing in all)"
-        )
     extra = sorted(n for n in folder.tensors if n not in used and not ignored(n))
+    if missing:
+        where, unread = _weights_file(folder), ""
+        if extra:
+            holder = _file_of(folder, extra[0])
+            unread = (
+                f"; {'it' if holder == where else holder} holds {extra[0]!r} instead, which no "
+                "part of the model reads (a renamed key?)"
+            )
+        raise CheckpointError(
+            f"{where}: lacks tensor {missing[0]!r} that config.json implies "
+            f"({len(missing)} missing in all){unread}"
+        )
     if extra:
         raise CheckpointError(
-            f"{folder.path}: holds tensor {extra[0]!r} ({len(extra)} unused in all) that no part "
-            "of the llmlab model reads: refusing to drop it (config.json and weights disagree)"
+            f"{_file_of(folder, extra[0])}: holds tensor {extra[0]!r} ({len(extra)} unused in "
+            "all) that no part of the llmlab model reads: refusing to drop it (config.json and "
+            "weights disagree)"
         )
+
+
+def _weights_file(folder: Any) -> Any:
+    """Where a folder lists its tensors: the shard index, or the one safetensors file."""
+    weight_map = getattr(folder, "weight_map", None)
+    if not weight_map:  # an in-memory state dict: its description
+        return folder.path
+    files = set(weight_map.values())
+    return folder.path / (next(iter(files)) if len(files) == 1 else "model.safetensors.index.json")
+
+
+def _file_of(folder: Any, name: str) -> Any:
+    weight_map = getattr(folder, "weight_map", None)
+    return folder.path / weight_map[name] if weight_map and name in weight_map else folder.path
