@@ -90,3 +90,19 @@ def test_zero_experiments_set_the_stage_of_the_one_deepspeed_strategy(stage):
 def test_val_check_interval_must_be_a_whole_number_of_steps():
     with pytest.raises(ConfigError, match=r"trainer.val_check_interval must be a positive integer"):
         validate_config(compose_config(["trainer.val_check_interval=0.5"]))
+
+
+def test_a_key_of_another_strategy_names_the_spelling_that_works():
+    """``strategy.tensor=3`` under the default ``strategy=auto``: Hydra alone would suggest
+    ``+strategy.tensor=3``, which the key check then refuses; the message names the options
+    that have the key and a spelling that composes."""
+    with pytest.raises(ConfigError) as err:
+        compose_config(["strategy.tensor=3"])
+    message = str(err.value)
+    assert "(strategy=auto) has no 'tensor' setting" in message
+    assert "strategy=nd, strategy=tensor, strategy=tensor_sp" in message
+    assert "`strategy=nd strategy.tensor=3`" in message and "\n" not in message
+    with pytest.raises(ConfigError, match=r"\(strategy=ddp\) has no 'tensor'"):
+        compose_config(["strategy=ddp", "strategy.tensor=3"])
+    assert compose_config(["strategy=nd", "strategy.tensor=3"]).strategy.tensor == 3
+    assert compose_config(["strategy=tensor", "strategy.tensor=3"]).strategy.tensor == 3

@@ -72,11 +72,62 @@ def compose_config(args: list[str]) -> DictConfig:
                 ],
             )
     except HydraException as err:
-        raise ConfigError(f"bad override in {overrides}: {err}") from err
+        hint = _group_key_hint(str(err), overrides, experiment)
+        raise ConfigError(hint or f"bad override in {overrides}: {err}") from err
     problems = unaccepted_keys(cfg, app_arguments(cfg), CONF_DIR)
     if problems:
         raise ConfigError(f"experiment {experiment}: " + " | ".join(problems))
     return cfg
+
+
+def _group_key_hint(error: str, overrides: list[str], experiment: str) -> str | None:
+    """For ``group.key=value`` where the chosen option of config group ``group`` has no
+    ``key`` but other options do (``strategy.tensor=3`` with the default ``strategy=auto``):
+    which options have it, and the spelling that works (``strategy=nd strategy.tensor=3``).
+    Hydra's own advice, ``+strategy.tensor=3``, appends a key that the chosen option's target
+    does not take, which is then refused. ``None`` for any other error: Hydra's message stands
+    (a ``+trainer.<kwarg>`` can be right, the Trainer taking more than its YAML lists)."""
+    import re
+
+    found = re.search(r"Could not override '([^']+)'", error)
+    if found is None:
+        return None
+    key = found.group(1)
+    group, _, rest = key.partition(".")
+    options = sorted((CONF_DIR / group).glob("*.yaml")) if rest else []
+    having = [p.stem for p in options if OmegaConf.select(OmegaConf.load(p), rest) is not None]
+    if not having:
+        return None
+    having.sort(key=lambda name: name != "nd")  # the one strategy that runs every layout first
+    value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
+    rest_overrides = [o for o in overrides if o.split("=", 1)[0] != key]
+    chosen = _chosen_option(group, rest_overrides, experiment)
+    return (
+        f"{key}={value}: the chosen {group} ({group}={chosen}) has no '{rest}' setting; "
+        f"{', '.join(f'{group}={h}' for h in having)} {'has' if len(having) == 1 else 'have'} "
+        f"it: choose one first, e.g. `{group}={having[0]} {key}={value}` (not +{key}: a key the "
+        f"chosen {group} does not take is refused)"
+    )
+
+
+def _chosen_option(group: str, overrides: list[str], experiment: str) -> str:
+    """The option of config group ``group`` that the experiment and ``overrides`` select
+    (Hydra's ``runtime.choices``), or ``?`` if they do not compose either."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    search = f"hydra.searchpath=[file://{experiments_dir().parent}]"
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(
+                "train",
+                overrides=[search, f"+experiments={experiment}", f"experiment={experiment}",
+                           *overrides],
+                return_hydra_config=True,
+            )  # fmt: skip
+    except HydraException:
+        return "?"
+    return str(cfg.hydra.runtime.choices.get(group, "?"))
 
 
 def app_arguments(cfg: DictConfig) -> dict[str, tuple[str, ...]]:
