@@ -93,9 +93,10 @@ compare: install
 sample: install
 	$(PY) -m llmlab.train.sample ckpt=$(CKPT) prompt="$(PROMPT)" $(ARGS)
 
-# make serve CKPT=path/to/last.ckpt ARGS="--port 8000 --max-num-seqs 32"  (OpenAI-compatible)
+# make serve CKPT=outputs/<exp>/<run> ARGS="--port 8000 --max-num-seqs 32"  (OpenAI-compatible;
+# CKPT as for export/eval: a run dir, a .ckpt, or an HF folder; served under the experiment's name)
 serve: install
-	$(PY) -m llmlab.serving $(CKPT) $(ARGS)
+	$(PY) -m llmlab.train.serve $(CKPT) $(ARGS)
 
 # make export CKPT=outputs/<exp>/<run> OUT=exported/  (a .ckpt, a sharded folder or a run dir)
 # OUT must be new or empty; FORCE=1 (or ARGS=--overwrite) writes into a folder that holds files.

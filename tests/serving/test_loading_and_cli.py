@@ -202,3 +202,48 @@ def test_a_malformed_config_file_is_named_in_one_line(
     assert main([str(folder), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert str(folder / file) in err and message in err and err.count("\n") == 1
+
+
+def _run_dir(checkpoint, root, experiment="romeo_exp"):
+    """A training run directory as ``llmlab.train`` lays it out:
+    ``<outputs>/<experiment>/<stamp>-<id>/`` with ``run_id``, the resolved ``config.yaml`` and
+    ``checkpoints/last.ckpt``."""
+    import shutil
+
+    run = root / experiment / "20261206-120000-abcd1234"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_id").write_text("abcd1234\n")
+    (run / "config.yaml").write_text(f"experiment: {experiment}\nseed: 1\n")
+    shutil.copy(checkpoint, run / "checkpoints" / "last.ckpt")
+    return run
+
+
+def test_make_serve_takes_a_run_dir_and_names_the_model_after_the_experiment(
+    checkpoint, tmp_path, capsys
+):
+    """``make serve CKPT=<run dir>`` (``python -m llmlab.train.serve``) resolves the run as
+    ``make export`` / ``make eval`` do and serves it as its experiment, not as ``last``; the
+    serving CLI itself, which may not import ``llmlab.train``, says where to go instead."""
+    from llmlab.train.serve import main as train_serve
+    from llmlab.train.serve import serving_argv
+
+    run = _run_dir(checkpoint, tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    assert serving_argv([str(run), "--port", "0"]) == [
+        str(last), "--served-model-name", "romeo_exp", "--port", "0",
+    ]  # fmt: skip
+    assert serving_argv([str(last)])[1:] == ["--served-model-name", "romeo_exp"]
+    assert serving_argv([str(run), "--served-model-name", "x"]) == [
+        str(last), "--served-model-name", "x",
+    ]  # fmt: skip
+    assert serving_argv([str(checkpoint)]) == [str(checkpoint)]  # outside a run: as before
+    loaded = load(serving_argv([str(run)])[0])
+    assert isinstance(loaded.tokenizer, ByteTokenizer)
+    # the hand-off reaches the serving CLI, which checks its options before loading anything
+    assert train_serve([str(run), "--block-size", "0"]) == 2
+    assert "block_size must be a positive integer" in capsys.readouterr().err
+    assert train_serve([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "nope does not exist" in err and err.count("\n") == 1
+    with pytest.raises(ValueError, match=r"training run directory: serve it with `make serve"):
+        load(run)

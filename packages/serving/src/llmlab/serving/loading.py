@@ -63,6 +63,12 @@ def load(path: str | PathLike, tokenizer: Any = None) -> Loaded:
         )
     if (path / "config.json").is_file():
         return _hf_folder(path, tokenizer)
+    if (path / "checkpoints").is_dir():  # resolving run directories is llmlab.train's job
+        raise ValueError(
+            f"{path} looks like a training run directory: serve it with `make serve "
+            f"CKPT={path}` (python -m llmlab.train.serve), which resolves it to its last "
+            f"checkpoint as export and eval do, or pass {path / 'checkpoints' / 'last.ckpt'}"
+        )
     raise ValueError(
         f"MODEL {str(path)!r} is neither a training checkpoint file, a sharded checkpoint "
         f"folder (.metadata) nor an HF-format folder (config.json)"
