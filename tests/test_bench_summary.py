@@ -69,3 +69,54 @@ def test_the_committed_summary_has_no_absolute_path():
     assert not re.search(r"(?<![\w.])/(?:work|home|tmp|root|Users)/", text)
     assert str(REPO) not in text
     assert len(previous_sections(REPO / "benchmarks/results/SUMMARY.md")) >= 6
+
+
+# ------------------------------------------------------------------ the kernels section's units
+# Physical ceilings, far above any GPU of today (H200: ~4.8 TB/s of HBM, ~1 PFLOP/s dense bf16):
+# a figure above one is a parse or unit error, not a fast kernel.
+KERNEL_UNIT_CEILINGS = {"GB/s": 1e4, "TFLOP/s": 5e3, "GFLOP/s": 1e5}
+_CELL = re.compile(r"^(?P<value>[-+0-9.eE]+|n/a) (?P<unit>\S+)(?: \((?P<ref>.+)\))?$")
+
+
+def summary_rows(name: str) -> list[list[str]]:
+    """The table rows of one section of the committed SUMMARY.md, as lists of cells."""
+    section = previous_sections(REPO / "benchmarks/results/SUMMARY.md")[name]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| ") and not line.startswith(("| case |", "|---")):
+            rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def test_every_kernel_row_has_sane_units_and_a_consistent_ratio():
+    rows = summary_rows("kernels")
+    assert len(rows) >= 30, "the kernels section lost its table"
+    problems = []
+    for case, ours, ref, ratio, target, met in rows:
+        mine, theirs = _CELL.match(ours), _CELL.match(ref)
+        if not (mine and theirs and theirs["ref"]):
+            problems.append(f"{case}: cells {ours!r} / {ref!r} are not 'value unit (reference)'")
+            continue
+        unit = mine["unit"]
+        values = [float(mine["value"]), float(theirs["value"])]
+        if unit not in KERNEL_UNIT_CEILINGS or theirs["unit"] != unit:
+            problems.append(f"{case}: units {unit!r} / {theirs['unit']!r}")
+            continue
+        if not all(0 < v < KERNEL_UNIT_CEILINGS[unit] for v in values):
+            problems.append(f"{case}: {values} {unit} outside (0, {KERNEL_UNIT_CEILINGS[unit]:g})")
+        if re.search(r"\d", theirs["ref"].split()[0]):
+            problems.append(f"{case}: reference name {theirs['ref']!r} starts with a number")
+        if re.search(r"(?:^|\s)[-+]?\d+(?:\.\d+)?(?:\s|$)", case):
+            problems.append(f"{case}: a bare number in the case name (reads as a rate)")
+        r = float(ratio)
+        if not (r == r and 0 < r < 1e3):
+            problems.append(f"{case}: ratio {ratio}")
+            continue
+        # rates are rounded to 4 significant figures, ratios to 2 decimals where printed so
+        if abs(r - values[0] / values[1]) > 0.006 + 0.01 * r:
+            problems.append(f"{case}: ratio {ratio} but {values[0]} / {values[1]} {unit}")
+        if target:
+            want = "yes" if r >= float(target.removeprefix(">= ")) else "**no**"
+            if met != want:
+                problems.append(f"{case}: ratio {ratio} against {target} marked {met!r}")
+    assert not problems, "\n".join(problems)
