@@ -423,3 +423,19 @@ def test_the_val_fraction_advice_builds_when_followed(tmp_path, capsys):
     status, err = run_cli(capsys, "--input", str(same), "--output", str(tmp_path / "o"))
     assert status == 2 and "all 2 documents are the same text" in error_line(err)
     assert "use --val-fraction" not in err  # no fraction can split identical documents
+
+
+def test_clean_and_dirty_jsonl_read_the_same_documents(tmp_path):
+    """A clean file goes through HF's ``json`` builder; one bad line sends the file through the
+    line-by-line reader instead. Both give the same documents (escapes, line and paragraph
+    separators inside strings, non-ASCII), in order."""
+    docs = make_documents(20, seed=8)
+    docs[4] = 'crlf\r\ninside, a line separator \u2028 and \\ escapes "quoted" \u00e9\U0001f642'
+    lines = [json.dumps({"id": i, "text": d}, ensure_ascii=i % 2 == 1) for i, d in enumerate(docs)]
+    clean, dirty = tmp_path / "clean.jsonl", tmp_path / "dirty.jsonl"
+    clean.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    dirty.write_text("\n".join([*lines[:10], "{bad", *lines[10:]]) + "\n", encoding="utf-8")
+    kw = dict(val_fraction=0.3, progress=False)
+    assert prepare([str(clean)], tmp_path / "a", **kw).manifest["skipped_records"] == 0
+    assert prepare([str(dirty)], tmp_path / "b", **kw).manifest["skipped_records"] == 1
+    assert decoded(tmp_path / "a") == decoded(tmp_path / "b") == split_documents(docs, 0.3)
