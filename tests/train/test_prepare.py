@@ -439,3 +439,11 @@ def test_clean_and_dirty_jsonl_read_the_same_documents(tmp_path):
     assert prepare([str(clean)], tmp_path / "a", **kw).manifest["skipped_records"] == 0
     assert prepare([str(dirty)], tmp_path / "b", **kw).manifest["skipped_records"] == 1
     assert decoded(tmp_path / "a") == decoded(tmp_path / "b") == split_documents(docs, 0.3)
+
+
+def test_a_train_split_shorter_than_one_window_says_what_helps(prepared):
+    tokens = read_manifest(prepared)["splits"]["train"]["tokens"]
+    with pytest.raises(DatasetError, match=rf"has {tokens} tokens, fewer than one window of "
+                       rf"block_size \+ 1 = {tokens + 1}: prepare more text, or lower "
+                       r"model\.block_size"):  # fmt: skip
+        TokenDataModule(str(prepared), block_size=tokens, batch_size=1, verify_checksums=False)

@@ -264,7 +264,8 @@ class TokenDataModule(GlobalBatchDataModule):
             if train < 1:
                 raise DatasetError(
                     f"data source {name}: its train split has {m['splits']['train']['tokens']} "
-                    f"tokens, fewer than one window of block_size + 1 = {T + 1}"
+                    f"tokens, fewer than one window of block_size + 1 = {T + 1}: prepare more "
+                    "text, or lower model.block_size"
                 )
             val_windows += (m["splits"]["validation"]["tokens"] - 1) // T
         if val_windows < B:
