@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import Tensor, nn
 
 from llmlab.parallel.buffers import FlatBuffer
@@ -172,7 +172,7 @@ class BucketedDataParallelStrategy(DDPStrategy):
     ``backward_compute_end`` expose the measured overlap.
     """
 
-    strategy_name = "bucketed_ddp"
+    strategy_name = "bucketed"  # L.Trainer(strategy="bucketed"), the README's and conf's name
 
     def __init__(self, bucket_cap_mb: float = 25.0, collective: str = "torch", **kwargs: Any):
         if bucket_cap_mb <= 0:
@@ -188,6 +188,12 @@ class BucketedDataParallelStrategy(DDPStrategy):
         self.backward_start: float | None = None
         self.backward_compute_end: float | None = None
         self._sync_grads = True
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="llmlab bucketed data parallelism (overlapped)"
+        )
 
     @classmethod
     def check_config(cls, options: Mapping[str, Any], run: RunConfig) -> None:
@@ -245,3 +251,7 @@ class BucketedDataParallelStrategy(DDPStrategy):
             self.bucketer.close()
             self.bucketer = None
         super().teardown()
+
+
+if BucketedDataParallelStrategy.strategy_name not in StrategyRegistry:
+    BucketedDataParallelStrategy.register_strategies(StrategyRegistry)

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -129,6 +129,15 @@ class ParameterServerStrategy(DDPStrategy):
         self._servers: dist.ProcessGroup | None = None  # the server ranks only
         self._grad_norm = float("nan")  # server: the last averaged gradient's whole norm
         self.last_grad_norm = float("nan")  # worker: that norm, as the last reply carried it
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``"ps_sync"`` and ``"ps_async"``: the README's and ``conf/strategy``'s names, one
+        per mode (``L.Trainer(strategy="ps_async")``)."""
+        for mode in MODES:
+            strategy_registry.register(
+                f"ps_{mode}", cls, description=f"llmlab parameter server, {mode}", mode=mode
+            )
 
     @classmethod
     def check_config(cls, options: Mapping[str, Any], run: RunConfig) -> None:
@@ -440,3 +449,7 @@ def _with_version(tensors: list[Tensor], version: int) -> FlatBuffer:
     buffer = FlatBuffer([*tensors, tail], dtype=torch.float32)
     buffer.pack([*tensors, tail])
     return buffer
+
+
+if "ps_sync" not in StrategyRegistry:
+    ParameterServerStrategy.register_strategies(StrategyRegistry)
