@@ -52,16 +52,14 @@ READERS = {
     ".parquet": "parquet",
 }
 TEXT_UNITS = ("document", "paragraph", "line")
-COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # .zst: HF reads it
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # .zst: zstandard's
 NL = b"\n"
 MAX_WARNINGS = 20  # bad records named one by one; the rest are counted in the summary
 
 
 class InputError(ValueError):
     """An input file or record that cannot be prepared; the message names the file (and line)."""
-
-
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 def input_files(patterns: Sequence[str]) -> list[Path]:

@@ -125,9 +125,8 @@ def prepare(
     else:
         sources = [_stat(f) for f in files]
     reasons = ["--force"] if force else stale(output, tok, options, sources)
-    if strict and not reasons and read_manifest(output).get("skipped_records"):
-        reasons = [f"--strict, and the dataset skipped {read_manifest(output)['skipped_records']} "
-                   "bad record(s)"]  # fmt: skip
+    if strict and not reasons and (skipped := read_manifest(output).get("skipped_records")):
+        reasons = [f"--strict, and the dataset skipped {skipped} bad record(s)"]  # to refuse them
     if not reasons:
         log.info("%s is up to date (same inputs, tokenizer and options): nothing to do", output)
         return PrepareResult(output, read_manifest(output), False, [])
