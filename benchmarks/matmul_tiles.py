@@ -62,6 +62,30 @@ def compiled_resources(kernel: Any) -> dict[str, int]:
     return {k: int(v) for k, v in found.items() if isinstance(v, int)}
 
 
+def sweep_table() -> str:
+    """kernels/README.md's tile-sweep table: ``tile_costs`` of every swept shape, for bf16 inputs
+    (exact arithmetic; tests/kernels/test_matmul_tiles.py keeps the README equal to it)."""
+    from llmlab.kernels.matmul import TILE_SWEEP, tile_costs
+
+    lines = [
+        "| BM×BN×BK | stages, warps | bytes per stage | shared memory | programs per SM by "
+        "shared memory, A100 / H100 | accumulator registers per thread | programs per SM by "
+        "registers | flops per byte loaded | interpreter | GPU time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for config in TILE_SWEEP:
+        bm, bn, bk, stages, warps = config
+        c = tile_costs(*config, dtype_bytes=2)
+        lines.append(
+            f"| {bm}×{bn}×{bk} | {stages}, {warps} | {c['stage_bytes'] // 1024} KiB | "
+            f"{c['smem_bytes'] // 1024} KiB | {c['programs_per_sm_smem_A100']} / "
+            f"{c['programs_per_sm_smem_H100']} | {c['acc_regs_per_thread']:g} | "
+            f"{c['programs_per_sm_regs']} | {c['flops_per_byte']:.1f} | matches torch | "
+            "not measured here (no GPU) |"
+        )
+    return "\n".join(lines)
+
+
 def _check(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """bf16 output of a K-long fp32-accumulated sum: 2 bf16 ulp, scaled by sqrt(K / 64)."""
     want = (a.double() @ b.double()).to(out.dtype)
