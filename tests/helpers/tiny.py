@@ -74,14 +74,21 @@ def tiny_task(
 
 
 def tiny_tokens(
-    train_batches: int, val_batches: int = 2, batch: int = 8, vocab_size: int = 64, seq: int = 16
+    train_batches: int,
+    val_batches: int = 2,
+    batch: int = 8,
+    vocab_size: int = 64,
+    seq: int = 16,
+    padded: bool = False,
 ) -> L.LightningDataModule:
     """Fixed random token batches in a fixed order, sharded by the data-parallel rank.
 
     Every epoch is ``train_batches`` global batches of ``batch`` rows (seed 0; validation: seed
     1); a data-parallel replica reads its contiguous share of each global batch, asking the
     strategy's ``distributed_sampler_kwargs`` which one it is, so any layout sees the same
-    global batches as one process does.
+    global batches as one process does. ``padded``: row ``j`` of each global batch has its
+    last ``2j mod seq`` targets ignored (``-100``), so data replicas, micro-batches and the
+    context ranks' pieces of a sequence hold unequal numbers of counted tokens.
     """
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
@@ -92,12 +99,17 @@ def tiny_tokens(
         def _loader(self, steps: int, seed: int) -> DataLoader:
             g = torch.Generator().manual_seed(seed)
             ids = torch.randint(0, vocab_size, (steps * batch, seq + 1), generator=g)
+            targets = ids[:, 1:].clone()
+            if padded:
+                for row in range(len(targets)):
+                    cut = (2 * (row % batch)) % seq
+                    targets[row, seq - cut :] = -100
             kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
             replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
             share = batch // replicas
             rows = [b * batch + rank * share + i for b in range(steps) for i in range(share)]
-            ids = ids[rows]
-            return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=share)
+            inputs, targets = ids[rows, :-1], targets[rows]
+            return DataLoader(TensorDataset(inputs, targets), batch_size=share)
 
         def train_dataloader(self) -> DataLoader:
             return self._loader(train_batches, 0)

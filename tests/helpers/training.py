@@ -5,7 +5,9 @@ single-process run of the same settings. Each call builds its own ``Trainer``, s
 ``run_distributed`` spawn can run several fits in turn (Lightning sees the process group that is
 already there and does not re-launch). What a fit records, per optimizer step:
 
-* ``losses``: the global loss (the data-parallel mean where a replica's step returns its own);
+* ``losses``: the logged ``train/loss`` (what a user reads: it must be the global batch's mean
+  over its counted tokens on every layout; the batches leave unequal numbers of counted tokens
+  on the ranks, ``tiny_tokens(padded=True)``, so a mean of per-rank means fails);
 * ``norms``: the logged ``train/grad_norm`` (the real ``TrainingTelemetry`` callback);
 * ``master_norm``: an independent first-step norm of the gradients the optimizer steps on (fp32
   masters where the plugin keeps them), summed over the ranks that hold different pieces, each
@@ -28,22 +30,7 @@ BATCH, T = 8, 16
 
 def make_data(vocab: int, steps: int):
     """``steps`` fixed global batches of ``BATCH`` rows, each replica reading its share."""
-    return tiny_tokens(steps, val_batches=1, batch=BATCH, vocab_size=vocab, seq=T)
-
-
-def _data_replicas(strategy: Any) -> tuple[int, Any]:
-    """(number of data-parallel replicas whose losses must be averaged, their group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return 1, None
-    if hasattr(strategy, "num_servers"):  # parameter server: servers return a zero loss
-        return 1, None  # rank 0 is a worker; with one worker its loss is the global one
-    if hasattr(strategy, "dims"):  # the N-D strategy: a pipeline returns the global loss
-        if strategy.dims.pipeline > 1:
-            return 1, None
-        return strategy.dims.data, strategy.groups.data
-    return dist.get_world_size(), None
+    return tiny_tokens(steps, val_batches=1, batch=BATCH, vocab_size=vocab, seq=T, padded=True)
 
 
 def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
@@ -122,12 +109,7 @@ def fit(
                 master.append(_independent_master_norm(trainer, optimizer))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            loss = outputs["loss"].detach().float().clone()
-            replicas, group = _data_replicas(trainer.strategy)
-            if replicas > 1:
-                dist.all_reduce(loss, group=group)
-                loss /= replicas
-            losses.append(float(loss))
+            losses.append(float(trainer.callback_metrics.get("train/loss", math.nan)))
             norms.append(float(trainer.callback_metrics.get("train/grad_norm", math.nan)))
             if not master:  # a strategy that steps without Lightning's optimizer hooks
                 master.append(_independent_master_norm(trainer, trainer.optimizers[0]))

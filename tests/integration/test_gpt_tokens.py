@@ -116,3 +116,35 @@ def test_gpt_tokens_at_2x1x2_then_resumed_in_one_process_sees_one_process_batche
     for i, step in enumerate(one["steps"]):
         assert torch.equal(one["inputs"][i], expected[step][0])
         assert torch.equal(one["documents"][i], expected[step][2])
+
+
+def _logged_losses(run_dir) -> list[float]:
+    record = json.loads((run_dir / "recorded_metrics.json").read_text())
+    return [step["train/loss"] for step in record["steps"]]
+
+
+@pytest.mark.distributed
+def test_logged_loss_with_document_masks_on_2_ranks_is_one_process_loss(prepared, tmp_path):
+    """Issue 41: ``train/loss`` on 2 data-parallel ranks is the global batch's mean, equal to one
+    process's within 1e-5 at every step, with document masking and ``eod_mask_loss`` leaving the
+    ranks unequal numbers of counted tokens (asserted from the recorded batches: a mean of the
+    two ranks' means would then differ)."""
+    recorder = "+callbacks.recorder._target_=tests.train.metric_recorder.MetricRecorder"
+    common = [*TINY, f"data.dir={prepared}", "data.eod_mask_loss=true", "trainer.max_steps=3"]
+    common.append(recorder)
+    runs = {}
+    for name, layout in (("one", []), ("ddp", ["strategy=ddp", "trainer.devices=2"])):
+        out = tmp_path / name
+        result = run_train([*common, *layout], out)
+        assert result.returncode == 0, result.stderr[-4000:]
+        (runs[name],) = [p for p in (out / "gpt_tokens").iterdir() if p.is_dir()]
+    one, ddp = _logged_losses(runs["one"]), _logged_losses(runs["ddp"])
+    assert len(one) == len(ddp) == 3
+    for a, b in zip(ddp, one, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (ddp, one)
+
+    eos = TokenDataModule(str(prepared), block_size=32, batch_size=8).manifests
+    eos_id = int(next(iter(eos.values()))["tokenizer"]["eos_token_id"])
+    ranks = sorted(rank_records(runs["ddp"]), key=lambda r: r["data_rank"])
+    counted = [[int((x != eos_id).sum()) for x in r["inputs"]] for r in ranks]
+    assert any(a != b for a, b in zip(*counted, strict=True)), counted

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_blocks, compile_loss
 from llmlab.parallel.context.group import ContextParallel
-from llmlab.parallel.context.step import check_context, folded_loss
+from llmlab.parallel.context.step import check_context
 from llmlab.parallel.contracts import (
     TensorParallelShardable,
     WeightSource,
@@ -84,25 +84,22 @@ class ParallelModel:
 
     def task_loss(self, loss_fn: LossFn) -> LossFn:
         """The loss the task must use from now on: the vocab-parallel one under tensor
-        parallelism, else its own; compiled when the transforms say ``compile``; valued over the
-        whole sequence under context parallelism (:func:`.context.step.folded_loss`)."""
+        parallelism, else its own; compiled when the transforms say ``compile``. It stays this
+        rank's mean over its tokens (also a context rank's part of each sequence): the task
+        weighs it into the global batch's mean (:mod:`llmlab.parallel.loss_mean`)."""
         loss = self.loss_fn or loss_fn
         if self.transforms.compile and loss not in _COMPILED_LOSSES:
             loss = compile_loss(loss)
             _COMPILED_LOSSES.add(loss)
-        if self.context is not None and loss not in _FOLDED_LOSSES:
-            loss = folded_loss(loss, self.context.group)
-            _FOLDED_LOSSES.add(loss)
         return loss
 
 
 # What parallelize_model did to each model (Lightning sets a strategy up again for validate after
-# fit: the second call returns the first result), and the losses it compiled or folded, held
+# fit: the second call returns the first result), and the losses it compiled, held
 # weakly so that neither outlives its object and nothing is written onto objects this module
 # does not own.
 _PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, ParallelModel] = weakref.WeakKeyDictionary()
 _COMPILED_LOSSES: weakref.WeakSet[Any] = weakref.WeakSet()
-_FOLDED_LOSSES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def parallelize_model(

@@ -51,6 +51,7 @@ from llmlab.parallel.data.sharding import build_data_sharding, check_zero_impl
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_memory import ReplicatedMemory
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
+from llmlab.parallel.loss_mean import LossReplicas
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
 from llmlab.parallel.nd_options import check_options
 from llmlab.parallel.norm import WholeModelNorm
@@ -174,6 +175,12 @@ class NDParallelStrategy(DDPStrategy):
         if self._groups is None:
             raise RuntimeError(f"{type(self).__name__}.setup has not run yet")
         return self._groups
+
+    @property
+    def loss_replicas(self) -> LossReplicas:
+        """The data × context ranks: each holds different tokens of the global batch, and
+        gradients are averaged over them (:mod:`llmlab.parallel.loss_mean`)."""
+        return LossReplicas(self.groups.replica, self.dims.replicas)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

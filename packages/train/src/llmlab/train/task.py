@@ -25,13 +25,23 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from llmlab.models.hf import build_model_unloaded
+from llmlab.parallel.loss_mean import (
+    IGNORE_INDEX,
+    counted_tokens,
+    global_token_mean,
+    loss_replicas,
+)
 
 
 def causal_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy over every position, in nats (in fp32 at least: fp64
-    logits keep their precision)."""
+    """Mean next-token cross-entropy over the counted targets (not ``IGNORE_INDEX``), in nats,
+    in fp32 at least (fp64 logits keep their precision); 0, not NaN, when none counts (a rank
+    whose share of the batch is all padding still joins the global mean)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    total = F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total / counted_tokens(targets).clamp(min=1)
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -135,7 +145,7 @@ class CausalLMTask(L.LightningModule):
         self.model: nn.Module
         self.model, self._pretrained = build_model_unloaded(model)  # meta with init_from
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] = causal_lm_loss
-        self.val_loss = MeanMetric()  # averaged over batches and, in parallel runs, over ranks
+        self.val_loss = MeanMetric()  # weighted by counted tokens, over batches and ranks
 
     def take_pretrained_weights(self) -> Any:
         """The init_from weights the meta model still waits for (``None`` once taken): the
@@ -154,21 +164,26 @@ class CausalLMTask(L.LightningModule):
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)
 
-    def batch_loss(self, batch: tuple[Tensor, ...]) -> Tensor:
-        """Loss of ``(inputs, targets)``, or of ``(inputs, targets, document_ids)`` from a data
-        module with ``document_mask=true``: attention then stays inside each packed document."""
+    def batch_loss(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        """(mean loss, counted targets) of this rank's ``(inputs, targets)``, or of ``(inputs,
+        targets, document_ids)`` from a data module with ``document_mask=true``: attention then
+        stays inside each packed document."""
         inputs, targets, *rest = batch
         docs = {"document_ids": rest[0]} if rest else {}
-        return self.loss_fn(self.model(inputs, **docs), targets)
+        return self.loss_fn(self.model(inputs, **docs), targets), counted_tokens(targets)
 
     def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
-        loss = self.batch_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=False)
+        """The global batch's mean over its counted tokens, the same value on every rank of
+        every layout (:mod:`llmlab.parallel.loss_mean`), so ``train/loss`` is what one process
+        logs; its gradient is this rank's share."""
+        local, count = self.batch_loss(batch)
+        loss = global_token_mean(local, count, loss_replicas(self.trainer.strategy))
+        self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=False)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
-        loss = self.batch_loss(batch)
-        self.val_loss.update(loss.detach().float())
+        loss, count = self.batch_loss(batch)
+        self.val_loss.update(loss.detach().float(), weight=count.float())
         return loss
 
     def on_validation_epoch_end(self) -> None:

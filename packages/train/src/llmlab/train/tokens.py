@@ -12,7 +12,8 @@ Windows run across document (and shard) boundaries: nothing is padded or dropped
   checkpointed position resumes at any data-parallel degree.
 * **Documents**: with ``document_mask=true`` a batch is ``(inputs, targets, document_ids)``;
   the ids (counted from the end-of-document tokens) restart at 0 in each row; the model attends
-  within each document only, with positions restarting at each document's first token.
+  within each document only, with positions restarting at each document's first token. With
+  ``eod_mask_loss=true`` the target after each end-of-document token is not counted.
 * **Memory**: nothing is loaded whole, and nothing grows with the corpus. Windows are copied
   out of the shards' memory maps, whose pages are then released; the order of the windows is
   computed from the position (:mod:`llmlab.train.mixture`), not stored.
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from llmlab.parallel.loss_mean import IGNORE_INDEX
 from llmlab.train.global_batch import GlobalBatchDataModule
 from llmlab.train.mixture import MixtureProportions, MixtureSchedule, Shuffle, normalise_weights
 from llmlab.train.resumable import ResumableSampler
@@ -188,10 +190,16 @@ def document_ids(tokens: np.ndarray, eos_token_id: int) -> np.ndarray:
     return np.cumsum(ends, axis=1) - ends
 
 
-def collate_windows(rows: list[tuple[np.ndarray, Any]]) -> tuple[torch.Tensor, ...]:
-    """(inputs, targets) or (inputs, targets, document_ids), each (B, T) int64."""
+def collate_windows(
+    rows: list[tuple[np.ndarray, Any]], eod_mask_token: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """(inputs, targets) or (inputs, targets, document_ids), each (B, T) int64.
+    ``eod_mask_token``: targets whose input is that token (the end of a document) are
+    ``IGNORE_INDEX``: no loss on guessing the next document from the one that ended."""
     windows = torch.from_numpy(np.stack([r[0] for r in rows]).astype(np.int64))
     batch = (windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+    if eod_mask_token is not None:
+        batch[1][batch[0] == eod_mask_token] = IGNORE_INDEX
     if rows[0][1] is None:
         return batch
     return (*batch, torch.from_numpy(np.stack([r[1] for r in rows]).astype(np.int64)))
@@ -220,11 +228,16 @@ class TokenDataModule(GlobalBatchDataModule):
         document_mask: bool = False,
         verify_checksums: bool = True,
         tokenizer: Any = None,
+        eod_mask_loss: bool = False,
     ) -> None:
+        """``eod_mask_loss``: no loss on the target that follows an end-of-document token
+        (Megatron's ``--eod-mask-loss``); ranks then hold unequal numbers of counted tokens,
+        and ``train/loss`` is still the global batch's mean (:mod:`llmlab.parallel.loss_mean`)."""
         super().__init__(batch_size, seed)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"data.block_size must be a positive integer, got {block_size!r}")
         self.block_size, self.document_mask = block_size, bool(document_mask)
+        self.eod_mask_loss = bool(eod_mask_loss)
         self.weights = normalise_weights(mix) if mix else None
         self.dirs = source_dirs(dir, mix)
         self.manifests = {n: read_manifest(p) for n, p in self.dirs.items()}
@@ -314,7 +327,9 @@ class TokenDataModule(GlobalBatchDataModule):
         return ValidationWindows(self.stores[split], self.block_size, self.document_mask)
 
     def collate(self, rows: list[tuple[np.ndarray, Any]]) -> tuple[torch.Tensor, ...]:
-        return collate_windows(rows)
+        manifest = next(iter(self.manifests.values()))  # one tokenizer (checked)
+        eod = int(manifest["tokenizer"]["eos_token_id"]) if self.eod_mask_loss else None
+        return collate_windows(rows, eod)
 
     def sampler(self, dataset: Dataset, split: str, replicas: int, rank: int) -> ResumableSampler:
         # The train dataset orders the stream itself; the sampler only adds the epoch's offset.

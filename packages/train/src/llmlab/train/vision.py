@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 from torchmetrics import MeanMetric
 
 from llmlab.models import ResNet50
+from llmlab.parallel.loss_mean import global_token_mean, loss_replicas
 from llmlab.train.task import adamw_warmup_cosine
 
 
@@ -170,7 +171,10 @@ class ImageClassificationTask(L.LightningModule):
         images, labels = batch
         logits = self.model(images)
         loss = self.loss_fn(logits, labels.to(logits.device))  # the last part's device
-        self.log("train/loss", loss, prog_bar=True)
+        # the global batch's mean (one image, one count), the same value on every rank
+        count = torch.tensor(labels.shape[0], device=loss.device)
+        loss = global_token_mean(loss, count, loss_replicas(self.trainer.strategy))
+        self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=False)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

@@ -8,16 +8,15 @@ attention dropout; the zigzag split cuts every sequence into ``2N`` equal pieces
 checked with its point-to-point transfers inside compiled blocks. A pipeline is refused by the
 layout check itself (:mod:`llmlab.parallel.mesh`: stages never see the position ids).
 
-**Loss** (:func:`folded_loss`). The task's loss is the mean over *its* tokens, and every
-context rank holds ``T/N`` tokens of each sequence (the task counts every position), so the
-whole sequence's mean is the mean of the ``N`` local means, and rank ``r``'s folded share
-``N · Σ_{t on r} ℓ_t / n_all`` (:func:`~llmlab.parallel.context.loss.sequence_loss_share` with
-``scale=N``) *is* its local mean. Backpropagating it and averaging gradients over the
-flattened data × context group (``ProcessGroups.replica``, ``D·N`` ranks: what the data
-reduction or ZeRO already does, with a bigger group) gives ``(1/D) Σ_d ∂L_d/∂θ``: one process's
-gradient, in the one collective the data dimension pays anyway (torchtitan's ``dp_cp`` mesh).
-The loss's *value* is the whole sequence's mean (one all-reduce of a scalar), so ``train/loss``
-and ``val/loss`` are what one process logs; its gradient is the local mean's.
+**Loss.** The task's loss is this rank's mean over *its* tokens (``T/N`` of each sequence);
+the task weighs it into the global batch's mean over the flattened data × context group
+(``ProcessGroups.replica``, ``D·N`` ranks: :mod:`llmlab.parallel.loss_mean`), so its value is
+what one process logs, also when padding or masked targets fall unevenly on the context ranks.
+Backpropagating that share and averaging gradients over the same ``D·N`` ranks (what the data
+reduction or ZeRO already does, with a bigger group) gives one process's gradient: ring
+attention carries each share's gradient through the keys and values back to the rank that
+produced them, in the one collective the data dimension pays anyway (torchtitan's ``dp_cp``
+mesh).
 
 **Steps** (:func:`split_batch`): inside the strategy's training and validation steps (and
 backward, where activation checkpointing re-runs the forward) the model runs split, each rank
@@ -27,20 +26,16 @@ callback, decoding after training -- it is the plain model on whole sequences.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from llmlab.parallel.context.group import ContextParallel
 from llmlab.parallel.context.layout import ContextLayout
-
-LossFn = Callable[[Tensor, Tensor], Tensor]
 
 RECOMPUTE_WITH_CONTEXT = (
     "recompute_attention with context > 1 is refused: both replace the model's attention "
@@ -97,31 +92,6 @@ def check_context(
     problems = context_problems(context, transforms, seq_len, attention_dropout)
     if problems:
         raise ValueError("; ".join(problems))
-
-
-class _WholeSequenceMean(torch.autograd.Function):
-    """Value: the mean of ``local`` over ``group``. Gradient: ``local``'s own (the folded share)."""
-
-    @staticmethod
-    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-        whole = local.detach().clone()
-        dist.all_reduce(whole, group=group)
-        return whole.div_(dist.get_world_size(group))
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
-def folded_loss(loss_fn: LossFn, group: dist.ProcessGroup | None) -> LossFn:
-    """``loss_fn`` on this rank's tokens, valued as the whole sequence's mean (see the module
-    docstring: the gradient is the local mean's, the folded share at ``scale=N``)."""
-
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
-        return _WholeSequenceMean.apply(loss_fn(logits, targets), group)
-
-    loss.__qualname__ = f"folded_loss({getattr(loss_fn, '__qualname__', loss_fn)})"
-    return loss
 
 
 @contextmanager

@@ -58,6 +58,7 @@ from torch.optim import Optimizer
 from llmlab.parallel.buffers import FlatBuffer
 from llmlab.parallel.compile import compile_refusal
 from llmlab.parallel.data.comm_intervals import CommTimeline
+from llmlab.parallel.loss_mean import LossReplicas
 from llmlab.parallel.mesh import ParallelDims, check_layout
 from llmlab.parallel.norm import clip_by_total_norm_, global_grad_norm
 from llmlab.parallel.precision.plugins import MasterWeightPrecision
@@ -180,6 +181,15 @@ class ParameterServerStrategy(DDPStrategy):
         return self.num_workers + server
 
     @property
+    def loss_replicas(self) -> LossReplicas:
+        """Sync mode: the workers (the servers average their gradients), so ``train/loss`` is
+        the global batch's token mean. Async: each worker's gradient is applied alone, so each
+        worker's loss is its own batch's mean."""
+        if self.mode == "async" or self.num_workers == 1:
+            return LossReplicas()
+        return LossReplicas(self._workers, self.num_workers)
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         rank = 0 if self.is_server else self.global_rank
         return {"num_replicas": max(self.num_workers, 1), "rank": rank}
@@ -220,6 +230,7 @@ class ParameterServerStrategy(DDPStrategy):
         self._group = dist.new_group(backend="gloo")  # keeps PS traffic apart from Lightning's
         servers = list(range(self.num_workers, self.world_size))
         self._servers = dist.new_group(ranks=servers, backend="gloo")  # every rank calls it
+        self._workers = dist.new_group(ranks=list(range(self.num_workers)))  # the loss's mean
         self._clocks = [0] * self.num_workers
         return model
 

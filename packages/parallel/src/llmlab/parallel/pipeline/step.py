@@ -6,7 +6,10 @@ backward per micro-batch, interleaved with the forwards), so :class:`PipelinedSt
 
 * ``train_step``: sets Lightning's gradients aside (the previous step's, or earlier batches of an
   accumulation window), runs the schedule, keeps what it computed, puts Lightning's back, and
-  returns the last stage's loss on every rank, averaged over data replicas (``train/loss``);
+  returns the global batch's mean over its counted tokens on every rank (``train/loss``): each
+  micro-batch's loss is weighed by its share of the global count, so micro-batches and data
+  replicas holding unequal numbers of counted tokens give one process's loss and gradient
+  (:mod:`llmlab.parallel.loss_mean`);
 * ``restore_grads``: in Lightning's ``backward``, hands the kept gradients back, divided by the
   accumulation window (Lightning zeroed them in between);
 * ``forward``: the forward-only schedule for validation, the last stage's output broadcast to
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from llmlab.parallel.loss_mean import counted_tokens
 from llmlab.parallel.mesh import ProcessGroups
 from llmlab.parallel.pipeline.engine import PipelineEngine
 from llmlab.parallel.pipeline.split_layout import last_stage_rank
@@ -62,6 +66,7 @@ class PipelinedStep:
         timeline_dir: str | None = None,
     ) -> None:
         self.engine = engine
+        self.loss_fn = engine.loss_fn  # a micro-batch's mean: weighed per step (train_step)
         self.params = params
         self.groups = groups
         self.dims = groups.dims
@@ -114,6 +119,7 @@ class PipelinedStep:
         previous = [p.grad for p in self.params]  # Lightning's: set aside, put back below
         for p in self.params:
             p.grad = None
+        self.engine.loss_fn = self._token_weighted(targets)
         with train_context():
             result = self.engine.train_step(
                 inputs, targets, self.dims.microbatches, self.dims.schedule
@@ -126,6 +132,21 @@ class PipelinedStep:
         if self.engine.record_timeline:
             self._log_timeline(module, result.events, step)
         return loss
+
+    def _token_weighted(self, targets: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+        """The loss of one micro-batch, weighed so that the engine's mean over its ``m``
+        micro-batches, averaged over the ``D`` data replicas, is the global token mean:
+        ``mean_mb · n_mb · m · D / N`` (``N``: counted tokens of the global batch)."""
+        total = counted_tokens(targets).to(self.device)
+        if self.dims.data > 1:
+            dist.all_reduce(total, group=self.groups.data)
+        scale = self.dims.microbatches * self.dims.data / max(int(total), 1)
+        loss_fn = self.loss_fn
+
+        def weighted(output: Tensor, target: Tensor) -> Tensor:
+            return loss_fn(output, target) * (counted_tokens(target) * scale)
+
+        return weighted
 
     def restore_grads(self, accumulate: int) -> None:
         """The gradients the schedule computed, added to ``.grad`` (``/ accumulate``)."""

@@ -92,7 +92,9 @@ def vocab_parallel_cross_entropy(
 class VocabParallelCrossEntropy:
     """``loss_fn(logits, targets)`` over vocab-sharded logits (a drop-in for a task's loss_fn).
 
-    Flattens (B, T, V/tp) to tokens like a causal-LM task's ``F.cross_entropy`` call does.
+    Flattens (B, T, V/tp) to tokens like a causal-LM task's ``F.cross_entropy`` call does; the
+    mean over the counted targets, 0 where none counts (as the task's loss: a rank whose tokens
+    are all ignored still joins the global token mean, :mod:`llmlab.parallel.loss_mean`).
     """
 
     def __init__(self, group: Group, ignore_index: int = -100) -> None:
@@ -100,9 +102,11 @@ class VocabParallelCrossEntropy:
         self.ignore_index = ignore_index
 
     def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return vocab_parallel_cross_entropy(
+        total = vocab_parallel_cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
             targets.reshape(-1),
             self.group,
             self.ignore_index,
+            reduction="sum",
         )
+        return total / (targets != self.ignore_index).sum().clamp(min=1)
