@@ -1,39 +1,16 @@
 """Tiled matmul under the interpreter vs torch matmul computed in float64.
 
-Tolerances: the kernel accumulates in fp32 and rounds once to the output dtype, so it may differ
-from the float64 product rounded to that dtype by ~1 ulp of the output plus fp32 summation-order
-noise: fp32 atol 1e-4 / rtol 1e-5, fp16 atol 1e-3 / rtol 2e-3 (2 eps), bf16 atol 1e-2 /
-rtol 1.6e-2 (2 eps), fp64 atol 1e-12 / rtol 1e-12.
+Oracle and tolerances (stated there): tests/helpers/matmul.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from llmlab.kernels import matmul
 from llmlab.kernels.matmul import reference
-
-TOL = {
-    torch.float32: {"atol": 1e-4, "rtol": 1e-5},
-    torch.float16: {"atol": 1e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
-    torch.float64: {"atol": 1e-12, "rtol": 1e-12},
-}
-
-
-def oracle(a, b, bias=None, activation=None):
-    """torch in float64, then one rounding to the input dtype."""
-    out = a.double() @ b.double()
-    if bias is not None:
-        out = out + bias.double()
-    if activation == "gelu":
-        out = F.gelu(out, approximate="tanh")
-    elif activation == "relu":
-        out = out.relu()
-    return out.to(a.dtype)
-
+from tests.helpers.matmul import TOL, oracle
 
 # (M, N, K): none of these is a multiple of the 32-wide interpreter tiles except the last.
 SHAPES = [(45, 37, 70), (1, 33, 17), (33, 1, 5), (64, 64, 64)]

@@ -4,7 +4,8 @@ a GPU (tile sizes, stages, warps). The interpreter ignores stages and warps: wha
 the indexing for each (BLOCK_M, BLOCK_N, BLOCK_K), on a shape with two tiles along M and N (the
 second one partial) and three steps along K (the last one partial). Times are GPU-only.
 
-Tolerances as in test_matmul.py (fp32 accumulation, one rounding to the output dtype).
+Oracle and tolerances: tests/helpers/matmul.py (fp32 accumulation, one rounding to the
+output dtype).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from benchmarks.matmul_tiles import launch_config
 from llmlab.kernels.matmul import TILE_SWEEP
-from tests.kernels.interpreter.test_matmul import TOL, oracle
+from tests.helpers.matmul import TOL, oracle
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

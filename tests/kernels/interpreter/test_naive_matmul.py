@@ -1,8 +1,8 @@
 """Naive matmul (one program per output element) under the interpreter vs torch in float64.
 
-Same oracle and tolerances as the tiled matmul (test_matmul.py): fp32 accumulation, one rounding
-to the output dtype. Shapes are small: the grid has M·N programs and the interpreter runs them
-one after another.
+Same oracle and tolerances as the tiled matmul (tests/helpers/matmul.py): fp32 accumulation,
+one rounding to the output dtype. Shapes are small: the grid has M·N programs and the
+interpreter runs them one after another.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmlab.kernels import matmul, naive_matmul
-from tests.kernels.interpreter.test_matmul import TOL, oracle
+from tests.helpers.matmul import TOL, oracle
 
 # (M, N, K): K below, equal to and past the 32-wide chunk, and not a multiple of it.
 SHAPES = [(7, 5, 3), (9, 6, 32), (5, 11, 70)]
