@@ -135,6 +135,22 @@ def test_document_ids_follow_the_document_index(datasets_dir):
             assert docs[row].tolist() == (index - index[0]).tolist()
 
 
+def test_eod_mask_loss_stops_counting_the_target_after_each_document_end(datasets_dir):
+    """``eod_mask_loss=true``: exactly the targets whose input is the end-of-document token are
+    ``-100`` (Megatron's ``--eod-mask-loss``); everything else is the unmasked batch's."""
+    plain = global_batches(module(datasets_dir), 1, range(1), steps=10)
+    masked = global_batches(module(datasets_dir, eod_mask_loss=True), 1, range(1), steps=10)
+    eos = module(datasets_dir).stores["train"][0].eos_token_id
+    ends = 0
+    for (x, y), (mx, my) in zip(plain, masked, strict=True):
+        assert torch.equal(x, mx)
+        at_end = x == eos
+        ends += int(at_end.sum())
+        assert torch.equal(my[at_end], torch.full_like(my[at_end], -100))
+        assert torch.equal(my[~at_end], y[~at_end])
+    assert ends > 0  # the windows do cross document ends
+
+
 def test_validation_holds_whole_held_out_documents_in_order(datasets_dir):
     dm = module(datasets_dir)
     val = dm.split_dataset("validation")
