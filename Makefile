@@ -20,7 +20,7 @@ INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
 EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
 	-e packages/serving -e packages/parallel -e packages/train -e ".[dev]"
 
-.PHONY: install test test-all lint format data train compare bench sample serve export eval gpu-check clean
+.PHONY: install test test-all lint format data train compare bench sample serve export eval gpu-check figures clean
 
 install: $(STAMP) $(WHEELHOUSE) $(LLAMA_CPP)
 
@@ -109,6 +109,12 @@ eval: install
 
 bench: install
 	$(PY) -m benchmarks.run_all
+
+# docs/figures/*.png (embedded by docs/seed-map.md) drawn again by the repo's own plotting code, no
+# network: make figures  (~3 min: two short training runs each for the anatomy and compare charts)
+# or  make figures ARGS="--only pipeline"  (seconds, deterministic)
+figures: install
+	$(PY) scripts/figures.py $(ARGS)
 
 # The first GPU machine: gpu tests, kernel benchmarks, the default experiment in every precision.
 gpu-check: install

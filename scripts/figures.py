@@ -1,7 +1,7 @@
 """Regenerate the figures docs/seed-map.md embeds (docs/figures/*.png), with the repository's own
 plotting code and no network.
 
-    .venv/bin/python scripts/figures.py                   # all three kinds, ~3 minutes on 2 cores
+    .venv/bin/python scripts/figures.py                   # all three kinds (make figures), ~3 min
     .venv/bin/python scripts/figures.py --only pipeline   # seconds; deterministic
     .venv/bin/python scripts/figures.py --only anatomy,compare --out /tmp/figures
 
