@@ -39,11 +39,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the KV pool's dtype (auto: the model's)")  # fmt: skip
     p.add_argument("--quantize", help="weights as bf16, int8, int4, int4:g64 or int4:g128 "
                    "(llmlab.models.quantize; default: as loaded)")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                   help="larger request bodies get a 413 (default: 8 MiB)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port} is not a TCP port (0..65535)")
+    if args.max_body_bytes < 1:
+        p.error(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.chat_template and not Path(args.chat_template).is_file():
@@ -106,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         c.quantize or "as loaded", c.max_model_len, c.num_blocks, c.block_size,
         engine.runner.pool.nbytes / 2**20, source,
     )  # fmt: skip
-    state = ServerState(engine, name, chat, loaded.eos_token_ids)
+    state = ServerState(
+        engine, name, chat, loaded.eos_token_ids, max_body_bytes=args.max_body_bytes
+    )
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

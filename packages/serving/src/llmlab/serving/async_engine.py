@@ -8,11 +8,17 @@ thread steps the engine while there is work and sleeps on an event when there is
 
 Cancellation: when a handler stops listening (the client disconnected, or the handler was
 cancelled), the request is aborted; the engine thread frees its blocks before its next step.
+
+Failure: a request the engine failed (``RequestOutput.error``) raises :class:`RequestFailed` in
+its handler alone. Should a step itself raise (a bug outside any one request), every request in
+flight fails with that error, the engine's queues are emptied, and the thread serves on: no
+request kills the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import traceback
@@ -22,9 +28,19 @@ from typing import Any
 from llmlab.decoding import GenerationConfig
 from llmlab.serving.engine import LLMEngine, RequestOutput
 
+log = logging.getLogger("llmlab.serving")
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread died; the server cannot serve anything any more."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error (``RequestOutput.error``); others go on."""
+
+    def __init__(self, request_id: str, error: str) -> None:
+        super().__init__(error)
+        self.request_id = request_id
 
 
 class AsyncEngine:
@@ -86,16 +102,28 @@ class AsyncEngine:
             while not self._stop:
                 self._drain_commands()
                 if self.engine.has_unfinished:
-                    for output in self.engine.step():
-                        self._deliver(output.request_id, output)
+                    self._step()
                 else:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
-        except BaseException as err:  # a bug in the engine: fail every waiting request loudly
+        except BaseException as err:  # not an Exception (e.g. SystemExit): stop, loudly
             self.error = err
             traceback.print_exc()
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"the engine failed: {err!r}"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # outside every request's own guard: fail them all, go on
+            log.exception("an engine step failed; failing the %d requests in flight",
+                          len(self.engine._tracked))  # fmt: skip
+            outputs = self.engine.fail_all(err)
+        for output in outputs:
+            if output.error is not None:
+                self._deliver(output.request_id, RequestFailed(output.request_id, output.error))
+            else:
+                self._deliver(output.request_id, output)
 
     def _drain_commands(self) -> None:
         while True:
@@ -111,8 +139,16 @@ class AsyncEngine:
                     self.engine.add_request(request_id, prompt_ids, config)
                 except ValueError as err:
                     self._deliver(request_id, err)
+                except Exception as err:  # e.g. building its processors: this request only
+                    log.exception("request %s could not be added", request_id)
+                    self.engine.stats.error("engine")
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, RequestFailed(request_id, f"engine: {err!r}"))
             else:
-                self.engine.abort(command[1])
+                try:
+                    self.engine.abort(command[1])
+                except Exception:
+                    log.exception("aborting request %s failed", command[1])
 
     def _deliver(self, request_id: str, item: Any) -> None:
         target = self._streams.get(request_id)

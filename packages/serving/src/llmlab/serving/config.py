@@ -40,6 +40,9 @@ class EngineConfig:
     # the KV pool's dtype: "auto" is the model's; "bfloat16" halves an fp32 model's KV bytes
     # (keys and values rounded when written, attention computed in that dtype)
     kv_cache_dtype: str = "auto"
+    # fault injection for the isolation tests ("stage:marker", llmlab.serving.faults); None
+    # reads LLMLAB_SERVING_INJECT_FAULT, which is normally unset: no fault
+    inject_fault: str | None = None
 
     def resolved(self, model_context: int) -> EngineConfig:
         """A copy with ``max_model_len`` and ``num_blocks`` filled in, validated.
@@ -93,6 +96,13 @@ class EngineConfig:
 
             try:
                 parse_scheme(self.quantize)
+            except ValueError as err:
+                need(False, str(err))
+        if self.inject_fault is not None:
+            from llmlab.serving.faults import FaultInjection
+
+            try:
+                FaultInjection.parse(self.inject_fault)
             except ValueError as err:
                 need(False, str(err))
         need(

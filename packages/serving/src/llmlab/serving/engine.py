@@ -12,6 +12,13 @@
    are free for the very next step -- and each request that changed reports its new tokens
    and text.
 
+Isolation: a request is the unit of failure. Ids the tokenizer cannot decode (an embedding
+padded past the vocabulary) are masked before any token is chosen, as HF's ``suppress_tokens``
+does. If choosing a request's token (its logits processors, its sampling, its beam step) or
+rendering its text raises, that request alone ends with ``RequestOutput.error`` set and its
+blocks freed; if the batched forward raises, the requests of that step end so, and the engine
+serves the next step. ``llmlab.serving.faults`` injects such faults for the tests.
+
 The engine is synchronous and single-threaded; the offline ``LLM`` loops over ``step()`` and
 the HTTP server runs it in a background thread (``llmlab.serving.async_engine``).
 """
@@ -19,21 +26,26 @@ the HTTP server runs it in a background thread (``llmlab.serving.async_engine``)
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from llmlab.decoding import GenerationConfig
 from llmlab.models.quantize import quantize
 from llmlab.serving.beam import BeamGroup
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.detokenize import IncrementalText
+from llmlab.serving.faults import FaultInjection, fire
 from llmlab.serving.metrics import EngineStats
 from llmlab.serving.model_runner import ModelRunner
-from llmlab.serving.sampler import Rules, next_tokens, stop_reason
+from llmlab.serving.sampler import Failure, Rules, next_tokens, stop_reason
 from llmlab.serving.scheduler import Scheduler
-from llmlab.serving.sequence import Request, Sequence, Status
+from llmlab.serving.sequence import SEED_RANGE, Request, Sequence, Status
 
+log = logging.getLogger("llmlab.serving")
 SUPPORTED_STRATEGIES = ("greedy", "sample", "beam")
 
 
@@ -44,7 +56,7 @@ class SequenceOutput:
     text: str  # the text released so far (see llmlab.serving.detokenize)
     new_token_ids: list[int]  # since this sequence's previous output
     new_text: str
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
 
 
 @dataclass
@@ -54,6 +66,7 @@ class RequestOutput:
     outputs: list[SequenceOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the request failed (then finished): "<stage>: <exception>"
 
 
 @dataclass(eq=False)
@@ -76,6 +89,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.config)
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats(num_blocks=self.config.num_blocks)
+        self.suppressed = undecodable_ids(tokenizer, model.config.vocab_size, self.runner.device)
+        self.faults = FaultInjection.from_config(self.config.inject_fault)
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
 
@@ -88,6 +103,8 @@ class LLMEngine:
         self.check_request(request_id, prompt_ids, config)
         request = Request(request_id, list(prompt_ids), config, next(self._arrivals))
         rules = Rules.of(config, len(prompt_ids), self.tokenizer)
+        if self.faults is not None:
+            rules.fault = self.faults.stage_for(prompt_ids, self.tokenizer)
         if config.resolved_strategy() == "beam":
             request.beam = BeamGroup(request, self.tokenizer, self.runner.device)
         request.new_sequence(0, request.prompt_ids, self.runner.device)
@@ -144,6 +161,8 @@ class LLMEngine:
             )
         if config.stop_string_list and self.tokenizer is None:
             raise ValueError("stop strings need the engine to have a tokenizer")
+        if config.seed is not None and not SEED_RANGE[0] <= config.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {config.seed}")
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its sequences stop and their blocks return to the pool now."""
@@ -169,19 +188,42 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
-        logits = self.runner.execute(out.chunks, out.copies)
+        try:
+            for chunk in out.chunks:
+                fire("forward", self._tracked[chunk.seq.request.request_id].rules.fault)
+            logits = self.runner.execute(out.chunks, out.copies)
+        except Exception as err:
+            ids = dict.fromkeys(c.seq.request.request_id for c in out.chunks)
+            failed = [self._fail(rid, "forward", err) for rid in ids]
+            self.stats.observe_queues(self.scheduler)
+            return [f for f in failed if f is not None]
         self.scheduler.after_forward(out)
+        if self.suppressed is not None:  # ids the tokenizer cannot decode are never chosen
+            logits = logits.index_fill(1, self.suppressed, float("-inf"))
         seqs: list[Sequence] = []
         rows: list[int] = []
         changed: dict[str, _Tracked] = {}
+        failed: dict[str, RequestOutput | None] = {}
         beam_tokens = 0
         for row, chunk in enumerate(c for c in out.chunks if c.completes):
             request = chunk.seq.request
+            rid = request.request_id
+            if rid in failed:
+                continue
             if request.beam is not None:  # the search steps once every beam has its logits
                 beam_tokens += 1
-                if request.beam.add(chunk.seq, logits[row], self.scheduler):
+                try:
+                    fault = self._tracked[rid].rules.fault
+                    fire("logits", fault)
+                    fire("sampling", fault)
+                    done = request.beam.add(chunk.seq, logits[row], self.scheduler)
+                except Exception as err:
+                    failed[rid] = self._fail(rid, "sampling", err)
+                    changed.pop(rid, None)
+                    continue
+                if done:
                     self._first_token(request, time.perf_counter())
-                    changed[request.request_id] = self._tracked[request.request_id]
+                    changed[rid] = self._tracked[rid]
                 continue
             family = self._fork(chunk.seq)
             seqs += family
@@ -190,22 +232,65 @@ class LLMEngine:
         if rows != list(range(logits.shape[0])):  # forks and beams: a gather (a copy)
             logits = logits[rows]
         tokens = next_tokens(seqs, rules, logits)
+        for seq, token in zip(seqs, tokens):  # a failed choice fails its request first
+            rid = seq.request.request_id
+            if isinstance(token, Failure) and rid not in failed:
+                failed[rid] = self._fail(rid, token.stage, token.error)
         now = time.perf_counter()
+        generated = 0
         for seq, token in zip(seqs, tokens):
-            tracked = self._tracked[seq.request.request_id]
+            rid = seq.request.request_id
+            if rid in failed:
+                continue
+            tracked = self._tracked[rid]
             seq.token_ids.append(token)
+            generated += 1
             self._first_token(seq.request, now)
             reason = stop_reason(seq, tracked.rules, self.config.max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            changed[seq.request.request_id] = tracked
-        self.stats.step(out, len(tokens) + beam_tokens, self.scheduler)
-        outputs = [self._report(t) for t in changed.values()]
+            changed[rid] = tracked
+        self.stats.step(out, generated + beam_tokens, self.scheduler)
+        outputs = []
+        for rid, tracked in changed.items():
+            try:
+                outputs.append(self._report(tracked))
+            except Exception as err:
+                failed[rid] = self._fail(rid, "detokenize", err)
         for output in outputs:
             if output.finished:
                 finished = self._tracked.pop(output.request_id)
                 self.stats.finished(finished.request, None)
-        return outputs
+        if failed:
+            self.stats.observe_queues(self.scheduler)
+        return outputs + [f for f in failed.values() if f is not None]
+
+    def _fail(self, request_id: str, stage: str, err: BaseException) -> RequestOutput | None:
+        """End ``request_id`` with an error: its sequences stop, their blocks return to the
+        pool, the error is logged with the request's id and counted by stage."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        request = tracked.request
+        request.forked = True
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+        if request.beam is not None:
+            request.beam.pending.clear()
+        self.stats.finished(request, "error")
+        self.stats.error(stage)
+        log.error("request %s failed at the %s stage: %r", request_id, stage, err)
+        outputs = [SequenceOutput(seq.index, list(seq.output_ids), "", [], "", "error")
+                   for seq in request.sequences]  # fmt: skip
+        return RequestOutput(request_id, request.prompt_ids, outputs, True,
+                             self._request_metrics(request), error=f"{stage}: {err}")  # fmt: skip
+
+    def fail_all(self, err: BaseException) -> list[RequestOutput]:
+        """End every request with ``err`` (the last resort when a step itself raised)."""
+        failed = [self._fail(rid, "engine", err) for rid in list(self._tracked)]
+        self.stats.observe_queues(self.scheduler)
+        return [f for f in failed if f is not None]
 
     def _first_token(self, request: Request, now: float) -> None:
         if request.first_token_time is None:
@@ -247,6 +332,7 @@ class LLMEngine:
         if text is None:
             stops = tracked.request.config.stop_string_list
             text = tracked.texts[seq.index] = IncrementalText(self.tokenizer, stops)
+        fire("detokenize", tracked.rules.fault)
         final = seq.status is Status.FINISHED
         if final and new and new[-1] in tracked.rules.eos:
             new = new[:-1]  # the eos token is special: not rendered
@@ -259,3 +345,26 @@ class LLMEngine:
         if request.first_token_time is not None:
             metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
         return metrics
+
+
+def undecodable_ids(tokenizer: Any, vocab_size: int, device: Any) -> Any:
+    """The ids below the model's ``vocab_size`` that ``tokenizer`` cannot decode (an embedding
+    padded past the tokenizer's vocabulary, as Qwen2's is), as a LongTensor; None if every id
+    decodes or there is no tokenizer. One decode of every id first; one per id if that fails."""
+    if tokenizer is None:
+        return None
+    decode = getattr(tokenizer, "decode_bytes", None) or tokenizer.decode
+
+    def decodes(ids: list[int]) -> bool:
+        try:
+            decode(ids)
+        except Exception:
+            return False
+        return True
+
+    if decodes(list(range(vocab_size))):
+        return None
+    bad = [i for i in range(vocab_size) if not decodes([i])]
+    if len(bad) == vocab_size:
+        raise ValueError(f"the tokenizer decodes none of the model's {vocab_size} ids")
+    return torch.tensor(bad, dtype=torch.long, device=device) if bad else None

@@ -12,6 +12,7 @@ in the tests with ``prometheus_client``'s parser.
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class EngineStats:
     prefix_cache_hits: int = 0  # blocks
     prefix_cache_queries: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # request errors by kind: the HTTP layer's refusals (invalid_request, model_not_found,
+    # not_found, method_not_allowed, body_too_large, internal) and the engine's failed
+    # requests by stage (forward, logits, sampling, detokenize, engine); both threads count
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
+    _errors_lock: threading.Lock = field(default_factory=threading.Lock)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     _recent: deque = field(default_factory=deque)  # (time, generated tokens) of recent steps
     _recent_tokens: int = 0  # their sum
@@ -82,6 +88,10 @@ class EngineStats:
         self.blocks_used = blocks.used
         self.preemptions = scheduler.num_preemptions
         self.prefix_cache_hits, self.prefix_cache_queries = blocks.hits, blocks.queries
+
+    def error(self, kind: str) -> None:
+        with self._errors_lock:
+            self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -127,6 +137,12 @@ class EngineStats:
             "request_success", "counter", "Finished sequences by finish reason.",
             [f'{p}_request_success_total{{finished_reason="{r}"}} {n}'
              for r, n in sorted(dict(self.finished_by_reason).items())],
+        )  # fmt: skip
+        with self._errors_lock:
+            errors = sorted(self.errors_by_kind.items())
+        out += metric(
+            "request_errors", "counter", "Requests refused or failed, by kind.",
+            [f'{p}_request_errors_total{{kind="{k}"}} {n}' for k, n in errors],
         )  # fmt: skip
         out += metric(
             "time_to_first_token_seconds", "histogram", "Seconds from arrival to first token.",

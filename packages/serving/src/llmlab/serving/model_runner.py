@@ -123,6 +123,22 @@ class _Probe:
         pass
 
 
+def _check_triton_runs(device: torch.device) -> None:
+    """Refuse ``attention_backend="triton"`` where the kernel cannot run (found at startup, not
+    by the first request)."""
+    from llmlab.kernels._runtime import interpreter_requested, triton_available
+
+    if not triton_available():
+        raise ValueError(
+            "attention_backend='triton': triton is not installed; use 'auto' or 'torch'"
+        )
+    if device.type != "cuda" and not (device.type == "cpu" and interpreter_requested()):
+        raise ValueError(
+            f"attention_backend='triton' needs a CUDA device (the model is on {device}) or "
+            f"TRITON_INTERPRET=1 for CPU tensors; use 'auto' or 'torch' here"
+        )
+
+
 class ModelRunner:
     def __init__(self, model: Any, config: EngineConfig) -> None:
         check_paged_model(model)
@@ -132,6 +148,8 @@ class ModelRunner:
         self.backend = config.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
+        elif self.backend == "triton":
+            _check_triton_runs(self.device)
         self.scratch = Scratch()  # gather buffers reused by every forward
         shapes, dtype = self._probe_shapes()
         if config.kv_cache_dtype != "auto":

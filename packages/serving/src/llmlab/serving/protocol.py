@@ -9,6 +9,11 @@ OpenAI options the engine cannot honour (log-probabilities, echo, penalties by f
 bias, tools...) are refused with a 400 naming the field when they are set to anything but their
 default, and unknown fields are refused: an option that would silently change nothing is an
 error, not a no-op.
+
+Types are strict (pydantic's strict mode: ``"max_tokens": true``, ``"stream": "yes"`` or
+``"temperature": "0.5"`` are refused, not coerced; an integer is a float where a float is
+wanted) and numbers must be finite (``1e400`` parses as infinity and is refused). Ranges are
+checked here too, so that every value the engine admits is one it can serve.
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmlab.decoding import GenerationConfig
+
+# strict types, no unknown fields, no inf/NaN: every model of a request body
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+MAX_STOP_CHARS = 1024  # a longer stop string cannot be produced within any context served here
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed's range
+MAX_LENGTH_PENALTY = 20.0  # |length_penalty|: length ** it stays finite for any context length
 
 # field -> its "off" value: anything else is refused as unsupported
 UNSUPPORTED: dict[str, Any] = {
@@ -36,14 +47,14 @@ UNSUPPORTED: dict[str, Any] = {
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """The sampling fields completions and chat share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     n: int = Field(1, ge=1, le=128)
@@ -55,11 +66,11 @@ class SamplingFields(BaseModel):
     no_repeat_ngram_size: int | None = Field(None, ge=0)
     min_tokens: int = Field(0, ge=0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = False
     # beam search (llmlab extension): the n best of num_beams beams, deterministic
     num_beams: int = Field(1, ge=1, le=64)
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool | Literal["never"] = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -89,8 +100,11 @@ class SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed with stream=true")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError(f"stop holds at most 4 strings, got {len(self.stop)}")
-        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if "" in stops:
             raise ValueError("stop strings must not be empty")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"stop strings hold at most {MAX_STOP_CHARS} characters")
         return self
 
     def generation_config(self, max_new_tokens: int, eos_token_ids: list[int]) -> GenerationConfig:
@@ -147,13 +161,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. "name": passed to the template as given
+    # extra fields (e.g. "name") are passed to the template as given
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: str
     content: str | list[TextPart] | None = None
 
@@ -178,13 +193,11 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-def error_body(message: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error object."""
-    return {
-        "error": {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": param,
-            "code": code,
-        }
-    }
+def error_body(
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    type: str = "invalid_request_error",
+) -> dict:
+    """OpenAI's error object (every error the server answers has this shape)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

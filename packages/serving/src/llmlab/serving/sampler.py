@@ -12,6 +12,7 @@ Sequences that only need the argmax (greedy, no processor) are served by one bat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch import Tensor
 from llmlab.decoding import GenerationConfig, build_processors
 from llmlab.decoding.processors import ProcessorList
 from llmlab.decoding.stopping import StopStrings
+from llmlab.serving.faults import fire
 from llmlab.serving.sequence import Sequence
 
 
@@ -33,6 +35,7 @@ class Rules:
     eos: frozenset[int]
     stop_strings: StopStrings | None
     max_new_tokens: int
+    fault: str | None = None  # the stage an injected fault fails it at (llmlab.serving.faults)
 
     @classmethod
     def of(cls, config: GenerationConfig, prompt_len: int, tokenizer: Any) -> Rules:
@@ -46,11 +49,25 @@ class Rules:
             max_new_tokens=config.max_new_tokens,
         )
 
+    @property
+    def plain(self) -> bool:
+        """Served by the batched argmax: greedy with no processor (and no planned fault)."""
+        return not self.sample and not self.processors and self.fault is None
 
-def next_tokens(seqs: list[Sequence], rules: list[Rules], logits: Tensor) -> list[int]:
-    """One token per sequence from its row of ``logits`` (K, V)."""
-    out: list[int] = [0] * len(seqs)
-    plain = [i for i, r in enumerate(rules) if not r.sample and not r.processors]
+
+@dataclass
+class Failure:
+    """Choosing a sequence's token raised ``error`` at ``stage`` ("logits" or "sampling")."""
+
+    stage: str
+    error: Exception
+
+
+def next_tokens(seqs: list[Sequence], rules: list[Rules], logits: Tensor) -> list[int | Failure]:
+    """One token per sequence from its row of ``logits`` (K, V); where choosing a sequence's
+    token raised, a :class:`Failure` instead (it fails that sequence's request, no other)."""
+    out: list[int | Failure] = [0] * len(seqs)
+    plain = [i for i, r in enumerate(rules) if r.plain]
     if plain:
         rows = logits if len(plain) == len(seqs) else logits[plain]  # no copy when all are
         # max's indices: argmax's (the first of equal maxima, NaN wins) at half its fixed cost
@@ -59,18 +76,48 @@ def next_tokens(seqs: list[Sequence], rules: list[Rules], logits: Tensor) -> lis
         for i, token in zip(plain, picks):
             out[i] = token
     for i, (seq, r) in enumerate(zip(seqs, rules)):
-        if not r.sample and not r.processors:
+        if r.plain:
             continue
-        scores = logits[i : i + 1]
-        if r.processors:
-            context = torch.tensor([seq.token_ids], device=logits.device)
-            scores = r.processors(context, scores)
-        if r.sample:
-            probs = torch.softmax(scores, dim=-1)
-            out[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
-        else:
-            out[i] = int(scores.argmax(dim=-1))
+        stage = ["logits"]
+        try:
+            out[i] = _one_token(seq, r, logits[i : i + 1], stage)
+        except Exception as err:  # isolated: reported as this request's error
+            out[i] = Failure(stage[0], err)
     return out
+
+
+def _one_token(seq: Sequence, r: Rules, logits: Tensor, stage: list[str]) -> int:
+    fire("logits", r.fault)
+    scores = logits
+    if r.processors:
+        context = torch.tensor([seq.token_ids], device=logits.device)
+        scores = r.processors(context, scores)
+    stage[0] = "sampling"
+    fire("sampling", r.fault)
+    top = float(scores.max())  # NaN if any is NaN
+    if not -math.inf < top < math.inf:
+        scores = _limit(scores, logits)
+    if r.sample:
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+    return int(scores.argmax(dim=-1))
+
+
+def _limit(scores: Tensor, logits: Tensor) -> Tensor:
+    """Finite scores for what extreme admitted values (a temperature of 1e-300, a repetition
+    penalty of 1e-300) leave behind, only where they did (finite scores pass unchanged, so
+    ordinary requests sample exactly as ``llmlab.decoding`` and HF do).
+
+    The limits: ``+inf`` entries (logits divided by ~0) are the ids a vanishing temperature
+    picks, equally likely; NaN is no candidate; a row left with no candidate falls back to
+    the model's own logits (every id masked there too is refused anyway: ``-inf``)."""
+    scores = scores.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    top = torch.isposinf(scores)
+    if top.any():
+        return torch.where(top, 0.0, float("-inf"))
+    if torch.isneginf(scores).all():
+        return logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    return scores
 
 
 def stop_reason(seq: Sequence, rules: Rules, max_model_len: int) -> str | None:

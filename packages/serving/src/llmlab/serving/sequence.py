@@ -15,6 +15,7 @@ tokens not yet in the pool; when none is left, the last one's logits give the ne
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,21 @@ from typing import Any
 import torch
 
 from llmlab.decoding import GenerationConfig
+
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed``.
+
+    Choice 0 uses ``seed`` itself, so a request with one choice draws what
+    ``llmlab.decoding.generate(seed=seed)`` draws. Choice ``i > 0`` uses 63 bits of a hash of
+    ``(seed, i)``: with ``seed + i``, ``seed=42, n=2`` would repeat ``seed=43``'s first choice.
+    """
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class Status(enum.Enum):
@@ -95,12 +111,14 @@ class Request:
     ) -> Sequence:
         """A sequence of this request, with its own random stream when a seed is set.
 
-        Sequence ``i`` draws from ``torch.Generator(device).manual_seed(seed + i)``: its samples
-        depend only on its own tokens, never on what else shares the batch or the step.
+        Sequence ``i`` draws from ``torch.Generator(device).manual_seed(choice_seed(seed, i))``:
+        its samples depend only on its own tokens, never on what else shares the batch or the
+        step.
         """
         generator = None
         if self.config.seed is not None:
-            generator = torch.Generator(device=device).manual_seed(self.config.seed + index)
+            seed = choice_seed(self.config.seed, index)
+            generator = torch.Generator(device=device).manual_seed(seed)
         seq = Sequence(self, index, list(token_ids), generator=generator)
         self.sequences.append(seq)
         return seq

@@ -3,17 +3,22 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
 with ``stream: true``, ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a
 last chunk with the token counts), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
-(Prometheus text). Every handler checks its request completely -- body, model name, prompt
-length against the context, sampling values -- before it queues anything, and answers a bad
-one with a 400 and OpenAI's error body; the engine keeps serving everyone else. A client that
-disconnects (or stops reading a stream) aborts its request, and its KV blocks return to the
-pool before the engine's next step.
+(Prometheus text). Every handler checks its request completely -- body size, strict types,
+model name, prompt length against the context, sampling values -- before it queues anything;
+the body is parsed, tokenized and checked in a worker thread, never on the event loop. Every
+error has OpenAI's error body, whatever its status: 400 for a bad request, 404 for an unknown
+model (``model_not_found``) or route, 405, 413 for a body over ``max_body_bytes``, 500 for a
+request the engine failed (``request_failed``, logged with its id; a stream gets an error
+event instead) and 503 if the engine thread is gone. ``/metrics`` counts them by kind
+(``llmlab_request_errors_total``). A client that disconnects (or stops reading a stream)
+aborts its request, and its KV blocks return to the pool before the engine's next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,23 +29,42 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmlab.decoding import GenerationConfig
-from llmlab.serving.async_engine import AsyncEngine, EngineDeadError
+from llmlab.serving.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from llmlab.serving.chat_template import ChatTemplate
 from llmlab.serving.engine import LLMEngine, RequestOutput
 from llmlab.serving.loading import encode
 from llmlab.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
+log = logging.getLogger("llmlab.serving")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes
+# bodies up to this size are parsed and tokenized on the event loop (tens of microseconds; a
+# thread hop costs more and reorders admission), larger ones in a worker thread
+INLINE_BODY_BYTES = 16 * 2**10
 # GenerationConfig's field names as the OpenAI request spells them
 RENAMED = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens",
            "num_return_sequences": "n", "stop_strings": "stop"}  # fmt: skip
+# HTTP status -> (the metric's error kind, OpenAI's error type) where nothing more precise says
+KINDS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
+         413: "body_too_large", 500: "internal", 503: "engine_dead"}  # fmt: skip
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
+class APIError(Exception):
+    """An error answered with OpenAI's error body, ``status`` and a metric ``kind``."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 code: str | None = None, kind: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code = param, status, code
+        self.kind = kind or KINDS.get(status, "invalid_request")
+
+
+class BadRequest(APIError):
+    """A 400 naming the field at fault."""
 
 
 @dataclass
@@ -50,6 +74,7 @@ class ServerState:
     chat_template: ChatTemplate
     eos_token_ids: list[int] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -66,31 +91,51 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.serving = state
     app.state.async_engine = async_engine
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
-        if first.get("type") == "json_invalid":
-            at = first.get("loc", ("body", "?"))[-1]
-            reason = first.get("ctx", {}).get("error")
-            return JSONResponse(error_body(f"the body is not valid JSON ({reason} at {at})"), 400)
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        return JSONResponse(
-            error_body(f"{where}: {message}" if where else message, where or None), 400
-        )
+    def error(status: int, message: str, kind: str, param: str | None = None,
+              code: str | None = None) -> JSONResponse:  # fmt: skip
+        state.engine.stats.error(kind)
+        kind_of_error = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(error_body(message, param, code, kind_of_error), status)
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(request: Request, err: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(str(err), err.param), 400)
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+        return error(err.status, str(err), err.kind, err.param, err.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(err.errors())
+        return error(400, message, "invalid_request", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
+            err.status_code, str(err.detail))  # fmt: skip
+        response = error(err.status_code, message, KINDS.get(err.status_code, "http"))
+        response.headers.update(err.headers or {})
+        return response
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, err: RequestFailed) -> JSONResponse:
+        log.error("request %s failed: %s", err.request_id, err)  # counted by the engine
+        body = error_body(f"request {err.request_id} failed: {err}", None, "request_failed",
+                          "server_error")  # fmt: skip
+        return JSONResponse(body, 500)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, err: EngineDeadError) -> JSONResponse:
-        return JSONResponse(error_body(str(err), code="engine_dead"), 500)
+        return error(503, str(err), "engine_dead", code="engine_dead")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error serving %s %s", request.method, request.url.path)
+        return error(500, f"internal error: {err!r}", "internal", code="internal_error")
 
     @app.get("/health")
     async def health() -> Any:
         if not async_engine.alive:
-            return JSONResponse({"status": "engine stopped"}, 503)
+            return error(503, "the engine thread is not running", "engine_dead",
+                         code="engine_dead")  # fmt: skip
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -111,35 +156,91 @@ def create_app(state: ServerState) -> FastAPI:
         )
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        _check_model(state, body.model)
-        prompts = [_prompt_ids(state, p) for p in body.prompts()]
-        limit = body.max_tokens or 16
-        configs = [_config(state, body, ids, limit) for ids in prompts]
+    async def completions(request: Request) -> Any:
+        raw = await read_body(request, state.max_body_bytes)
+        body, prompts, configs = await off_the_loop(_prepare_completion, state, raw)
         return await _serve(async_engine, request, body, prompts, configs, CompletionFormat(state))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        _check_model(state, body.model)
-        messages = [m.as_dict() for m in body.messages]
-        try:
-            text = state.chat_template.render(messages, body.add_generation_prompt)
-        except ValueError as err:
-            raise BadRequest(str(err), "messages") from err
-        ids = _prompt_ids(state, text)
-        room = state.engine.config.max_model_len - len(ids)
-        config = _config(state, body, ids, body.token_limit or max(room, 1))
-        return await _serve(async_engine, request, body, [ids], [config], ChatFormat(state))
+    async def chat_completions(request: Request) -> Any:
+        raw = await read_body(request, state.max_body_bytes)
+        body, prompts, configs = await off_the_loop(_prepare_chat, state, raw)
+        return await _serve(async_engine, request, body, prompts, configs, ChatFormat(state))
 
     return app
 
 
 # ------------------------------------------------------------------------ request checks
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused with a 413 as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    too_big = APIError(f"the request body exceeds the server's limit of {limit} bytes "
+                       f"(--max-body-bytes)", status=413)  # fmt: skip
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def off_the_loop(prepare: Any, state: ServerState, raw: bytes) -> Any:
+    """``prepare(state, raw)``: parse, tokenize and check a body; a large one in a worker thread,
+    so that it never stalls the event loop (the streams of every other request)."""
+    if len(raw) <= INLINE_BODY_BYTES:
+        return prepare(state, raw)
+    return await asyncio.to_thread(prepare, state, raw)
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        message, param = validation_message(err.errors(include_input=False))
+        raise BadRequest(message, param) from None
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One line for the first of pydantic's errors, and the field it names."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return f"the body is not valid JSON ({reason})", None
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return (f"{where}: {message}" if where else message), (where or None)
+
+
+def _prepare_completion(state: ServerState, raw: bytes) -> tuple[Any, list, list]:
+    body = parse(CompletionRequest, raw)
+    _check_model(state, body.model)
+    prompts = [_prompt_ids(state, p) for p in body.prompts()]
+    limit = body.max_tokens or 16
+    return body, prompts, [_config(state, body, ids, limit) for ids in prompts]
+
+
+def _prepare_chat(state: ServerState, raw: bytes) -> tuple[Any, list, list]:
+    body = parse(ChatCompletionRequest, raw)
+    _check_model(state, body.model)
+    messages = [m.as_dict() for m in body.messages]
+    try:
+        text = state.chat_template.render(messages, body.add_generation_prompt)
+    except ValueError as err:
+        raise BadRequest(str(err), "messages") from err
+    ids = _prompt_ids(state, text)
+    room = state.engine.config.max_model_len - len(ids)
+    return body, [ids], [_config(state, body, ids, body.token_limit or max(room, 1))]
+
+
 def _check_model(state: ServerState, name: str) -> None:
     if name != state.model_name:
-        raise BadRequest(
-            f"the model {name!r} does not exist; this server serves {state.model_name!r}", "model"
-        )
+        raise APIError(
+            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            "model", status=404, code="model_not_found", kind="model_not_found",
+        )  # fmt: skip
 
 
 def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
@@ -189,7 +290,8 @@ async def _serve(
 async def _until_done_or_disconnect(
     request: Request, streams: list[AsyncIterator[RequestOutput]]
 ) -> list[RequestOutput]:
-    """The final output of every stream; abort them all if the client goes away first."""
+    """The final output of every stream; abort them all if the client goes away first, or if
+    one of them fails (the whole response is then that error)."""
 
     async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         final = None
@@ -201,27 +303,33 @@ async def _until_done_or_disconnect(
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    work = asyncio.ensure_future(asyncio.gather(*tasks))
     watch = asyncio.ensure_future(disconnected())
     await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
     watch.cancel()
-    if not work.done():
-        work.cancel()  # closing the streams aborts their requests
-        await asyncio.gather(work, return_exceptions=True)
-        raise asyncio.CancelledError("client disconnected")
-    return work.result()
+    if work.done() and work.exception() is None:
+        return work.result()
+    for task in tasks:  # closing the streams aborts their requests
+        task.cancel()
+    await asyncio.gather(work, *tasks, return_exceptions=True)
+    if work.done() and not work.cancelled() and work.exception() is not None:
+        raise work.exception()
+    raise asyncio.CancelledError("client disconnected")
 
 
 async def _sse(fmt: CompletionFormat, rid: str, streams: list, n: int, prompts: list[list[int]],
                include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
-    """Merge the prompts' streams into one event stream (choice index = prompt * n + seq)."""
+    """Merge the prompts' streams into one event stream (choice index = prompt * n + seq).
+    A failed request ends the stream with an OpenAI error event (the status line is already
+    sent) and ``[DONE]``; the other prompts' requests are aborted."""
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(p: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for output in stream:
                 await merged.put((p, output))
-        except Exception as err:  # reported in the stream: the status line is already sent
+        except Exception as err:  # reported in the stream
             await merged.put((p, err))
         await merged.put((p, None))
 
@@ -237,15 +345,22 @@ async def _sse(fmt: CompletionFormat, rid: str, streams: list, n: int, prompts: 
                 open_streams -= 1
                 continue
             if isinstance(output, Exception):
-                yield _event(error_body(str(output)))
-                continue
+                log.error("request %s failed: %s", rid, output)
+                code = "request_failed"  # counted by the engine, by stage
+                if not isinstance(output, RequestFailed):
+                    code = "internal_error"
+                    fmt.state.engine.stats.error("internal")
+                yield _event(error_body(f"request {rid} failed: {output}", None, code,
+                                        "server_error"))  # fmt: skip
+                break
             for seq in output.outputs:
                 completion_tokens += len(seq.new_token_ids)
                 chunk = fmt.chunk(rid, p * n + seq.index, seq)
                 if chunk is not None:
                     yield _event(chunk)
-        if include_usage:
-            yield _event(fmt.usage_chunk(rid, usage(prompts, n, completion_tokens)))
+        else:
+            if include_usage:
+                yield _event(fmt.usage_chunk(rid, usage(prompts, n, completion_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:  # the client left early: cancelling the pumps aborts the requests
