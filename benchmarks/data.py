@@ -45,16 +45,19 @@ T, BATCH = 128, 32  # the default experiment's context and global batch
 UNIT = "paragraph"  # the documents both sides of the preparation rows encode
 
 
-def cold_best_of(load, use, repeats: int, warmup: int) -> float:
-    """``best_of`` with the object a run uses made anew before each run, untimed: ``use(load())``
-    timed, every run starting cold."""
-    best = float("inf")
+def cold_rounds(sides: dict, repeats: int, warmup: int) -> dict[str, float]:
+    """Each side's best seconds over ``repeats`` rounds after ``warmup`` untimed ones, every
+    round running each side once in turn (a burst of load on the shared machine hits all alike).
+    A side is a factory, called untimed before each run, returning the call to time: it loads
+    its encoder anew, so every run starts cold."""
+    best = dict.fromkeys(sides, float("inf"))
     for i in range(warmup + repeats):
-        obj = load()
-        start = time.perf_counter()
-        use(obj)
-        if i >= warmup:
-            best = min(best, time.perf_counter() - start)
+        for name, make in sides.items():
+            run = make()
+            start = time.perf_counter()
+            run()
+            if i >= warmup:
+                best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -94,41 +97,40 @@ def preparation_rows(
     texts = list(load_documents(files, work / "hf-cache", text_unit=UNIT)["text"])
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     hf_bpe(files, work / "bpe.json", 4096)
-    hf_s = cold_best_of(
-        lambda: Tokenizer.from_file(str(work / "bpe.json")),
-        lambda hf: hf.encode_batch(texts),
-        repeats,
-        warmup,
-    )
+
+    def fresh_hf():
+        hf = Tokenizer.from_file(str(work / "bpe.json"))  # its BPE keeps a word cache
+        return lambda: hf.encode_batch(texts)
+
+    def fresh_prepare(tokenizer: str, procs: int):
+        def run() -> None:  # prepare loads the tokenizer file itself
+            prepare([str(f) for f in files], work / "out", tokenizer=tokenizer, num_proc=procs,
+                    text_unit=UNIT, val_fraction=val, force=True, progress=False)  # fmt: skip
+
+        return lambda: run
+
     rows = []
-    bpe_s = {}
-    for tokenizer, label in ((str(work / "bpe.json"), "BPE 4096"), ("bytes", "bytes")):
-        for procs in (1, 2):
-
-            def run(tokenizer=tokenizer, procs=procs) -> None:
-                inputs = [str(f) for f in files]
-                prepare(inputs, work / "out", tokenizer=tokenizer, num_proc=procs,
-                        text_unit=UNIT, val_fraction=val, force=True, progress=False)  # fmt: skip
-
-            seconds = best_of(run, repeats=repeats, warmup=warmup)
-            extra = {"text_mb": round(mb, 2), "documents": len(texts), "seconds": round(seconds, 3)}
-            if label == "bytes":  # no encoder: against the same preparation with the BPE
-                reference, reference_s = f"prepare BPE 4096, num_proc={procs}", bpe_s[procs]
-                engines = ("llmlab prepare, bytes", "llmlab prepare, BPE 4096")
-            else:  # llmlab loads the HF file as its BPETokenizer (tiktoken's core)
-                reference, reference_s = "HF tokenizers encode_batch, BPE 4096, in memory", hf_s
-                engines = ("llmlab prepare, BPE 4096", "HF tokenizers")
-                bpe_s[procs] = seconds
-            rows.append(
-                Row(
-                    f"prepare {label}, num_proc={procs} (MB/s)",
-                    mb / seconds,
-                    mb / reference_s,
-                    reference,
-                    "MB/s of text",
-                    extra={**extra, **fair(True, repeats, warmup, engines)},
-                )
-            )
+    bpe = str(work / "bpe.json")
+    extra = {"text_mb": round(mb, 2), "documents": len(texts)}
+    for procs in (1, 2):
+        best = cold_rounds(
+            {"HF": fresh_hf, "BPE": fresh_prepare(bpe, procs),
+             "bytes": fresh_prepare("bytes", procs)},
+            repeats, warmup,
+        )  # fmt: skip
+        rows.append(
+            Row(f"prepare BPE 4096, num_proc={procs} (MB/s)", mb / best["BPE"], mb / best["HF"],
+                "HF tokenizers encode_batch, BPE 4096, in memory", "MB/s of text",
+                extra={**extra, **fair(True, repeats, warmup,
+                                       ("llmlab prepare, BPE 4096", "HF tokenizers"))})
+        )  # fmt: skip
+        # no encoder: against the same preparation with the BPE, in the same rounds
+        rows.append(
+            Row(f"prepare bytes, num_proc={procs} (MB/s)", mb / best["bytes"], mb / best["BPE"],
+                f"prepare BPE 4096, num_proc={procs}", "MB/s of text",
+                extra={**extra, **fair(True, repeats, warmup,
+                                       ("llmlab prepare, bytes", "llmlab prepare, BPE 4096"))})
+        )  # fmt: skip
     return rows
 
 
@@ -316,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         f"Preparation: the corpus's {UNIT}s as documents; it includes reading the files with HF "
         "datasets, hashing the inputs and writing shards; the reference only encodes the same "
         "documents, already in memory, with encode_batch. Both cold (each timed run loads its "
-        f"encoder anew), best of {repeats} after {warmup} warm-up run(s) each. Loader and "
+        f"encoder anew), best of {repeats} after {warmup} warm-up run(s) each, in rounds that run "
+        "HF, prepare with the BPE and prepare with bytes once each in turn. Loader and "
         f"training: best of {repeats} after one untimed run each. Memory: the "
         "loader's own resident memory (anonymous memory above what the imports hold, plus the "
         "resident pages of its maps of the shards; /proc/self/smaps), peak of samples every 25 "
