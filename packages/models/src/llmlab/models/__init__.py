@@ -3,12 +3,14 @@ contracts of docs/architecture.md#contracts (no Lightning here). ``build_model({
 builds any registered language model from its config dict; ``from_pretrained(folder)`` and
 ``save_pretrained(model, folder)`` read and write Hugging Face-format folders (config.json +
 safetensors) without ``transformers``; ``quantize(model, "int8")`` stores its weights in fewer
-bytes (bf16, int8, int4)."""
+bytes (bf16, int8, int4); ``apply_lora(model, LoRAConfig(...))`` puts low-rank adapters on its
+linear layers (peft's adapter format: ``save_lora`` / ``load_lora``)."""
 
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.hf import from_pretrained, save_pretrained
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama import Llama, LlamaConfig
+from llmlab.models.lora import LoRAConfig, LoRALinear, apply_lora, load_lora, save_lora
 from llmlab.models.quantize import QuantizedEmbedding, QuantizedLinear, quantize
 from llmlab.models.registry import (
     ARCHITECTURES,
@@ -26,14 +28,19 @@ __all__ = [
     "KVCache",
     "Llama",
     "LlamaConfig",
+    "LoRAConfig",
+    "LoRALinear",
     "QuantizedEmbedding",
     "QuantizedLinear",
     "ResNet50",
+    "apply_lora",
     "build_model",
     "from_pretrained",
     "from_state_dict",
+    "load_lora",
     "model_config",
     "quantize",
     "register",
+    "save_lora",
     "save_pretrained",
 ]
