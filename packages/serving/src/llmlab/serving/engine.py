@@ -212,13 +212,14 @@ class LLMEngine:
                 continue
             if request.beam is not None:  # the search steps once every beam has its logits
                 beam_tokens += 1
+                fault, stage = self._tracked[rid].rules.fault, "logits"
                 try:
-                    fault = self._tracked[rid].rules.fault
                     fire("logits", fault)
+                    stage = "sampling"  # the search's step: its scores and its choice
                     fire("sampling", fault)
                     done = request.beam.add(chunk.seq, logits[row], self.scheduler)
                 except Exception as err:
-                    failed[rid] = self._fail(rid, "sampling", err)
+                    failed[rid] = self._fail(rid, stage, err)
                     changed.pop(rid, None)
                     continue
                 if done:

@@ -108,16 +108,18 @@ def _limit(scores: Tensor, logits: Tensor) -> Tensor:
     penalty of 1e-300) leave behind, only where they did (finite scores pass unchanged, so
     ordinary requests sample exactly as ``llmlab.decoding`` and HF do).
 
-    The limits: ``+inf`` entries (logits divided by ~0) are the ids a vanishing temperature
-    picks, equally likely; NaN is no candidate; a row left with no candidate falls back to
-    the model's own logits (every id masked there too is refused anyway: ``-inf``)."""
-    scores = scores.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    top = torch.isposinf(scores)
+    The limit of a vanishing divisor is the argmax: among the ``+inf`` entries (positive logits
+    divided by ~0) the one with the largest logit; NaN is no candidate; a row left with no
+    candidate at all takes the model's argmax (ids masked there stay ``-inf``)."""
+    clean = scores.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    top = torch.isposinf(clean)
+    if not top.any() and not torch.isneginf(clean).all():
+        return clean  # only NaN entries were wrong
+    pool = logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     if top.any():
-        return torch.where(top, 0.0, float("-inf"))
-    if torch.isneginf(scores).all():
-        return logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    return scores
+        pool = torch.where(top, pool, float("-inf"))
+    best = pool == pool.max()
+    return torch.where(best, 0.0, float("-inf"))
 
 
 def stop_reason(seq: Sequence, rules: Rules, max_model_len: int) -> str | None:
