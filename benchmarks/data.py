@@ -10,7 +10,8 @@ Run from the repo root: ``.venv/bin/python -m benchmarks.data`` (part of ``make 
   own ``encode_batch`` (Rust, all cores, the batch call it is built for) of the same documents
   in memory. Both sides cold: each timed run loads its encoder anew (``prepare`` loads the
   tokenizer file; HF's tokenizer, whose BPE keeps a word cache, is read from the same file), one
-  untimed warm-up each (the page cache), the best of the same number of runs. Whole files as
+  untimed warm-up each (the page cache), the best of the same number of runs, in rounds that run
+  each side once in turn. Whole files as
   single strings are HF's slow case (~0.1 MB/s against ~3 MB/s on paragraphs), so documents of
   a natural size are the fair unit. The byte tokenizer is timed too (its ids need no encoder).
 - **Loader**: tokens per CPU second the ``data=tokens`` train loader yields (global batch
