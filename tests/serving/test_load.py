@@ -34,7 +34,7 @@ def plan(seed: int = 0) -> list[dict]:
     for i in range(CLIENTS):
         prompt = "".join(rng.choice(letters) for _ in range(rng.randint(1, 24)))
         leaves = i % (CLIENTS // LEAVERS) == 0
-        jobs.append({"prompt": prompt, "max_tokens": 60 if leaves else rng.randint(1, 16),
+        jobs.append({"prompt": prompt, "max_tokens": 100 if leaves else rng.randint(1, 16),
                      "leave_after": rng.randint(1, 3) if leaves else None})  # fmt: skip
     return jobs
 
