@@ -6,8 +6,11 @@ of a learned position table; RMSNorm instead of LayerNorm; a gated SwiGLU MLP
 ``down(silu(gate(x)) * up(x))`` instead of GELU; grouped-query attention (GQA): ``n_kv_head``
 key/value heads, each shared by ``n_head / n_kv_head`` query heads; no biases (except Qwen2's on
 q, k, v); an untied LM head by default. The family's switches (explicit head dim, RoPE scaling,
-sliding windows, q/k norms) are in :mod:`llmlab.models.llama_config`, the layers in
-:mod:`llmlab.models.llama_layers`.
+sliding windows, q/k norms, mixtures of experts) are in :mod:`llmlab.models.llama_config`, the
+layers in :mod:`llmlab.models.llama_layers`. Mixtral, Qwen2-MoE and Qwen3-MoE are this model with
+the MLP of (some) blocks replaced by :class:`llmlab.models.moe.MoE`; after a forward,
+:meth:`Llama.router_stats` holds each MoE layer's expert load and :meth:`Llama.router_loss` the
+routing losses the training side adds.
 
 The contracts of docs/architecture.md#contracts are the GPT's, met the same way:
 
@@ -43,6 +46,7 @@ from llmlab.models.attention import AttentionContext, keep_logits, start_forward
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama_config import LlamaConfig
 from llmlab.models.llama_layers import Block, Embedding, Head
+from llmlab.models.moe import MoE, MoEStats, load_balancing_loss
 from llmlab.models.ops import get_ops
 
 if TYPE_CHECKING:  # transformers is an optional, test-time dependency
@@ -68,7 +72,7 @@ class Llama(nn.Module):
         # As GPT-2: the projections that write into the residual stream are scaled down so its
         # variance does not grow with depth.
         for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
@@ -215,7 +219,56 @@ class Llama(nn.Module):
             "head.lm_head": "vocab",
         }
 
+    # -------------------------------------------------------------------- experts
+    def moe_layers(self) -> dict[int, MoE]:
+        """The mixture-of-experts MLPs by layer index (empty for a dense model)."""
+        return {i: b.mlp for i, b in enumerate(self.blocks) if isinstance(b.mlp, MoE)}
+
+    def router_stats(self) -> dict[int, MoEStats]:
+        """Each MoE layer's statistics from the last forward: tokens per expert, dropped
+        assignments, router probabilities (``.summary()`` gives max/mean load, aux and z-loss
+        as numbers)."""
+        stats = {i: m.stats for i, m in self.moe_layers().items()}
+        missing = [i for i, s in stats.items() if s is None]
+        if missing:
+            raise ValueError(f"router_stats: MoE layers {missing} have not run a forward yet")
+        return stats
+
+    def router_aux_loss(self, attention_mask: Tensor | None = None) -> Tensor:
+        """The load-balancing loss of the last forward over all MoE layers, exactly as
+        ``transformers`` returns it as ``aux_loss`` (``output_router_logits=True``): counts and
+        probabilities pooled over the layers; padding (``attention_mask`` 0) excluded."""
+        stats = list(self.router_stats().values())
+        return load_balancing_loss(stats, self.config.num_experts_per_tok, attention_mask)
+
+    def router_loss(self, attention_mask: Tensor | None = None) -> Tensor:
+        """What the training side adds to the LM loss after a forward:
+        ``router_aux_loss_coef · aux + router_z_loss_coef · mean over layers of the z-loss``."""
+        c = self.config
+        stats = list(self.router_stats().values())
+        loss = c.router_aux_loss_coef * self.router_aux_loss(attention_mask)
+        if c.router_z_loss_coef:
+            z = torch.stack([s.z_loss() for s in stats]).mean()
+            loss = loss + c.router_z_loss_coef * z
+        return loss
+
+    def update_router_bias(self, rate: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing step on every MoE layer (see
+        :meth:`llmlab.models.moe.MoE.update_bias`), from the last forward's loads."""
+        for layer in self.moe_layers().values():
+            layer.update_bias(rate)
+
     # ------------------------------------------------------------------------ metrics
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: :meth:`num_params` less the routed experts a
+        token does not visit (``(E - k) / E`` of each MoE layer's expert weights)."""
+        n = self.num_params()
+        for layer in self.moe_layers().values():
+            c = layer.config
+            expert = sum(p.numel() for p in layer.experts.parameters())
+            n -= expert * (c.num_experts - c.top_k) // c.num_experts
+        return n
+
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the input embedding table is excluded by default (a lookup costs no
         matmul) unless it is tied to the LM head, which does."""
@@ -229,11 +282,12 @@ class Llama(nn.Module):
         (full attention: a sliding window's saving is not counted).
 
         GQA shrinks N (smaller k/v projections) but not the attention term: every query head
-        still scores every key.
+        still scores every key. A mixture of experts counts the parameters a token uses
+        (:meth:`active_params`): k of E experts.
         """
         c = self.config
         T = seq_len or c.block_size
-        return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * c.head_size * T
+        return 6.0 * self.active_params() + 12.0 * c.n_layer * c.n_head * c.head_size * T
 
     # ------------------------------------------------------------------- conversions
     @classmethod

@@ -13,6 +13,16 @@ it changes rather than after the model that introduced it:
   attention window of ``W`` keys: a query at position ``i`` sees keys ``(i - W, i]``.
 * ``attention_bias`` (q, k, v: Qwen2) and ``attention_out_bias`` (o: HF Llama's bias).
 * ``qk_norm``: an RMSNorm over each head of q and k before RoPE (Qwen3).
+* ``num_experts`` > 0: the MLP of the layers in ``moe_layers`` (default: all) becomes a mixture
+  of experts (:mod:`llmlab.models.moe`): ``num_experts_per_tok`` of ``num_experts`` SwiGLU
+  experts of width ``moe_intermediate_size`` per token, routed by softmax (``norm_topk_prob``:
+  renormalise the top-k weights, as Mixtral and Qwen3-MoE do) or by DeepSeek-V3's sigmoid
+  scores (``router_scoring="sigmoid"``, ``n_group``, ``topk_group``,
+  ``routed_scaling_factor``), plus an optional shared expert (Qwen2-MoE's, gated with
+  ``shared_expert_gate``). ``capacity_factor`` drops (and counts) assignments over an expert's
+  capacity; ``router_aux_loss_coef`` / ``router_z_loss_coef`` weigh the routing losses the
+  training side adds (:meth:`llmlab.models.Llama.router_loss`); ``moe_implementation`` picks the
+  grouped path or the per-expert reference loop (the same function).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from llmlab.models.config_checks import (
     check_heads_divide,
     check_positive_ints,
 )
+from llmlab.models.moe import MoEConfig
 
 ROPE_TYPES = {
     "default": (),
@@ -56,11 +67,49 @@ class LlamaConfig:
     window_layers: list[int] | None = None  # the windowed layers; None: all (with a window)
     dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
     kernels: str = "torch"  # "torch" (PyTorch ops) or "triton" (llmlab.kernels)
+    # mixture of experts (module docstring); num_experts=0: every MLP is dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # each expert's width; None: intermediate_size
+    moe_layers: list[int] | None = None  # the MoE layers; None: all (with num_experts > 0)
+    norm_topk_prob: bool = True
+    router_scoring: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x · g) scales the shared expert
+    capacity_factor: float | None = None  # None: no token is ever dropped
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in router_loss()
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss in router_loss()
+    moe_implementation: str = "grouped"  # "grouped" or "loop" (the reference)
 
     @property
     def head_size(self) -> int:
         """The per-head width: ``head_dim`` if given, else ``n_embd / n_head``."""
         return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    def moe_config(self) -> MoEConfig:
+        """The :class:`~llmlab.models.moe.MoEConfig` of this model's MoE layers."""
+        return MoEConfig(
+            dim=self.n_embd,
+            num_experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            intermediate_size=self.moe_intermediate_size or self.intermediate_size,
+            scoring=self.router_scoring,
+            norm_topk_prob=self.norm_topk_prob,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            shared_intermediate_size=self.shared_expert_intermediate_size,
+            shared_gate=self.shared_expert_gate,
+            capacity_factor=self.capacity_factor,
+            implementation=self.moe_implementation,
+        )
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (``None``: full causal attention)."""
@@ -115,6 +164,29 @@ class LlamaConfig:
                     f"layer indices in [0, {self.n_layer})"
                 )
         check_dropout_and_kernels(self)
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(
+                f"LlamaConfig.num_experts must be an integer >= 0 (0: dense), got "
+                f"{self.num_experts!r}"
+            )
+        if self.num_experts == 0:
+            if self.moe_layers is not None:
+                raise ValueError(f"LlamaConfig.moe_layers={self.moe_layers} needs num_experts > 0")
+            return
+        if self.moe_layers is not None:
+            bad = [i for i in self.moe_layers if not 0 <= i < self.n_layer]
+            if bad:
+                raise ValueError(
+                    f"LlamaConfig.moe_layers={self.moe_layers}: layer indices must be in "
+                    f"[0, {self.n_layer})"
+                )
+        self.moe_config().validate("LlamaConfig (num_experts_per_tok is top_k)")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"LlamaConfig.{name} must be >= 0, got {getattr(self, name)!r}")
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling

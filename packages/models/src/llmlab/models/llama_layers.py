@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from llmlab.models.attention import AttentionContext
 from llmlab.models.llama_config import LlamaConfig
+from llmlab.models.moe import MoE
 from llmlab.models.ops import Ops
 from llmlab.models.quantize import output_width
 from llmlab.models.rope import Rotary
@@ -125,14 +126,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``."""
+    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``; the MLP is a
+    mixture of experts (:class:`llmlab.models.moe.MoE`) in the layers the config names."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int, ops: Ops) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.n_embd, config.rms_norm_eps, ops)
         self.attn = Attention(config, layer_idx, ops)
         self.mlp_norm = RMSNorm(config.n_embd, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = (
+            MoE(config.moe_config(), ops) if config.is_moe_layer(layer_idx) else MLP(config, ops)
+        )
 
     def forward(
         self,

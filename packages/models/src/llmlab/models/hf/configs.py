@@ -30,8 +30,22 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILY)
+# Families refused with what is missing, rather than "not supported".
+NOT_YET = {
+    "deepseek_v3": (
+        "DeepSeek-V3 needs multi-head latent attention (q_lora_rank, kv_lora_rank, "
+        "qk_rope_head_dim, qk_nope_head_dim, v_head_dim; a KV cache of the compressed latent), "
+        "interleaved RoPE with YaRN scaling and the e_score_correction_bias buffer name, "
+        "which llmlab's Llama does not have yet; its MoE layer (sigmoid router with selection "
+        "bias, group-limited top-k, shared experts) is llmlab.models.moe.MoE"
+    ),
+}
 
 INERT = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
@@ -72,6 +86,7 @@ REQUIRED: dict[str, Any] = {
     "scale_attn_weights": True,
     "scale_attn_by_inverse_layer_idx": False,
     "reorder_and_upcast_attn": False,
+    "router_jitter_noise": 0.0,  # Mixtral's multiplicative noise on the router input in training
 }
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both tanh-approximated GELU
 LLAMA_KEYS = {
@@ -79,6 +94,11 @@ LLAMA_KEYS = {
     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "sliding_window",
     "use_sliding_window", "max_window_layers", "layer_types",
+}  # fmt: skip
+MOE_KEYS = {
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+    "router_aux_loss_coef", "qkv_bias",
 }  # fmt: skip
 GPT2_KEYS = {
     "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
@@ -90,6 +110,9 @@ GPT2_KEYS = {
 def family_of(hf: dict[str, Any], where: str) -> str:
     """``model_type`` checked against ``architectures``: the family llmlab will build."""
     model_type = hf.get("model_type")
+    if model_type in NOT_YET:
+        raise CheckpointError(f"{where}: model_type={model_type!r} is not supported yet: "
+                              f"{NOT_YET[model_type]}")  # fmt: skip
     if model_type not in (*LLAMA_FAMILY, "gpt2"):
         raise CheckpointError(
             f"{where}: model_type={model_type!r} is not supported; supported: "
@@ -107,6 +130,8 @@ def family_of(hf: dict[str, Any], where: str) -> str:
 def check_fields(hf: dict[str, Any], family: str, where: str) -> None:
     """Refuse any field that is neither translated, inert, nor at its required value."""
     translated = GPT2_KEYS if family == "gpt2" else LLAMA_KEYS
+    if family in MOE_FAMILY:
+        translated = LLAMA_KEYS | MOE_KEYS
     for key, value in hf.items():
         if key in REQUIRED:
             if value != REQUIRED[key] and value is not None:
@@ -198,10 +223,15 @@ def _rope_spelling(raw: dict[str, Any] | None) -> dict[str, Any]:
 def _windows(hf: dict[str, Any], family: str, layers: int, where: str) -> tuple[Any, Any]:
     """(sliding_window, window_layers) as transformers resolves them for each family."""
     window = hf.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if family.startswith("qwen") and not hf.get("use_sliding_window", False):
         window = None  # Qwen keeps the number but applies it only with use_sliding_window
     if window is None:
         return None, None
+    if family in ("qwen2_moe", "qwen3_moe"):
+        raise CheckpointError(
+            f"{where}: use_sliding_window with model_type={family!r} is not supported (its "
+            "windowed layers follow another rule than Qwen2's; not implemented)"
+        )
     types = hf.get("layer_types")
     if types is not None:
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
@@ -225,7 +255,8 @@ def _llama(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
     theta, scaling = _rope(hf, where)
     window, window_layers = _windows(hf, family, layers, where)
     bias = bool(hf.get("attention_bias", False))
-    return {
+    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and hf.get("qkv_bias", True))
+    out = {
         "vocab_size": hf["vocab_size"],
         "block_size": hf.get("max_position_embeddings", 2048),
         "n_layer": layers,
@@ -238,12 +269,48 @@ def _llama(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
         "rope_scaling": scaling,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "attention_bias": True if family == "qwen2" else bias,
-        "attention_out_bias": False if family == "qwen2" else bias,
-        "qk_norm": family == "qwen3",
+        "attention_bias": qkv_bias if family in ("qwen2", "qwen2_moe") else bias,
+        "attention_out_bias": False if family in ("qwen2", "qwen2_moe") else bias,
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
         "sliding_window": window,
         "window_layers": window_layers,
     }
+    if family in MOE_FAMILY:
+        out.update(_moe(hf, family, layers, where))
+    return out
+
+
+def _moe(hf: dict[str, Any], family: str, layers: int, where: str) -> dict[str, Any]:
+    """The mixture-of-experts fields: Mixtral (every layer, renormalised top-k, experts as
+    wide as ``intermediate_size``) or Qwen2/3-MoE (``moe_intermediate_size``; the MoE layers by
+    ``decoder_sparse_step`` and ``mlp_only_layers``; Qwen2-MoE's gated shared expert)."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    fields: dict[str, Any] = {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 2)),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0) or 0.0),
+    }
+    if family == "mixtral":
+        return {**fields, "norm_topk_prob": True}
+    step = hf.get("decoder_sparse_step", 1) or 1
+    dense = set(hf.get("mlp_only_layers") or [])
+    moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    if not experts or not moe:
+        return {"num_experts": 0}  # transformers builds every layer dense
+    fields.update(
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        moe_layers=None if len(moe) == layers else moe,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
+    if family == "qwen2_moe":
+        width = int(hf.get("shared_expert_intermediate_size") or 0)
+        if not width:
+            raise CheckpointError(
+                f"{where}: shared_expert_intermediate_size={width}: Qwen2-MoE without a shared "
+                "expert is not supported"
+            )
+        fields.update(shared_expert_intermediate_size=width, shared_expert_gate=True)
+    return fields
 
 
 # --------------------------------------------------------------------------- llmlab -> HF
@@ -276,8 +343,56 @@ def _gpt2_out(c: GPTConfig, dtype: str) -> dict[str, Any]:
     }
 
 
+def _moe_family_out(c: LlamaConfig) -> str:
+    """The ``transformers`` MoE family that computes ``c``, or a refusal naming why none does."""
+    why = None
+    if c.router_scoring != "softmax" or c.n_group != 1:
+        why = (
+            "sigmoid / group-limited routing is DeepSeek-V3's, whose transformers class also "
+            "needs multi-head latent attention, which this model does not have"
+        )
+    elif c.capacity_factor is not None:
+        why = f"capacity_factor={c.capacity_factor} drops tokens, which no transformers MoE does"
+    elif c.routed_scaling_factor != 1.0:
+        why = f"routed_scaling_factor={c.routed_scaling_factor} (Mixtral / Qwen-MoE have none)"
+    elif c.shared_expert_intermediate_size and not c.shared_expert_gate:
+        why = "an ungated shared expert (Qwen2-MoE gates it; DeepSeek's needs MLA)"
+    elif c.shared_expert_intermediate_size and c.qk_norm:
+        why = "a shared expert with q/k norms (Qwen2-MoE has no q/k norms, Qwen3-MoE no shared "
+        why += "expert)"
+    elif c.window_layers is not None or (c.sliding_window is not None and c.qk_norm):
+        why = "per-layer sliding windows in a mixture of experts"
+    if why is None and c.shared_expert_intermediate_size:
+        if c.attention_out_bias or c.sliding_window is not None:
+            why = "Qwen2-MoE has no bias on o_proj and no sliding window here"
+        else:
+            return "qwen2_moe"
+    if why is None and c.qk_norm:
+        if c.attention_bias != c.attention_out_bias:
+            why = "Qwen3-MoE has one switch for the q, k, v and o biases"
+        else:
+            return "qwen3_moe"
+    if why is None:
+        if (
+            not c.norm_topk_prob
+            or c.moe_layers is not None
+            or c.attention_bias
+            or (c.attention_out_bias)
+        ):
+            why = (
+                "without q/k norms or a shared expert this is Mixtral's layout, which "
+                "renormalises the top-k weights, puts experts in every layer and has no "
+                "attention biases"
+            )
+        else:
+            return "mixtral"
+    raise ValueError(f"this mixture of experts has no transformers counterpart: {why}")
+
+
 def _llama_family_out(c: LlamaConfig) -> str:
     """The simplest family that expresses ``c`` exactly (module docstring)."""
+    if c.num_experts:
+        return _moe_family_out(c)
     qwen2_bias = c.attention_bias and not c.attention_out_bias  # Qwen2: q, k, v only
     if c.qk_norm:
         family = "qwen3"
@@ -324,13 +439,15 @@ def _llama_out(c: LlamaConfig, dtype: str) -> dict[str, Any]:
         "tie_word_embeddings": c.tie_embeddings,
         "torch_dtype": dtype,
     }
-    if family in ("llama", "qwen3"):
+    if family in ("llama", "qwen3", "qwen3_moe"):
         out["attention_bias"] = c.attention_bias
     if family == "llama":
         out["mlp_bias"] = False
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         out["sliding_window"] = c.sliding_window
-    if family in ("qwen2", "qwen3"):
+    if family in MOE_FAMILY:
+        out.update(_moe_out(c, family))
+    if family in ("qwen2", "qwen3"):  # (the MoE families refuse windows above)
         windowed = [i for i in range(c.n_layer) if c.layer_window(i) is not None]
         first = windowed[0] if windowed else c.n_layer
         if windowed and windowed != list(range(first, c.n_layer)):
@@ -344,4 +461,29 @@ def _llama_out(c: LlamaConfig, dtype: str) -> dict[str, Any]:
         out["layer_types"] = [
             "sliding_attention" if i >= first else "full_attention" for i in range(c.n_layer)
         ]
+    return out
+
+
+def _moe_out(c: LlamaConfig, family: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "router_aux_loss_coef": c.router_aux_loss_coef,
+    }
+    width = c.moe_intermediate_size or c.intermediate_size
+    if family == "mixtral":
+        return {**out, "num_local_experts": c.num_experts, "intermediate_size": width,
+                "router_jitter_noise": 0.0}  # fmt: skip
+    moe = [i for i in range(c.n_layer) if c.is_moe_layer(i)]
+    out.update(
+        num_experts=c.num_experts,
+        moe_intermediate_size=width,
+        norm_topk_prob=c.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(c.n_layer) if i not in moe],
+        use_sliding_window=False,
+        sliding_window=None,
+    )
+    if family == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+                   qkv_bias=c.attention_bias)  # fmt: skip
     return out

@@ -27,7 +27,7 @@ def checkpoint_sources(checkpoint: Any, config: Any) -> dict[str, Source]:
     """The name map for ``config``, with GPT-2's prefix as the checkpoint spells it
     (``transformer.`` from ``GPT2LMHeadModel``, none from ``GPT2Model``)."""
     prefix = "transformer." if "transformer.wte.weight" in checkpoint.tensors else ""
-    return sources_for(config, prefix)
+    return sources_for(config, prefix, present=checkpoint.tensors)
 
 
 def load_model(
@@ -47,9 +47,12 @@ def load_model(
     state = _read_all(checkpoint, sources, config)
     if hf_tied in checkpoint.tensors:
         _check_tied_copy(checkpoint, state["embed." + _embedding_key(state)], hf_tied)
-    params: dict[str, nn.Parameter] = {}  # one Parameter per HF tensor: ties stay ties
+    params: dict[Source, nn.Parameter] = {}  # one Parameter per HF tensor: ties stay ties
+    buffers = {n for n, _ in model.named_buffers()}
     for name, tensor in state.items():
-        key = sources[name].hf_name
+        if name in buffers:  # e.g. a router's selection bias: a buffer, kept in fp32
+            continue
+        key = sources[name]
         if key not in params:
             params[key] = nn.Parameter(tensor.to(dtype=dtype), requires_grad=True)
         state[name] = params[key]

@@ -1,10 +1,17 @@
 """The name map of each family: llmlab parameter name -> :class:`Source` in the HF checkpoint.
 
 Built from the llmlab config alone (no file read), so a caller can ask for any subset -- a
-pipeline stage's layers -- before opening a single tensor.
+pipeline stage's layers -- before opening a single tensor. For a mixture of experts the names
+of the checkpoint at hand (``present``) say which of the two layouts it uses: each expert's
+tensors on their own (what ``transformers`` writes: Mixtral's
+``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen's ``mlp.experts.{e}.gate_proj/up_proj/
+down_proj``), or stacked (``mlp.experts.gate_up_proj`` (E, 2I, C) and ``mlp.experts.down_proj``
+(E, C, I), ``transformers``' in-memory layout). Without ``present`` (saving), per expert.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from llmlab.models.gpt_config import GPTConfig
 from llmlab.models.hf.weights import Source
@@ -45,13 +52,49 @@ LLAMA_RENAMES = {
     "attn_norm": "input_layernorm",
     "mlp_norm": "post_attention_layernorm",
     **{f"attn.{p}": f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-    **{f"mlp.{p}": f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")},
     "attn.q_norm": "self_attn.q_norm",
     "attn.k_norm": "self_attn.k_norm",
 }
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-def llama_sources(c: LlamaConfig) -> dict[str, Source]:
+def moe_naming(c: LlamaConfig) -> str:
+    """Whose per-expert names a MoE config's checkpoint uses: Qwen's (a shared expert or q/k
+    norms: Qwen2-MoE, Qwen3-MoE) or Mixtral's."""
+    return "qwen" if c.shared_expert_intermediate_size or c.qk_norm else "mixtral"
+
+
+def moe_sources(
+    c: LlamaConfig, layer: int, present: Collection[str] | None = None
+) -> dict[str, Source]:
+    """Layer ``layer``'s mixture of experts: router, experts (per expert or stacked, as the
+    checkpoint ``present`` holds them), shared expert and its gate."""
+    ours, hf = f"blocks.{layer}.mlp.", f"model.layers.{layer}."
+    present = present or ()
+    block = f"{hf}mlp."
+    if moe_naming(c) == "mixtral" and f"{hf}mlp.gate.weight" not in present:
+        block = f"{hf}block_sparse_moe."  # the files' name (transformers renames it on load)
+    src = {f"{ours}router.weight": Source(f"{block}gate.weight")}
+    if f"{block}experts.gate_up_proj" in present:  # stacked, gate and up fused
+        fused = f"{block}experts.gate_up_proj"
+        src[f"{ours}experts.gate_proj"] = Source(fused, half=0)
+        src[f"{ours}experts.up_proj"] = Source(fused, half=1)
+        src[f"{ours}experts.down_proj"] = Source(f"{block}experts.down_proj")
+    else:
+        for p in MLP_PROJECTIONS:
+            theirs = MIXTRAL_EXPERT_NAMES[p] if block.endswith("block_sparse_moe.") else p
+            names = tuple(f"{block}experts.{e}.{theirs}.weight" for e in range(c.num_experts))
+            src[f"{ours}experts.{p}"] = Source(names[0], experts=names)
+    if c.shared_expert_intermediate_size:
+        for p in MLP_PROJECTIONS:
+            src[f"{ours}shared_expert.{p}.weight"] = Source(f"{hf}mlp.shared_expert.{p}.weight")
+    if c.shared_expert_gate:
+        src[f"{ours}shared_expert_gate.weight"] = Source(f"{hf}mlp.shared_expert_gate.weight")
+    return src
+
+
+def llama_sources(c: LlamaConfig, present: Collection[str] | None = None) -> dict[str, Source]:
     """The Llama family: llmlab's tensors under ``transformers``' names, nothing reordered."""
     src: dict[str, Source] = {
         "embed.tokens.weight": Source("model.embed_tokens.weight"),
@@ -66,6 +109,11 @@ def llama_sources(c: LlamaConfig) -> dict[str, Source]:
             if mine.endswith("_norm") and mine.startswith("attn.") and not c.qk_norm:
                 continue
             src[f"{ours}{mine}.weight"] = Source(f"{hf}{theirs}.weight")
+        if c.is_moe_layer(i):
+            src.update(moe_sources(c, i, present))
+        else:
+            for p in MLP_PROJECTIONS:
+                src[f"{ours}mlp.{p}.weight"] = Source(f"{hf}mlp.{p}.weight")
         biased = ["q_proj", "k_proj", "v_proj"] if c.attention_bias else []
         biased += ["o_proj"] if c.attention_out_bias else []
         for p in biased:
@@ -73,10 +121,16 @@ def llama_sources(c: LlamaConfig) -> dict[str, Source]:
     return src
 
 
-def sources_for(config: GPTConfig | LlamaConfig, prefix: str = "transformer.") -> dict[str, Source]:
+def sources_for(
+    config: GPTConfig | LlamaConfig,
+    prefix: str = "transformer.",
+    present: Collection[str] | None = None,
+) -> dict[str, Source]:
+    """The name map of ``config``'s model; ``present``: the checkpoint's tensor names, where
+    they decide between layouts (GPT-2's prefix is passed as ``prefix``)."""
     if isinstance(config, GPTConfig):
         return gpt2_sources(config, prefix)
-    return llama_sources(config)
+    return llama_sources(config, present)
 
 
 def is_inert_tensor(name: str) -> bool:

@@ -42,7 +42,7 @@ from llmlab.models.hf.loading import (
     make_config,
 )
 from llmlab.models.hf.names import sources_for
-from llmlab.models.hf.weights import Shard, read_state_dict, to_hf_layout
+from llmlab.models.hf.weights import Shard, read_state_dict, to_hf_tensors
 from llmlab.models.llama import Llama
 from llmlab.models.llama_config import LlamaConfig
 
@@ -236,7 +236,7 @@ def _hf_tensors(model: nn.Module, config: Any) -> dict[str, Tensor]:
     for name, source in sources.items():
         if source.hf_name not in out:  # a tied LM head is the embedding, written once
             tensor = state[name].detach().to("cpu")
-            out[source.hf_name] = to_hf_layout(source, tensor).clone()
+            out.update({n: t.clone() for n, t in to_hf_tensors(source, tensor).items()})
     return out
 
 

@@ -77,7 +77,7 @@ class PretrainedWeights:
         """Bytes the llmlab tensors ``names`` (default: all) occupy in the files, each HF tensor
         once (a tied weight has two names and one tensor)."""
         chosen = self.sources if names is None else names
-        return self.folder.total_bytes({self.sources[n].hf_name for n in chosen})
+        return self.folder.total_bytes({h for n in chosen for h in self.sources[n].hf_names})
 
 
 def build_model_unloaded(spec: Mapping[str, Any]) -> tuple[nn.Module, PretrainedWeights | None]:

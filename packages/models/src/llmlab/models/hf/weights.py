@@ -5,7 +5,11 @@ that occur: GPT-2's ``Conv1D`` stores ``(in, out)`` where ``nn.Linear`` stores `
 (``transpose``), and GPT-2's fused ``c_attn`` orders its outputs ``[q heads | k heads | v
 heads]`` where llmlab's ``qkv`` goes head by head ``[q_h, k_h, v_h]`` so that a contiguous
 column shard holds whole heads (``qkv_heads``). The Llama family needs neither: its tensors
-are llmlab's under other names.
+are llmlab's under other names. Mixtures of experts add two: llmlab stacks the experts' weights
+``(E, out, in)`` where checkpoints store each expert as its own tensors (``experts``: the
+per-expert names, stacked along a new first dimension), and ``transformers``' own stacked
+layout fuses gate and up as ``gate_up_proj`` ``(E, 2I, C)`` (``half``: llmlab's ``gate_proj``
+is the first half of dimension 1, ``up_proj`` the second).
 
 :func:`read_tensor` reads a :class:`Shard` -- part ``index`` of ``count`` equal parts along one
 dimension of the *llmlab* tensor -- by asking the file for exactly the HF elements that make it
@@ -34,6 +38,13 @@ class Source:
     hf_name: str
     transpose: bool = False  # GPT-2 Conv1D: HF (in, out) is llmlab's (out, in)
     qkv_heads: tuple[int, int] | None = None  # (heads, head_dim): [q|k|v] -> per-head [q,k,v]
+    experts: tuple[str, ...] = ()  # per-expert tensors stacked as dim 0 (hf_name: the first)
+    half: int | None = None  # 0 / 1: the first / second half of dim 1 (a fused gate_up_proj)
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        """Every HF tensor this llmlab tensor is made of."""
+        return self.experts or (self.hf_name,)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,10 @@ class Shard:
 
 def llmlab_shape(folder: CheckpointFolder, source: Source) -> tuple[int, ...]:
     shape = folder.shape(source.hf_name)
+    if source.experts:
+        return (len(source.experts), *shape)
+    if source.half is not None:
+        return (shape[0], shape[1] // 2, *shape[2:])
     return tuple(reversed(shape)) if source.transpose else shape
 
 
@@ -71,9 +86,30 @@ def read_tensor(folder: CheckpointFolder, source: Source, shard: Shard | None = 
         want[shard.dim] = slice(*shard.bounds(shape[shard.dim], source.hf_name))
     if source.qkv_heads is not None:
         return _read_qkv(folder, source, want)
+    if source.experts:
+        return _read_experts(folder, source, shard)
+    if source.half is not None:  # the gate or up half of a fused (E, 2I, C) gate_up_proj
+        offset = source.half * shape[1]
+        rows = want[1]
+        start, stop = rows.start or 0, shape[1] if rows.stop is None else rows.stop
+        want[1] = slice(offset + start, offset + stop)
+        return folder.read(source.hf_name, tuple(want))
     hf_index = tuple(reversed(want)) if source.transpose else tuple(want)
     tensor = folder.read(source.hf_name, hf_index if shard is not None else ())
     return tensor.t().contiguous() if source.transpose else tensor
+
+
+def _read_experts(folder: CheckpointFolder, source: Source, shard: Shard | None) -> Tensor:
+    """Per-expert tensors stacked: a shard along dimension 0 reads only its experts' tensors
+    (what an expert-parallel rank needs); along another dimension, that slice of each."""
+    names = source.experts
+    inner = None
+    if shard is not None and shard.dim == 0:
+        lo, hi = shard.bounds(len(names), source.hf_name)
+        names = names[lo:hi]
+    elif shard is not None:
+        inner = Shard(shard.dim - 1, shard.index, shard.count)
+    return torch.stack([read_tensor(folder, Source(n), inner) for n in names])
 
 
 def _read_qkv(folder: CheckpointFolder, source: Source, want: list[slice]) -> Tensor:
@@ -99,6 +135,18 @@ def _read_qkv(folder: CheckpointFolder, source: Source, want: list[slice]) -> Te
     stacked = torch.stack(parts)  # (3, n·D, ...)
     rest = stacked.shape[2:]
     return stacked.reshape(3, n, D, *rest).transpose(0, 1).reshape(3 * n * D, *rest).contiguous()
+
+
+def to_hf_tensors(source: Source, tensor: Tensor) -> dict[str, Tensor]:
+    """The HF tensors (name -> tensor) that a whole llmlab tensor is written as."""
+    if source.half is not None:
+        raise ValueError(
+            f"{source.hf_name}: writing transformers' fused gate_up_proj is not supported; "
+            "llmlab writes each expert's tensors, as transformers' save_pretrained does"
+        )
+    if source.experts:
+        return {n: tensor[e].contiguous() for e, n in enumerate(source.experts)}
+    return {source.hf_name: to_hf_layout(source, tensor)}
 
 
 def to_hf_layout(source: Source, tensor: Tensor) -> Tensor:
@@ -161,8 +209,8 @@ def check_coverage(folder: CheckpointFolder, sources: Mapping[str, Source], igno
     The message names the weights file: the one holding a tensor nobody reads, or, for a
     missing tensor, the file (or shard index) that should have listed it. A missing tensor
     next to an unread one is reported together -- the usual cause is a renamed key."""
-    used = {s.hf_name for s in sources.values()}
-    missing = sorted(s.hf_name for s in sources.values() if s.hf_name not in folder.tensors)
+    used = {n for s in sources.values() for n in s.hf_names}
+    missing = sorted(n for n in used if n not in folder.tensors)
     extra = sorted(n for n in folder.tensors if n not in used and not ignored(n))
     if missing:
         where, unread = _weights_file(folder), ""
