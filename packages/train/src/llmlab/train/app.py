@@ -81,6 +81,7 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> Any:
         )
     run = run_config(cfg, model)
     check_strategy(cfg, run)
+    check_lora(cfg)
     from llmlab.train.tokens import data_config_problems  # vocabulary, document_mask
 
     if problems := data_config_problems(cfg, model, tokenizer_vocab):
@@ -129,6 +130,21 @@ def check_strategy(cfg: DictConfig, run: Any) -> None:
                               options, run)  # fmt: skip
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from err
+
+
+def check_lora(cfg: DictConfig) -> None:
+    """``task.lora``'s fields, and a strategy that runs the model as it is."""
+    from llmlab.train.adapters import lora_config, strategy_problem
+
+    spec = OmegaConf.select(cfg, "task.lora")
+    if spec is None:
+        return
+    try:
+        lora_config(OmegaConf.to_container(spec, resolve=True))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from err
+    if problem := strategy_problem(OmegaConf.to_container(cfg.strategy, resolve=True)):
+        raise ConfigError(problem)
 
 
 def model_on_meta(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> Any:

@@ -9,7 +9,11 @@ safetensors weights (sharded above ``--max-shard-size``) and the tokenizer files
 code (the tokenizer's bos/eos/pad ids, or ``null``, in ``config.json`` and
 ``generation_config.json``, so ``generate`` never falls back to an id outside the vocabulary).
 ``OUT_DIR`` must be new or empty unless ``--overwrite`` is given (``make export ... FORCE=1``):
-exporting into a folder that already holds files would mix them with the export. This lives
+exporting into a folder that already holds files would mix them with the export. A LoRA run's
+checkpoint (``task.lora``) exports the merged model (``W + s·BA``, plain layers: what any HF
+reader loads), or with ``--adapter`` (``make export ... ARGS=--adapter``) the adapters alone
+as a peft folder (``adapter_config.json`` + ``adapter_model.safetensors``) for
+``peft.PeftModel.from_pretrained`` over the base folder. This lives
 in ``llmlab.train`` because only the app knows its checkpoint formats; the writing itself is
 ``llmlab.models``' (which never imports Lightning).
 """
@@ -23,7 +27,7 @@ from typing import Any
 
 USAGE = (
     "python -m llmlab.train.export CKPT OUT_DIR [--max-shard-size BYTES] [--dtype DTYPE] "
-    "[--overwrite]"
+    "[--overwrite] [--adapter]"
 )
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -90,9 +94,11 @@ def export(
     max_shard_size: int = 5 * 10**9,
     dtype: str | None = None,
     overwrite: bool = False,
+    adapter: bool = False,
 ) -> Path:
     """Write the checkpoint ``ckpt`` as an HF folder at ``out_dir``; returns ``out_dir``.
-    ``overwrite``: allow a folder that already holds files (:func:`check_out_dir`)."""
+    ``overwrite``: allow a folder that already holds files (:func:`check_out_dir`).
+    ``adapter``: a LoRA run's adapters as a peft folder instead of the merged model."""
     import torch
 
     from llmlab.models import save_pretrained
@@ -102,6 +108,13 @@ def export(
         raise ValueError(f"--dtype {dtype!r} is not one of {list(DTYPES)}")
     check_out_dir(out_dir, overwrite)
     model, tokenizer = load_checkpoint(str(checkpoint_path(ckpt)))
+    from llmlab.models.lora import lora_layers, merge_and_unload, save_lora
+
+    if adapter:
+        if not lora_layers(model):
+            raise ValueError(f"--adapter: {ckpt} is not a LoRA run's checkpoint (no task.lora)")
+        return save_lora(model.to(getattr(torch, dtype)) if dtype else model, out_dir)
+    model = merge_and_unload(model)  # a LoRA run's adapters folded into plain layers
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     block = getattr(getattr(model, "config", None), "block_size", None)
@@ -117,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help=f"cast the weights: {', '.join(DTYPES)}")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into OUT_DIR even if it already holds files")  # fmt: skip
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: its adapters as a peft folder, not merged")  # fmt: skip
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         size = parse_size(args.max_shard_size)
-        out = export(args.ckpt, args.out_dir, size, args.dtype, overwrite=args.overwrite)
+        out = export(args.ckpt, args.out_dir, size, args.dtype, args.overwrite, args.adapter)
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

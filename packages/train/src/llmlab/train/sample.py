@@ -81,6 +81,11 @@ def load_checkpoint(path: str) -> tuple[torch.nn.Module, Any]:
     hp = ckpt.get("hyper_parameters", {})
     if "model" not in hp:
         raise ValueError(f"{path} has no hyper_parameters['model']: not an llmlab.train checkpoint")
+    if hp.get("lora"):  # a LoRA run: the base (from its folder), the adapters on it
+        from llmlab.train.adapters import model_from_checkpoint
+
+        model = model_from_checkpoint(hp["model"], hp["lora"], state, prefix)
+        return model, build_tokenizer(hp.get("tokenizer"))
     return from_state_dict(hp["model"], state, prefix), build_tokenizer(hp.get("tokenizer"))
 
 

@@ -31,6 +31,7 @@ from llmlab.parallel.loss_mean import (
     global_token_mean,
     loss_replicas,
 )
+from llmlab.train.adapters import add_adapters, fill_base, keep_adapters_only, lora_config
 
 
 def causal_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -131,17 +132,22 @@ class CausalLMTask(L.LightningModule):
         min_lr_ratio: float = 0.1,
         tokenizer: dict[str, Any] | None = None,
         optimizer_impl: str = "foreach",
+        lora: dict[str, Any] | None = None,
     ) -> None:
         """``model``: the model's config fields plus ``arch`` (``"gpt"`` when absent, ``"llama"``),
         kept in the checkpoint's hyper-parameters so ``llmlab.train.sample`` rebuilds the same
         class. ``tokenizer``: the tokenizer's config, kept there for the same reason.
-        ``optimizer_impl``: ``default``, ``foreach`` or ``fused`` (see ``OPTIMIZER_IMPLS``)."""
+        ``optimizer_impl``: ``default``, ``foreach`` or ``fused`` (see ``OPTIMIZER_IMPLS``).
+        ``lora``: low-rank adapters on the loaded model, the rest frozen
+        (:mod:`llmlab.train.adapters`; fields of ``llmlab.models.lora.LoRAConfig``)."""
         if optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(
                 f"task.optimizer_impl={optimizer_impl!r} is not one of {list(OPTIMIZER_IMPLS)}"
             )
+        adapters = lora_config(lora)  # checked before anything is built
         super().__init__()
         self.save_hyperparameters()
+        self.lora = adapters
         self.model: nn.Module
         self.model, self._pretrained = build_model_unloaded(model)  # meta with init_from
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] = causal_lm_loss
@@ -160,6 +166,18 @@ class CausalLMTask(L.LightningModule):
         weights = self.take_pretrained_weights()
         if weights is not None:
             log_weights_read(load_pretrained(self.model, weights), "whole model")
+        if self.lora is not None:  # on the loaded weights, under their own names
+            add_adapters(self.model, self.lora)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With adapters on a folder's model, the checkpoint keeps the adapters alone."""
+        if self.lora is not None and self.hparams.model.get("init_from"):
+            keep_adapters_only(checkpoint["state_dict"], self.model)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """An adapters-only checkpoint, completed by the base this task read from its folder."""
+        if self.lora is not None and "state_dict" in checkpoint:
+            fill_base(checkpoint["state_dict"], self.model)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)
