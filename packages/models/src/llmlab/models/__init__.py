@@ -11,6 +11,7 @@ from llmlab.models.hf import from_pretrained, save_pretrained
 from llmlab.models.kv_cache import KVCache
 from llmlab.models.llama import Llama, LlamaConfig
 from llmlab.models.lora import LoRAConfig, LoRALinear, apply_lora, load_lora, save_lora
+from llmlab.models.moe import MoE, MoEConfig, MoEStats, load_balancing_loss
 from llmlab.models.quantize import QuantizedEmbedding, QuantizedLinear, quantize
 from llmlab.models.registry import (
     ARCHITECTURES,
@@ -30,6 +31,9 @@ __all__ = [
     "LlamaConfig",
     "LoRAConfig",
     "LoRALinear",
+    "MoE",
+    "MoEConfig",
+    "MoEStats",
     "QuantizedEmbedding",
     "QuantizedLinear",
     "ResNet50",
@@ -37,6 +41,7 @@ __all__ = [
     "build_model",
     "from_pretrained",
     "from_state_dict",
+    "load_balancing_loss",
     "load_lora",
     "model_config",
     "quantize",
