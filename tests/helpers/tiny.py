@@ -73,6 +73,17 @@ def tiny_task(
     return CausalLMTask(model=dict(model or TINY_GPT), **{**settings, **task})
 
 
+def pad_targets(targets: torch.Tensor, batch: int) -> torch.Tensor:
+    """``targets`` with row ``j`` of each global batch of ``batch`` rows ending in ``2j mod T``
+    ignored targets (``-100``): ranks, micro-batches and context pieces count unequal tokens."""
+    targets = targets.clone()
+    seq = targets.shape[1]
+    for row in range(len(targets)):
+        cut = (2 * (row % batch)) % seq
+        targets[row, seq - cut :] = -100
+    return targets
+
+
 def tiny_tokens(
     train_batches: int,
     val_batches: int = 2,
@@ -86,9 +97,7 @@ def tiny_tokens(
     Every epoch is ``train_batches`` global batches of ``batch`` rows (seed 0; validation: seed
     1); a data-parallel replica reads its contiguous share of each global batch, asking the
     strategy's ``distributed_sampler_kwargs`` which one it is, so any layout sees the same
-    global batches as one process does. ``padded``: row ``j`` of each global batch has its
-    last ``2j mod seq`` targets ignored (``-100``), so data replicas, micro-batches and the
-    context ranks' pieces of a sequence hold unequal numbers of counted tokens.
+    global batches as one process does. ``padded``: targets ignored by :func:`pad_targets`.
     """
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
@@ -99,11 +108,7 @@ def tiny_tokens(
         def _loader(self, steps: int, seed: int) -> DataLoader:
             g = torch.Generator().manual_seed(seed)
             ids = torch.randint(0, vocab_size, (steps * batch, seq + 1), generator=g)
-            targets = ids[:, 1:].clone()
-            if padded:
-                for row in range(len(targets)):
-                    cut = (2 * (row % batch)) % seq
-                    targets[row, seq - cut :] = -100
+            targets = pad_targets(ids[:, 1:], batch) if padded else ids[:, 1:]
             kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
             replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
             share = batch // replicas
