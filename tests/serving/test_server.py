@@ -110,6 +110,18 @@ def test_models_health_and_metrics(client, live):
     ttft = families["llmlab_time_to_first_token_seconds"]
     count = next(s.value for s in ttft.samples if s.name.endswith("_count"))
     assert count >= 1
+    # counters: typed families holding their `_total` samples (no untyped leftovers)
+    assert not [f.name for f in families.values() if f.type == "unknown"]
+    for name in ("prompt_tokens", "generation_tokens", "preemptions", "prefix_cache_hits",
+                 "prefix_cache_queries", "request_success"):  # fmt: skip
+        family = families[f"llmlab_{name}"]
+        assert family.type == "counter" and family.samples, name
+        assert {s.name for s in family.samples} == {f"llmlab_{name}_total"}
+    assert families["llmlab_generation_tokens"].samples[0].value >= 2
+    assert families["llmlab_prompt_tokens"].samples[0].value >= 1
+    finished = {s.labels["finished_reason"]: s.value
+                for s in families["llmlab_request_success"].samples}  # fmt: skip
+    assert finished.get("length", 0) >= 1
 
 
 BAD = [

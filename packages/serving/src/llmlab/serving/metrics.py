@@ -6,7 +6,11 @@ histogram how long requests waited for their first token, and a gauge the genera
 the last ``window`` seconds of steps. The HTTP thread reads these while the engine thread
 updates them, so reads copy or tolerate a change in between. The text format is Prometheus'
 0.0.4 exposition format, written by hand (a dozen lines; no client library needed) and checked
-in the tests with ``prometheus_client``'s parser.
+in the tests with ``prometheus_client``'s parser. A counter is written as ``prometheus_client``
+writes one in that format: its ``# HELP`` and ``# TYPE`` lines and its samples all name
+``<name>_total`` (the parser files them under the family ``<name>``; a ``# TYPE <name>
+counter`` line followed by ``<name>_total`` samples would leave the family empty and the
+samples under an untyped one).
 """
 
 from __future__ import annotations
@@ -132,16 +136,16 @@ class EngineStats:
             ("prefix_cache_hits", self.prefix_cache_hits, "Blocks reused from the prefix cache."),
             ("prefix_cache_queries", self.prefix_cache_queries, "Full prompt blocks looked up."),
         ):
-            out += metric(name, "counter", help_, [f"{p}_{name}_total {value}"])
+            out += metric(f"{name}_total", "counter", help_, [f"{p}_{name}_total {value}"])
         out += metric(
-            "request_success", "counter", "Finished sequences by finish reason.",
+            "request_success_total", "counter", "Finished sequences by finish reason.",
             [f'{p}_request_success_total{{finished_reason="{r}"}} {n}'
              for r, n in sorted(dict(self.finished_by_reason).items())],
         )  # fmt: skip
         with self._errors_lock:
             errors = sorted(self.errors_by_kind.items())
         out += metric(
-            "request_errors", "counter", "Requests refused or failed, by kind.",
+            "request_errors_total", "counter", "Requests refused or failed, by kind.",
             [f'{p}_request_errors_total{{kind="{k}"}} {n}' for k, n in errors],
         )  # fmt: skip
         out += metric(
