@@ -227,7 +227,7 @@ def test_a_padded_model_serves_over_http():
 
 # ----------------------------------------------------------------- over HTTP
 def error_counts(metrics_text: str) -> dict[str, float]:
-    """``llmlab_request_errors_total`` by kind (the samples of the family ``llmlab_request_errors``)."""
+    """``llmlab_request_errors_total`` by kind (the samples of ``llmlab_request_errors``)."""
     return {
         s.labels["kind"]: s.value
         for family in text_string_to_metric_families(metrics_text)
