@@ -96,6 +96,13 @@ def valid_body(rng: random.Random, chat: bool) -> dict:
     ]:
         if rng.random() < 0.3:
             body[name] = make()
+    if rng.random() < 0.15:  # log-probabilities (and the prompt's, with echo)
+        if chat:
+            body.update(logprobs=True, top_logprobs=rng.choice([0, 1, 20]))
+        else:
+            body.update(logprobs=rng.choice([0, 1, 5, 20]), echo=rng.random() < 0.5)
+            if body["echo"] and rng.random() < 0.3:
+                body["max_tokens"] = 0
     if rng.random() < 0.1:
         body.update(num_beams=2, temperature=0, n=rng.choice([1, 2]),
                     length_penalty=rng.choice([-20.0, 0.0, 1.0, 20.0]))  # fmt: skip

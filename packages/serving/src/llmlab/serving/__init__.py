@@ -16,6 +16,7 @@ from llmlab.serving.engine import LLMEngine, RequestOutput, SequenceOutput
 from llmlab.serving.llm import LLM, Completion
 from llmlab.serving.model_runner import ModelRunner
 from llmlab.serving.scheduler import Scheduler
+from llmlab.serving.sequence import RequestOptions, TokenLogprob
 
 __all__ = [
     "LLM",
@@ -25,7 +26,9 @@ __all__ = [
     "LLMEngine",
     "ModelRunner",
     "PagedModel",
+    "RequestOptions",
     "RequestOutput",
     "Scheduler",
     "SequenceOutput",
+    "TokenLogprob",
 ]

@@ -27,6 +27,7 @@ from typing import Any
 
 from llmlab.decoding import GenerationConfig
 from llmlab.serving.engine import LLMEngine, RequestOutput
+from llmlab.serving.sequence import RequestOptions
 
 log = logging.getLogger("llmlab.serving")
 
@@ -66,7 +67,11 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], config: GenerationConfig
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        options: RequestOptions | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as steps produce them, the last one ``finished``.
 
@@ -78,7 +83,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
-        self._send(("add", request_id, prompt_ids, config))
+        self._send(("add", request_id, prompt_ids, config, options))
         finished = False
         try:
             while not finished:
@@ -132,11 +137,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt_ids, config = command
+                _, request_id, prompt_ids, config, options = command
                 if request_id not in self._streams:
                     continue  # the client left before the engine saw the request
                 try:
-                    self.engine.add_request(request_id, prompt_ids, config)
+                    self.engine.add_request(request_id, prompt_ids, config, options)
                 except ValueError as err:
                     self._deliver(request_id, err)
                 except Exception as err:  # e.g. building its processors: this request only

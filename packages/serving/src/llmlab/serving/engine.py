@@ -12,6 +12,11 @@
    are free for the very next step -- and each request that changed reports its new tokens
    and text.
 
+Log-probabilities (``RequestOptions``) come from the same step's logits (``llmlab.serving.
+logprobs``): a generated token's from the row it was chosen from, a prompt token's from the
+rows prefill keeps for requests that ask (every position of their prompt chunks). A request
+with ``prompt_only`` ends when its prompt is computed, with no token generated.
+
 Isolation: a request is the unit of failure. Ids the tokenizer cannot decode (an embedding
 padded past the vocabulary) are masked before any token is chosen, as HF's ``suppress_tokens``
 does. If choosing a request's token (its logits processors, its sampling, its beam step) or
@@ -39,11 +44,19 @@ from llmlab.serving.beam import BeamGroup
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.detokenize import IncrementalText
 from llmlab.serving.faults import FaultInjection, fire
+from llmlab.serving.logprobs import token_logprobs
 from llmlab.serving.metrics import EngineStats
 from llmlab.serving.model_runner import ModelRunner
 from llmlab.serving.sampler import Failure, Rules, next_tokens, stop_reason
-from llmlab.serving.scheduler import Scheduler
-from llmlab.serving.sequence import SEED_RANGE, Request, Sequence, Status
+from llmlab.serving.scheduler import Chunk, Scheduler
+from llmlab.serving.sequence import (
+    SEED_RANGE,
+    Request,
+    RequestOptions,
+    Sequence,
+    Status,
+    TokenLogprob,
+)
 
 log = logging.getLogger("llmlab.serving")
 SUPPORTED_STRATEGIES = ("greedy", "sample", "beam")
@@ -57,6 +70,8 @@ class SequenceOutput:
     new_token_ids: list[int]  # since this sequence's previous output
     new_text: str
     finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
+    # the new tokens' log-probabilities (RequestOptions.logprobs), one per new token
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +82,9 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the request failed (then finished): "<stage>: <exception>"
+    # RequestOptions.prompt_logprobs: one per prompt token (None for the first), in the first
+    # output after prefill computed them (None in the others)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(eq=False)
@@ -77,6 +95,7 @@ class _Tracked:
     rules: Rules
     texts: dict[int, IncrementalText] = field(default_factory=dict)
     reported: dict[int, int] = field(default_factory=dict)  # tokens already reported
+    prompt_reported: bool = False  # the prompt's log-probabilities (reported once)
 
 
 class LLMEngine:
@@ -96,12 +115,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------ requests
     def add_request(
-        self, request_id: str, prompt_ids: list[int], config: GenerationConfig | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        config: GenerationConfig | None = None,
+        options: RequestOptions | None = None,
     ) -> Request:
         """Queue a request; every bad value is refused here, before any work starts."""
         config = config or GenerationConfig()
-        self.check_request(request_id, prompt_ids, config)
-        request = Request(request_id, list(prompt_ids), config, next(self._arrivals))
+        options = options or RequestOptions()
+        self.check_request(request_id, prompt_ids, config, options)
+        request = Request(request_id, list(prompt_ids), config, next(self._arrivals),
+                          options=options)  # fmt: skip
         rules = Rules.of(config, len(prompt_ids), self.tokenizer)
         if self.faults is not None:
             rules.fault = self.faults.stage_for(prompt_ids, self.tokenizer)
@@ -112,8 +137,15 @@ class LLMEngine:
         self.scheduler.add(request.sequences[0])
         return request
 
-    def check_request(self, request_id: str, prompt_ids: list[int], config: GenerationConfig):
+    def check_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        options: RequestOptions | None = None,
+    ) -> None:
         """Raise ``ValueError`` naming what is wrong with a request (the server's 400s)."""
+        options = options or RequestOptions()
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         config.validate()
@@ -141,10 +173,21 @@ class LLMEngine:
                 f"{list(prompt_ids)[:8]}{'...' if len(prompt_ids) > 8 else ''}"
             )
         limit = self.config.max_model_len
-        if len(prompt_ids) + config.max_new_tokens > limit:
+        new_tokens = 0 if options.prompt_only else config.max_new_tokens
+        if len(prompt_ids) + new_tokens > limit:
             raise ValueError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
-                f"({config.max_new_tokens}) exceed the model's context of {limit} tokens"
+                f"({new_tokens}) exceed the model's context of {limit} tokens"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(options, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= vocab):
+                raise ValueError(f"{name} must be an integer in [0, {vocab}], got {value!r}")
+        if strategy == "beam" and (options.logprobs is not None or options.prompt_only):
+            raise ValueError(
+                f"num_beams={config.num_beams}: beam search reports no per-token "
+                f"log-probabilities and always generates (logprobs and max_tokens=0 are not "
+                f"served with it)"
             )
         for name in ("num_return_sequences", "num_beams"):
             if getattr(config, name) > self.config.max_num_seqs:
@@ -188,22 +231,26 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        every_row = {i for i, c in enumerate(out.chunks) if _wants_prompt_rows(c)}
         try:
             for chunk in out.chunks:
                 fire("forward", self._tracked[chunk.seq.request.request_id].rules.fault)
-            logits = self.runner.execute(out.chunks, out.copies)
+            logits = self.runner.execute(out.chunks, out.copies, every_row)
         except Exception as err:
             ids = dict.fromkeys(c.seq.request.request_id for c in out.chunks)
             failed = [self._fail(rid, "forward", err) for rid in ids]
             self.stats.observe_queues(self.scheduler)
             return [f for f in failed if f is not None]
         self.scheduler.after_forward(out)
+        failed: dict[str, RequestOutput | None] = {}
+        if every_row:  # prompt log-probabilities; then one row per completing chunk
+            logits = self._prompt_logprobs(out.chunks, every_row, logits, failed)
+        raw = logits  # the model's logits: what log-probabilities are reported of
         if self.suppressed is not None:  # ids the tokenizer cannot decode are never chosen
             logits = logits.index_fill(1, self.suppressed, float("-inf"))
         seqs: list[Sequence] = []
         rows: list[int] = []
         changed: dict[str, _Tracked] = {}
-        failed: dict[str, RequestOutput | None] = {}
         beam_tokens = 0
         for row, chunk in enumerate(c for c in out.chunks if c.completes):
             request = chunk.seq.request
@@ -226,6 +273,11 @@ class LLMEngine:
                     self._first_token(request, time.perf_counter())
                     changed[rid] = self._tracked[rid]
                 continue
+            if request.options.prompt_only:  # the prompt is computed: done, nothing generated
+                for seq in self._fork(chunk.seq):
+                    self.scheduler.finish(seq, "length")
+                changed[rid] = self._tracked[rid]
+                continue
             family = self._fork(chunk.seq)
             seqs += family
             rows += [row] * len(family)
@@ -237,6 +289,7 @@ class LLMEngine:
             rid = seq.request.request_id
             if isinstance(token, Failure) and rid not in failed:
                 failed[rid] = self._fail(rid, token.stage, token.error)
+        self._token_logprobs(seqs, rows, tokens, raw, failed)
         now = time.perf_counter()
         generated = 0
         for seq, token in zip(seqs, tokens):
@@ -265,6 +318,75 @@ class LLMEngine:
         if failed:
             self.stats.observe_queues(self.scheduler)
         return outputs + [f for f in failed.values() if f is not None]
+
+    def _prompt_logprobs(
+        self, chunks: list[Chunk], every_row: set[int], logits: Any, failed: dict
+    ) -> Any:
+        """Record the prompt tokens' log-probabilities from the rows kept for them (the row of
+        position ``p`` gives token ``p + 1``'s); return the rows of the chunks that complete
+        their sequence, one each, in order (what the step samples from)."""
+        completing: list[int] = []
+        r = 0
+        for i, chunk in enumerate(chunks):
+            if i not in every_row:
+                if chunk.completes:
+                    completing.append(r)
+                    r += 1
+                continue
+            first, r = r, r + chunk.num_tokens
+            if chunk.completes:
+                completing.append(r - 1)
+            request = chunk.seq.request
+            rid = request.request_id
+            if rid in failed or rid not in self._tracked:
+                continue
+            known = len(request.prompt_logprobs)  # tokens before `known` have theirs
+            start = max(chunk.start, known - 1)
+            stop = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)
+            if start >= stop:
+                continue
+            try:
+                fire("logprobs", self._tracked[rid].rules.fault)
+                rows = logits[first + start - chunk.start : first + stop - chunk.start]
+                tokens = request.prompt_ids[start + 1 : stop + 1]
+                top = [request.options.prompt_logprobs] * len(tokens)
+                request.prompt_logprobs += token_logprobs(rows, tokens, top)
+            except Exception as err:
+                failed[rid] = self._fail(rid, "logprobs", err)
+        return logits if len(completing) == logits.shape[0] else logits[completing]
+
+    def _token_logprobs(
+        self, seqs: list[Sequence], rows: list[int], tokens: list, raw: Any, failed: dict
+    ) -> None:
+        """Each chosen token's log-probability (and its step's most likely tokens) for the
+        sequences whose request asks, from the model's logits ``raw`` (row ``rows[i]`` for
+        ``seqs[i]``)."""
+        want = []
+        for i, seq in enumerate(seqs):
+            rid = seq.request.request_id
+            if seq.request.options.logprobs is None or rid in failed:
+                continue
+            try:
+                fire("logprobs", self._tracked[rid].rules.fault)
+            except Exception as err:
+                failed[rid] = self._fail(rid, "logprobs", err)
+                continue
+            want.append(i)
+        want = [i for i in want if seqs[i].request.request_id not in failed]
+        if not want:
+            return
+        try:
+            computed = token_logprobs(
+                raw[[rows[i] for i in want]],
+                [tokens[i] for i in want],
+                [seqs[i].request.options.logprobs for i in want],
+            )
+        except Exception as err:
+            for rid in dict.fromkeys(seqs[i].request.request_id for i in want):
+                failed[rid] = self._fail(rid, "logprobs", err)
+            return
+        for i, logprob in zip(want, computed):
+            seqs[i].logprobs.append(logprob)
 
     def _fail(self, request_id: str, stage: str, err: BaseException) -> RequestOutput | None:
         """End ``request_id`` with an error: its sequences stop, their blocks return to the
@@ -322,9 +444,14 @@ class LLMEngine:
             tracked.reported[seq.index] = len(generated)
             text, delta = self._text(tracked, seq, new)
             outputs.append(SequenceOutput(seq.index, list(generated), text, new, delta,
-                                          seq.finish_reason))  # fmt: skip
+                                          seq.finish_reason, seq.logprobs[seen:]))  # fmt: skip
+        prompt_logprobs = None
+        wanted = request.options.prompt_logprobs is not None and not tracked.prompt_reported
+        if wanted and not request.needs_prompt_logits:
+            prompt_logprobs, tracked.prompt_reported = list(request.prompt_logprobs), True
         return RequestOutput(request.request_id, request.prompt_ids, outputs,
-                             request.is_finished, self._request_metrics(request))  # fmt: skip
+                             request.is_finished, self._request_metrics(request),
+                             prompt_logprobs=prompt_logprobs)  # fmt: skip
 
     def _text(self, tracked: _Tracked, seq: Sequence, new: list[int]) -> tuple[str, str]:
         if self.tokenizer is None:
@@ -346,6 +473,13 @@ class LLMEngine:
         if request.first_token_time is not None:
             metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
         return metrics
+
+
+def _wants_prompt_rows(chunk: Chunk) -> bool:
+    """Whether ``chunk`` computes prompt positions whose logits give a prompt token's
+    log-probability that its request asked for and does not have yet."""
+    request = chunk.seq.request
+    return request.needs_prompt_logits and chunk.start < request.num_prompt_tokens - 1
 
 
 def undecodable_ids(tokenizer: Any, vocab_size: int, device: Any) -> Any:

@@ -9,6 +9,7 @@ request whose prompt text contains ``BOOM`` raise :class:`InjectedFault` at that
   request of that step fails, as a real fault in a shared forward would make them);
 * ``logits``: before the request's logits processors run;
 * ``sampling``: before its next token is picked;
+* ``logprobs``: before its tokens' log-probabilities are computed (requests that ask for them);
 * ``detokenize``: when its new tokens are turned into text.
 
 Off (the default), nothing is decoded and nothing is checked per step.
@@ -20,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-STAGES = ("forward", "logits", "sampling", "detokenize")
+STAGES = ("forward", "logits", "sampling", "logprobs", "detokenize")
 ENV = "LLMLAB_SERVING_INJECT_FAULT"
 
 

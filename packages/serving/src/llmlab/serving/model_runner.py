@@ -7,7 +7,8 @@ each sequence's block table and context length, and the offsets of its queries
 context (:class:`PagedAttention`, see ``llmlab.models.attention``): every attention layer
 calls ``attend(layer, q, k, v)``, which writes the new keys and values into their slots and
 attends through the block tables with ``llmlab.kernels.paged_attention``. Only the rows whose
-chunk reaches its sequence's end go through the LM head (``logits_to_keep``).
+chunk reaches its sequence's end go through the LM head (``logits_to_keep``), and every row of
+a prompt chunk whose request asked for its prompt's log-probabilities (no second forward).
 
 The model is never changed: no attention swapped in, no weights re-laid or copied; the same
 forward trains, decodes and serves (nano-vllm's ``model_runner.py`` and ``utils/context.py``,
@@ -22,6 +23,7 @@ whose attention context records each layer's ``k`` heads, head dim, dtype and sl
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,9 +183,13 @@ class ModelRunner:
         return [(h, d) for h, d, *_ in probe.layers], dtypes.pop()
 
     # --------------------------------------------------------------------------- a step
-    def prepare(self, chunks: list[Chunk]) -> tuple[Tensor, Tensor, PagedAttention, Tensor | int]:
+    def prepare(
+        self, chunks: list[Chunk], every_row: Collection[int] = ()
+    ) -> tuple[Tensor, Tensor, PagedAttention, Tensor | int]:
         """``input_ids`` and ``positions`` (1, N), the step's attention context and the rows
-        whose logits are wanted (0: every row, as in a step of decodes)."""
+        whose logits are wanted (0: every row, as in a step of decodes): the last row of each
+        chunk that completes its sequence, and every row of the chunks numbered in
+        ``every_row`` (a prompt whose log-probabilities are asked for)."""
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -191,7 +197,7 @@ class ModelRunner:
         starts = [0]
         lens: list[int] = []
         keep: list[int] = []
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             seq, s = chunk.seq, chunk.start
             e = s + chunk.num_tokens
             table = seq.block_table
@@ -200,7 +206,9 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(s, e)]
             starts.append(starts[-1] + chunk.num_tokens)
             lens.append(e)
-            if chunk.completes:
+            if i in every_row:
+                keep += range(starts[-2], starts[-1])
+            elif chunk.completes:
                 keep.append(starts[-1] - 1)
         width = max(len(c.seq.block_table) for c in chunks)
         tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
@@ -221,11 +229,16 @@ class ModelRunner:
         return tensor([ids]), tensor([positions]), context, logits_indices
 
     @torch.inference_mode()
-    def execute(self, chunks: list[Chunk], copies: list[tuple[int, int]] = ()) -> Tensor:
-        """Run one forward; float32 logits (K, V) for the chunks that complete their sequence,
-        in order."""
+    def execute(
+        self,
+        chunks: list[Chunk],
+        copies: list[tuple[int, int]] = (),
+        every_row: Collection[int] = (),
+    ) -> Tensor:
+        """Run one forward; float32 logits (K, V) of the rows :meth:`prepare` keeps, in order:
+        one per chunk that completes its sequence, every row of the chunks in ``every_row``."""
         if copies:
             self.pool.copy_blocks(copies)
-        input_ids, positions, context, keep = self.prepare(chunks)
+        input_ids, positions, context, keep = self.prepare(chunks, every_row)
         logits = self.model(input_ids, positions=positions, attention=context, logits_to_keep=keep)
         return logits[0].float()

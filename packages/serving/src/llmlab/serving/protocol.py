@@ -5,10 +5,12 @@ chat; ``temperature`` 1; ``temperature: 0`` means greedy). vLLM's extensions tha
 ``llmlab.decoding`` are accepted too (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``no_repeat_ngram_size``, ``ignore_eos``), and beam search (``num_beams``,
 ``length_penalty``, ``early_stopping``: the ``n`` best of ``num_beams`` beams, greedy).
-OpenAI options the engine cannot honour (log-probabilities, echo, penalties by frequency, logit
-bias, tools...) are refused with a 400 naming the field when they are set to anything but their
-default, and unknown fields are refused: an option that would silently change nothing is an
-error, not a no-op.
+Log-probabilities are OpenAI's: ``logprobs: N`` (0..20) and ``echo`` on completions
+(``max_tokens: 0`` only with ``echo``), ``logprobs: true`` and ``top_logprobs: N`` on chat; they
+become the request's ``RequestOptions``. OpenAI options the engine cannot honour (penalties by
+frequency, logit bias, tools, response formats...) are refused with a 400 naming the field when
+they are set to anything but their default, and unknown fields are refused: an option that
+would silently change nothing is an error, not a no-op.
 
 Types are strict (pydantic's strict mode: ``"max_tokens": true``, ``"stream": "yes"`` or
 ``"temperature": "0.5"`` are refused, not coerced; an integer is a float where a float is
@@ -23,18 +25,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmlab.decoding import GenerationConfig
+from llmlab.serving.sequence import RequestOptions
 
 # strict types, no unknown fields, no inf/NaN: every model of a request body
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_STOP_CHARS = 1024  # a longer stop string cannot be produced within any context served here
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_LENGTH_PENALTY = 20.0  # |length_penalty|: length ** it stays finite for any context length
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's chat limit, vLLM's default)
 
 # field -> its "off" value: anything else is refused as unsupported
 UNSUPPORTED: dict[str, Any] = {
-    "echo": False,
-    "logprobs": None,
-    "top_logprobs": None,
     "best_of": None,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
@@ -76,8 +77,6 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and unused, as OpenAI's own (an end-user id for abuse logs)
     # unsupported unless left at their defaults (UNSUPPORTED)
-    logprobs: Any = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -86,10 +85,8 @@ class SamplingFields(BaseModel):
     def _refuse_unsupported(self) -> SamplingFields:
         for name, off in UNSUPPORTED.items():
             value = getattr(self, name, off)
-            harmless = (name == "logprobs" and value is False) or (
-                name == "best_of" and value == self.n
-            )
-            if value not in (off, None) and not harmless:  # best_of = n: plain sampling
+            harmless = name == "best_of" and value == self.n  # plain sampling
+            if value not in (off, None) and not harmless:
                 raise ValueError(f"{name}={value!r} is not supported by llmlab.serving")
         if self.num_beams > 1 and self.temperature not in (None, 0.0):
             raise ValueError(
@@ -139,8 +136,9 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt's log-probabilities)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -148,7 +146,22 @@ class CompletionRequest(SamplingFields):
     def _prompts_not_empty(self) -> CompletionRequest:
         if self.prompt in ("", []) or (isinstance(self.prompt, list) and "" in self.prompt):
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: it is only allowed with echo=true")
         return self
+
+    @property
+    def token_limit(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    def request_options(self) -> RequestOptions:
+        """``logprobs: N``: each generated token's log-probability and the N most likely;
+        with ``echo``, the prompt's tokens' too; ``max_tokens: 0``: the prompt alone."""
+        return RequestOptions(
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
+            prompt_only=self.max_tokens == 0,
+        )
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -184,13 +197,26 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: Any = None
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def request_options(self) -> RequestOptions:
+        """``logprobs: true``: each generated token's log-probability, with the
+        ``top_logprobs`` most likely tokens at its position."""
+        return RequestOptions(logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 def error_body(

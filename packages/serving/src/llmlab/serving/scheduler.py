@@ -11,7 +11,8 @@ One step has a budget of ``max_num_batched_tokens`` tokens and is built in two p
    blocks straight back). If the newest is the sequence itself, the pass stops.
 2. **Waiting sequences, first come first served**, while the budget, the sequence limit and the
    free blocks allow, and only in a step that preempted nothing: a prompt starts with the
-   blocks the prefix cache already holds, then its first chunk.
+   blocks the prefix cache already holds, then its first chunk (a request that asks for its
+   prompt's log-probabilities starts from nothing: cached blocks have no logits).
 
 A running sequence with nothing to compute is a beam waiting for its siblings' logits
 (``llmlab.serving.beam``): it is skipped, and stays preemptible like any other.
@@ -129,7 +130,10 @@ class Scheduler:
             seq = self.waiting[0]
             if self._seats_taken() + self._seats_needed(seq) > self.config.max_num_seqs:
                 break
-            cached = self.blocks.cached_prefix(seq.token_ids)
+            # a request that wants its prompt's log-probabilities computes every prompt token
+            # (a cached block has no logits to give them)
+            needs_logits = seq.request.needs_prompt_logits
+            cached = [] if needs_logits else self.blocks.cached_prefix(seq.token_ids)
             need = seq.num_tokens - len(cached) * self.config.block_size
             if not self.config.enable_chunked_prefill and need > budget:
                 break

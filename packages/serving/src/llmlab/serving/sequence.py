@@ -10,6 +10,9 @@ A sequence's state is three numbers and a list: ``token_ids`` (prompt, then gene
 ``num_computed`` (tokens whose keys and values are in the KV pool), and ``block_table`` (the
 pool blocks holding them). One step computes some of the ``len(token_ids) - num_computed``
 tokens not yet in the pool; when none is left, the last one's logits give the next token.
+
+What a request asks beyond its ``GenerationConfig`` (log-probabilities, a prompt computed with
+no token generated) is its :class:`RequestOptions`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,34 @@ def choice_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's options that are not decoding rules (``GenerationConfig`` holds those).
+
+    ``logprobs``: report each generated token's log-probability and the ``logprobs`` most
+    likely tokens at its step (0: the chosen token's alone); ``prompt_logprobs``: the same for
+    every prompt token but the first (which has no context), computed from the logits at every
+    prompt position in prefill (the request then skips the prefix cache: a cached block has no
+    logits); ``prompt_only``: compute the prompt and generate nothing (OpenAI's ``max_tokens:
+    0`` with ``echo``). Log-probabilities are the log-softmax of the model's logits as the
+    forward returns them, before any logits processor, temperature or mask.
+    """
+
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
+
+
+@dataclass
+class TokenLogprob:
+    """One token's log-probability, and the ``top`` most likely ids at its position (best
+    first, as ``(id, logprob)``)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -58,6 +89,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" (eos or stop string), "length" or "abort"
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +124,10 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # whether the num_return_sequences sequences exist yet
     beam: Any = None  # the request's llmlab.serving.beam.BeamGroup when it decodes by beam search
+    options: RequestOptions = field(default_factory=RequestOptions)
+    # the prompt's tokens' log-probabilities (options.prompt_logprobs): None for the first token,
+    # then one per prompt position as prefill computes them
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
 
     @property
     def num_sequences(self) -> int:
@@ -105,6 +141,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.forked and all(s.is_finished for s in self.sequences)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prefill must keep the logits of every prompt position (and so may not start
+        from prefix-cache blocks, which have none): until every prompt token has its
+        log-probability."""
+        return (
+            self.options.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     def new_sequence(
         self, index: int, token_ids: list[int], device: torch.device | str = "cpu"

@@ -37,7 +37,9 @@ from llmlab.serving.async_engine import AsyncEngine, EngineDeadError, RequestFai
 from llmlab.serving.chat_template import ChatTemplate
 from llmlab.serving.engine import LLMEngine, RequestOutput
 from llmlab.serving.loading import encode
+from llmlab.serving.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from llmlab.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from llmlab.serving.sequence import TokenLogprob
 
 log = logging.getLogger("llmlab.serving")
 
@@ -75,6 +77,11 @@ class ServerState:
     eos_token_ids: list[int] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    token_text: TokenText | None = None  # how log-probabilities name tokens (cached per id)
+
+    def __post_init__(self) -> None:
+        if self.token_text is None:
+            self.token_text = TokenText(self.engine.tokenizer)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -159,13 +166,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request) -> Any:
         raw = await read_body(request, state.max_body_bytes)
         body, prompts, configs = await off_the_loop(_prepare_completion, state, raw)
-        return await _serve(async_engine, request, body, prompts, configs, CompletionFormat(state))
+        fmt = CompletionFormat(state, body=body)
+        return await _serve(async_engine, request, body, prompts, configs, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         raw = await read_body(request, state.max_body_bytes)
         body, prompts, configs = await off_the_loop(_prepare_chat, state, raw)
-        return await _serve(async_engine, request, body, prompts, configs, ChatFormat(state))
+        fmt = ChatFormat(state, body=body)
+        return await _serve(async_engine, request, body, prompts, configs, fmt)
 
     return app
 
@@ -218,7 +227,7 @@ def _prepare_completion(state: ServerState, raw: bytes) -> tuple[Any, list, list
     body = parse(CompletionRequest, raw)
     _check_model(state, body.model)
     prompts = [_prompt_ids(state, p) for p in body.prompts()]
-    limit = body.max_tokens or 16
+    limit = max(body.token_limit, 1)  # max_tokens=0 (echo): RequestOptions.prompt_only
     return body, prompts, [_config(state, body, ids, limit) for ids in prompts]
 
 
@@ -254,7 +263,7 @@ def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
 def _config(state: ServerState, body: Any, ids: list[int], max_tokens: int) -> GenerationConfig:
     try:
         config = body.generation_config(max_tokens, state.eos_token_ids)
-        state.engine.check_request("", ids, config)
+        state.engine.check_request("", ids, config, body.request_options())
     except ValueError as err:
         message = str(err).removeprefix("GenerationConfig: ")
         for ours, openai_name in RENAMED.items():  # say it in the request's own words
@@ -274,8 +283,9 @@ async def _serve(
 ) -> Any:
     rid = f"{fmt.prefix}-{uuid.uuid4().hex}"
     n = body.n
+    options = body.request_options()
     streams = [
-        async_engine.generate(f"{rid}-{i}", ids, config)
+        async_engine.generate(f"{rid}-{i}", ids, config, options)
         for i, (ids, config) in enumerate(zip(prompts, configs))
     ]
     if body.stream:
@@ -287,17 +297,31 @@ async def _serve(
     return fmt.response(rid, finals, n, prompts)
 
 
+@dataclass
+class Final:
+    """A request's last output, with the log-probabilities its outputs carried one step at a
+    time: the prompt's, and every generated token's by sequence index."""
+
+    output: RequestOutput
+    prompt_logprobs: list[TokenLogprob | None] | None
+    logprobs: dict[int, list[TokenLogprob]]
+
+
 async def _until_done_or_disconnect(
     request: Request, streams: list[AsyncIterator[RequestOutput]]
-) -> list[RequestOutput]:
+) -> list[Final]:
     """The final output of every stream; abort them all if the client goes away first, or if
     one of them fails (the whole response is then that error)."""
 
-    async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-        final = None
+    async def last(stream: AsyncIterator[RequestOutput]) -> Final:
+        final, prompt_logprobs, logprobs = None, None, {}
         async for output in stream:
             final = output
-        return final
+            if output.prompt_logprobs is not None:
+                prompt_logprobs = output.prompt_logprobs
+            for seq in output.outputs:
+                logprobs.setdefault(seq.index, []).extend(seq.new_logprobs)
+        return Final(final, prompt_logprobs, logprobs)
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -355,7 +379,7 @@ async def _sse(fmt: CompletionFormat, rid: str, streams: list, n: int, prompts: 
                 break
             for seq in output.outputs:
                 completion_tokens += len(seq.new_token_ids)
-                chunk = fmt.chunk(rid, p * n + seq.index, seq)
+                chunk = fmt.chunk(rid, p, p * n + seq.index, seq, output)
                 if chunk is not None:
                     yield _event(chunk)
         else:
@@ -384,31 +408,80 @@ def usage(prompts: list[list[int]], n: int, completion_tokens: int) -> dict[str,
 # ------------------------------------------------------------------------ response formats
 @dataclass
 class CompletionFormat:
-    """``text_completion`` objects."""
+    """``text_completion`` objects. With ``echo`` each choice's text starts with its prompt's
+    text; with ``logprobs`` each choice has OpenAI's legacy ``logprobs`` object (the prompt's
+    tokens first with ``echo``, the first with a null log-probability). A stream carries each
+    new token's entries in the chunk of that token, the echoed prompt in a choice's first."""
 
     state: ServerState
     prefix: str = "cmpl"
+    body: Any = None
+    _offsets: dict[int, TextOffsets] = field(default_factory=dict)  # a stream's, by choice
+    _echoed: set[int] = field(default_factory=set)  # a stream's choices that echoed their prompt
 
     def _base(self, rid: str) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": self.state.model_name}  # fmt: skip
 
-    def response(self, rid: str, finals: list[RequestOutput], n: int, prompts) -> dict:
+    @property
+    def _wants_logprobs(self) -> bool:
+        return self.body is not None and self.body.logprobs is not None
+
+    @property
+    def _echo(self) -> bool:
+        return self.body is not None and bool(getattr(self.body, "echo", False))
+
+    def _prompt_text(self, p: int, prompt_ids: list[int]) -> str:
+        prompt = self.body.prompts()[p]
+        if isinstance(prompt, str):
+            return prompt
+        tok = self.state.engine.tokenizer
+        return tok.decode(prompt_ids) if tok is not None else ""
+
+    @staticmethod
+    def _entries(
+        prompt_ids: list[int] | None, prompt_logprobs: list | None, logprobs: list[TokenLogprob]
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        entries: list[tuple[int, TokenLogprob | None]] = []
+        if prompt_ids is not None:
+            entries += zip(prompt_ids, prompt_logprobs or [None] * len(prompt_ids))
+        return entries + [(lp.token_id, lp) for lp in logprobs]
+
+    def response(self, rid: str, finals: list[Final], n: int, prompts) -> dict:
         choices, tokens = [], 0
         for p, final in enumerate(finals):
-            for seq in sorted(final.outputs, key=lambda o: o.index):
+            prompt_text = self._prompt_text(p, prompts[p]) if self._echo else ""
+            echoed = prompts[p] if self._echo else None
+            for seq in sorted(final.output.outputs, key=lambda o: o.index):
                 tokens += len(seq.token_ids)
-                choices.append({"index": p * n + seq.index, "text": seq.text, "logprobs": None,
+                logprobs = None
+                if self._wants_logprobs:
+                    generated = final.logprobs.get(seq.index, [])
+                    entries = self._entries(echoed, final.prompt_logprobs, generated)
+                    logprobs = completion_logprobs(entries, self.state.token_text, TextOffsets())
+                choices.append({"index": p * n + seq.index, "text": prompt_text + seq.text,
+                                "logprobs": logprobs,
                                 "finish_reason": seq.finish_reason})  # fmt: skip
         return {**self._base(rid), "choices": choices, "usage": usage(prompts, n, tokens)}
 
     def first_chunks(self, rid: str, choices: int) -> list[dict]:
         return []
 
-    def chunk(self, rid: str, index: int, seq: Any) -> dict | None:
-        if not seq.new_text and seq.finish_reason is None:
+    def chunk(self, rid: str, p: int, index: int, seq: Any, output: RequestOutput) -> dict | None:
+        text, prompt_ids = seq.new_text, None
+        if self._echo and index not in self._echoed:
+            self._echoed.add(index)
+            text = self._prompt_text(p, output.prompt_ids) + text
+            prompt_ids = output.prompt_ids
+        logprobs = None
+        if self._wants_logprobs:
+            entries = self._entries(prompt_ids, output.prompt_logprobs, seq.new_logprobs)
+            if entries:
+                offsets = self._offsets.setdefault(index, TextOffsets())
+                logprobs = completion_logprobs(entries, self.state.token_text, offsets)
+        if not text and logprobs is None and seq.finish_reason is None:
             return None
-        choice = {"index": index, "text": seq.new_text, "logprobs": None,
+        choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": seq.finish_reason}  # fmt: skip
         return {**self._base(rid), "choices": [choice]}
 
@@ -418,7 +491,8 @@ class CompletionFormat:
 
 @dataclass
 class ChatFormat(CompletionFormat):
-    """``chat.completion`` and ``chat.completion.chunk`` objects."""
+    """``chat.completion`` and ``chat.completion.chunk`` objects; with ``logprobs: true`` each
+    choice (each chunk, for its new tokens) has ``logprobs: {"content": [...]}``."""
 
     prefix: str = "chatcmpl"
 
@@ -427,12 +501,22 @@ class ChatFormat(CompletionFormat):
         return {"id": rid, "object": kind, "created": int(time.time()),
                 "model": self.state.model_name}  # fmt: skip
 
-    def response(self, rid: str, finals: list[RequestOutput], n: int, prompts) -> dict:
+    @property
+    def _wants_logprobs(self) -> bool:
+        return self.body is not None and bool(self.body.logprobs)
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict | None:
+        if not self._wants_logprobs:
+            return None
+        return {"content": chat_logprobs(logprobs, self.state.token_text)}
+
+    def response(self, rid: str, finals: list[Final], n: int, prompts) -> dict:
         (final,) = finals
         choices, tokens = [], 0
-        for seq in sorted(final.outputs, key=lambda o: o.index):
+        for seq in sorted(final.output.outputs, key=lambda o: o.index):
             tokens += len(seq.token_ids)
-            choices.append({"index": seq.index, "logprobs": None,
+            logprobs = self._logprobs(final.logprobs.get(seq.index, []))
+            choices.append({"index": seq.index, "logprobs": logprobs,
                             "message": {"role": "assistant", "content": seq.text},
                             "finish_reason": seq.finish_reason})  # fmt: skip
         return {**self._base(rid, chunk=False), "choices": choices,
@@ -445,10 +529,11 @@ class ChatFormat(CompletionFormat):
             for i in range(choices)
         ]  # fmt: skip
 
-    def chunk(self, rid: str, index: int, seq: Any) -> dict | None:
-        if not seq.new_text and seq.finish_reason is None:
+    def chunk(self, rid: str, p: int, index: int, seq: Any, output: RequestOutput) -> dict | None:
+        logprobs = self._logprobs(seq.new_logprobs) if seq.new_logprobs else None
+        if not seq.new_text and logprobs is None and seq.finish_reason is None:
             return None
         delta = {"content": seq.new_text} if seq.new_text else {}
-        choice = {"index": index, "delta": delta, "logprobs": None,
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": seq.finish_reason}  # fmt: skip
         return {**self._base(rid), "choices": [choice]}
