@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_docs import BLOCK, DOCS, REPO
+from tests.helpers.docs import BLOCK, DOCS, REPO
 
 SUMMARY = REPO / "benchmarks/results/SUMMARY.md"
 # a number, a range of two, then × / x (not followed by another number or a letter) or %

@@ -11,17 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-READMES = [
-    REPO / "README.md",
-    REPO / "kernels/README.md",
-    *sorted(REPO.glob("packages/*/README.md")),
-]
-DOCS = [*READMES, *sorted((REPO / "docs").glob("*.md"))]
-# A ```python block runs unless the line before it is "<!-- not run: <why> -->".
-BLOCK = re.compile(
-    r"(?:^<!-- not run: (?P<why>.+?) -->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```$", re.M | re.S
-)
+from tests.helpers.docs import BLOCK, DOCS, READMES, REPO
+
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
 HISTORY = re.compile(rf"load average|\b20\d\d-\d\d-\d\d\b|\b({MONTHS}) 20\d\d|\bturn \d", re.I)

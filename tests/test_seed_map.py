@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_docs import BLOCK
+from tests.helpers.docs import BLOCK
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs/seed-map.md"
