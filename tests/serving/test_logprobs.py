@@ -142,6 +142,26 @@ def test_logprobs_equal_log_softmax_of_hf_logits(pair):
     assert stats.free == stats.total
 
 
+def test_prompt_logprobs_skip_a_warm_prefix_cache():
+    """A cached block has no logits: a request that asks for its prompt's log-probabilities
+    computes its whole prompt even when the cache holds its prefix; others still hit it."""
+    hf, model = gpt_pair()
+    engine = LLMEngine(model, config=EngineConfig(block_size=8, num_blocks=32, max_num_seqs=4))
+    prompt = [*PREFIX, 7, 8, 9]
+    greedy = GenerationConfig(max_new_tokens=3)
+    run(engine, {0: [("warm", prompt, greedy, RequestOptions())]})
+    hits = engine.scheduler.blocks.stats().hits
+    got = run(engine, {0: [("echo", prompt, greedy, RequestOptions(prompt_logprobs=2))]})
+    assert engine.scheduler.blocks.stats().hits == hits  # the cache was not used...
+    ref = reference(hf, prompt)
+    first, *rest = got["echo"]["prompt_logprobs"]
+    assert first is None and len(rest) == len(prompt) - 1
+    for j, lp in enumerate(rest, start=1):
+        check(lp, ref[j - 1], prompt[j], 2)
+    run(engine, {0: [("again", prompt, greedy, RequestOptions(logprobs=1))]})
+    assert engine.scheduler.blocks.stats().hits == hits + 2  # ...though it held both blocks
+
+
 def test_a_fault_computing_logprobs_ends_that_request_alone():
     tok = ByteTokenizer()
     config = EngineConfig(block_size=8, num_blocks=64, max_num_seqs=8, inject_fault="logprobs:BOOM")
