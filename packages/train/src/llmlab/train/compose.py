@@ -140,9 +140,20 @@ def app_arguments(cfg: DictConfig) -> dict[str, tuple[str, ...]]:
 
 def _register_resolvers() -> None:
     """``${loss_scaler:<name>}`` in ``conf/precision/*.yaml``: a default of the fp16 loss scaler,
-    read from ``llmlab.parallel.precision.scaler.DEFAULTS`` so no YAML repeats the numbers."""
+    read from ``llmlab.parallel.precision.scaler.DEFAULTS`` so no YAML repeats the numbers.
+    ``${llmlab_example:<path>}``: a file of the examples that ship with ``llmlab.train``
+    (``examples/``, e.g. the chat data and tokenizer), wherever it is installed."""
     if not OmegaConf.has_resolver("loss_scaler"):
         OmegaConf.register_new_resolver("loss_scaler", _loss_scaler_default)
+    if not OmegaConf.has_resolver("llmlab_example"):
+        OmegaConf.register_new_resolver("llmlab_example", _example_path)
+
+
+def _example_path(relative: str) -> str:
+    path = Path(__file__).resolve().parent / "examples" / relative
+    if not path.exists():
+        raise KeyError(f"${{llmlab_example:{relative}}}: {path} does not exist")
+    return str(path)
 
 
 def _loss_scaler_default(name: str) -> Any:
