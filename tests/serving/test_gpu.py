@@ -55,3 +55,31 @@ def test_the_exactness_workload_on_cuda() -> None:
             assert done[rid] == done_on_cpu[rid], rid
     stats = engine.scheduler.blocks.stats()
     assert engine.scheduler.num_preemptions > 0 and stats.hits > 0 and stats.copies > 0
+
+
+def test_logprobs_on_cuda_equal_the_cpu_engines() -> None:
+    """Generated and prompt log-probabilities (chunked prefill keeping every prompt row, the
+    Triton kernel) equal the CPU engine's. Written with the log-probabilities on a machine
+    without a GPU: not yet run on one."""
+    from llmlab.serving import EngineConfig, LLMEngine, RequestOptions
+
+    _, cpu_model = gpt_pair()
+    config = EngineConfig(block_size=8, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=16)
+    prompt = list(range(3, 40))
+    options = RequestOptions(logprobs=3, prompt_logprobs=3)
+    results = []
+    for model in (cpu_model, copy.deepcopy(cpu_model).cuda()):
+        engine = LLMEngine(model, config=config)
+        engine.add_request("r", prompt, GenerationConfig(max_new_tokens=8), options)
+        generated, prompt_logprobs = [], None
+        while engine.has_unfinished:
+            for out in engine.step():
+                prompt_logprobs = out.prompt_logprobs or prompt_logprobs
+                generated += out.outputs[0].new_logprobs
+        results.append((generated, prompt_logprobs))
+    (cpu, cpu_prompt), (cuda, cuda_prompt) = results
+    assert [lp.token_id for lp in cuda] == [lp.token_id for lp in cpu]
+    assert len(cuda_prompt) == len(cpu_prompt) == len(prompt) and cuda_prompt[0] is None
+    for a, b in zip(cpu + cpu_prompt[1:], cuda + cuda_prompt[1:]):
+        assert abs(a.logprob - b.logprob) < 1e-4
+        assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
