@@ -12,6 +12,9 @@ request the engine failed (``request_failed``, logged with its id; a stream gets
 event instead) and 503 if the engine thread is gone. ``/metrics`` counts them by kind
 (``llmlab_request_errors_total``). A client that disconnects (or stops reading a stream)
 aborts its request, and its KV blocks return to the pool before the engine's next step.
+Log-probabilities (``logprobs``, ``top_logprobs``, ``echo``) become the request's
+``RequestOptions``; the engine's ``TokenLogprob`` s are shaped into OpenAI's objects here
+(``llmlab.serving.logprobs``): completions' legacy object, chat's ``logprobs.content``.
 """
 
 from __future__ import annotations
