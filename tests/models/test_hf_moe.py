@@ -202,14 +202,6 @@ def test_router_telemetry_and_losses_after_a_forward():
     assert model.active_params() == model.num_params() - experts // 2
 
 
-def test_deepseek_v3_is_refused_saying_what_is_missing(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
-    )
-    with pytest.raises(CheckpointError, match=r"not supported yet.*multi-head latent attention"):
-        from_pretrained(tmp_path)
-
-
 @pytest.mark.parametrize(
     "change,reason",
     [

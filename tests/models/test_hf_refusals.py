@@ -40,8 +40,8 @@ LLAMA_REFUSED = {
     "mlp_bias": (True, "mlp_bias=True is not supported"),
     "attention_dropout": (0.1, "attention_dropout=0.1 is not supported"),
     "rope_parameters": (
-        {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0},
-        "rope_type='yarn' is not implemented",
+        {"rope_type": "longrope", "factor": 4.0, "rope_theta": 500.0},
+        "rope_type='longrope' is not implemented",
     ),
     "rope_scaling": ({"type": "linear", "factor": 3.0}, "rope_scaling={'type': 'linear'"),
     "quantization_config": ({"quant_method": "gptq"}, "field 'quantization_config'"),

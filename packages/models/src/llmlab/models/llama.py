@@ -8,7 +8,9 @@ key/value heads, each shared by ``n_head / n_kv_head`` query heads; no biases (e
 q, k, v); an untied LM head by default. The family's switches (explicit head dim, RoPE scaling,
 sliding windows, q/k norms, mixtures of experts) are in :mod:`llmlab.models.llama_config`, the
 layers in :mod:`llmlab.models.llama_layers`. Mixtral, Qwen2-MoE and Qwen3-MoE are this model with
-the MLP of (some) blocks replaced by :class:`llmlab.models.moe.MoE`; after a forward,
+the MLP of (some) blocks replaced by :class:`llmlab.models.moe.MoE`; DeepSeek-V3 adds multi-head
+latent attention in place of GQA (``LlamaConfig.kv_lora_rank``), YaRN and interleaved RoPE,
+sigmoid routing and shared experts after its first dense layers; after a forward,
 :meth:`Llama.router_stats` holds each MoE layer's expert load and :meth:`Llama.router_loss` the
 routing losses the training side adds.
 
@@ -153,12 +155,12 @@ class Llama(nn.Module):
                 f"max_len={max_len} exceeds the model's block_size={self.config.block_size}"
             )
         ref = self.head.norm.weight  # a norm stays in the compute dtype, quantized or not
-        heads = self.blocks[0].attn.local_kv_heads if len(self.blocks) else self.config.n_kv_head
+        attn = self.blocks[0].attn if len(self.blocks) else None
         return KVCache(
             n_layer=self.config.n_layer,
             batch_size=batch_size,
-            n_head=heads,
-            head_dim=self.config.head_size,
+            n_head=attn.local_kv_heads if attn is not None else self.config.n_kv_head,
+            head_dim=attn.head_dim if attn is not None else self.config.head_size,
             max_len=max_len,
             dtype=dtype or ref.dtype,
             device=ref.device,

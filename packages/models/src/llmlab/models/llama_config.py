@@ -7,8 +7,17 @@ it changes rather than after the model that introduced it:
   is ``n_embd / n_head``. The projections are ``n_embd -> n_head · head_dim``, so the attention
   width may differ from the residual width.
 * ``rope_scaling``: how the RoPE frequencies are rescaled for long contexts (``None``, or
-  ``{"rope_type": "linear", "factor": f}`` or Llama 3.1's ``{"rope_type": "llama3", ...}``);
-  see :mod:`llmlab.models.rope`.
+  ``{"rope_type": "linear", "factor": f}``, Llama 3.1's ``{"rope_type": "llama3", ...}`` or
+  YaRN's ``{"rope_type": "yarn", "factor": f, "original_max_position_embeddings": L, ...}``);
+  ``rope_interleave``: RoPE pairs adjacent dimensions (DeepSeek's checkpoints); see
+  :mod:`llmlab.models.rope`.
+* ``kv_lora_rank`` set: multi-head latent attention (DeepSeek-V2/V3,
+  :class:`llmlab.models.llama_layers.LatentAttention`) instead of grouped-query attention:
+  keys and values come from a compressed latent of width ``kv_lora_rank`` (per head
+  ``qk_nope_head_dim`` key and ``v_head_dim`` value dimensions) plus one decoupled RoPE key of
+  ``qk_rope_head_dim`` shared by the heads; queries from a rank-``q_lora_rank`` bottleneck (or
+  one projection when ``None``). ``head_dim`` and ``n_kv_head`` do not apply (``n_kv_head`` must
+  equal ``n_head``).
 * ``sliding_window`` with ``window_layers``: Mistral's (every layer) or Qwen2's (some layers)
   attention window of ``W`` keys: a query at position ``i`` sees keys ``(i - W, i]``.
 * ``attention_bias`` (q, k, v: Qwen2) and ``attention_out_bias`` (o: HF Llama's bias).
@@ -36,12 +45,9 @@ from llmlab.models.config_checks import (
     check_positive_ints,
 )
 from llmlab.models.moe import MoEConfig
+from llmlab.models.rope import ROPE_TYPES
 
-ROPE_TYPES = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
+LATENT_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass
@@ -57,7 +63,8 @@ class LlamaConfig:
     intermediate_size: int = 384  # the gated MLP's width (Llama: about 8/3 · n_embd)
     head_dim: int | None = None  # per-head width; None: n_embd / n_head
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "llama3", ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "llama3" | "yarn", ...}
+    rope_interleave: bool = False  # RoPE pairs (x0, x1), (x2, x3), ... (DeepSeek)
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
@@ -83,11 +90,30 @@ class LlamaConfig:
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in router_loss()
     router_z_loss_coef: float = 0.0  # weight of the router z-loss in router_loss()
     moe_implementation: str = "grouped"  # "grouped" or "loop" (the reference)
+    # multi-head latent attention (module docstring); kv_lora_rank=None: grouped-query attention
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # None: one q projection
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether the attention is multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
 
     @property
     def head_size(self) -> int:
-        """The per-head width: ``head_dim`` if given, else ``n_embd / n_head``."""
+        """The per-head width of q and k: ``head_dim`` if given, else ``n_embd / n_head``
+        (latent attention: ``qk_nope_head_dim + qk_rope_head_dim``)."""
+        if self.latent_attention:
+            return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
         return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates per head (latent attention: ``qk_rope_head_dim``)."""
+        return (self.qk_rope_head_dim or 0) if self.latent_attention else self.head_size
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts."""
@@ -125,7 +151,15 @@ class LlamaConfig:
             "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd",
             "intermediate_size",
         ))  # fmt: skip
-        if self.head_dim is None:
+        unused = [n for n in LATENT_FIELDS if getattr(self, n) is not None]
+        if self.latent_attention:
+            self._validate_latent_attention()
+        elif unused:
+            raise ValueError(
+                f"LlamaConfig.{unused[0]}={getattr(self, unused[0])!r} is a latent-attention "
+                "field and changes nothing without kv_lora_rank; set kv_lora_rank or drop it"
+            )
+        elif self.head_dim is None:
             check_heads_divide(self, " (or give head_dim explicitly)")
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 2):
             raise ValueError(f"LlamaConfig.head_dim must be an integer >= 2, got {self.head_dim!r}")
@@ -136,7 +170,7 @@ class LlamaConfig:
                 f"{self.n_kv_head} (each KV head serves a whole group of query heads); "
                 f"valid n_kv_head: {valid}"
             )
-        if self.head_size % 2:  # RoPE rotates dimensions in pairs
+        if self.head_size % 2 and not self.latent_attention:  # RoPE rotates pairs
             where = (
                 f"head_dim={self.head_dim}"
                 if self.head_dim is not None
@@ -165,6 +199,42 @@ class LlamaConfig:
                 )
         check_dropout_and_kernels(self)
         self._validate_moe()
+
+    def _validate_latent_attention(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"LlamaConfig.{name} must be a positive integer with latent attention "
+                    f"(kv_lora_rank set), got {value!r}"
+                )
+        if self.q_lora_rank is not None and (
+            not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1
+        ):
+            raise ValueError(
+                f"LlamaConfig.q_lora_rank must be a positive integer or None, got "
+                f"{self.q_lora_rank!r}"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"LlamaConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE "
+                "rotates dimensions in pairs)"
+            )
+        clashes = {
+            "n_kv_head": self.n_kv_head != self.n_head,  # every head has its own k and v
+            "head_dim": self.head_dim is not None,
+            "qk_norm": self.qk_norm,
+            "sliding_window": self.sliding_window is not None,
+            "attention_bias": self.attention_bias != self.attention_out_bias,
+        }
+        bad = [k for k, v in clashes.items() if v]
+        if bad:
+            raise ValueError(
+                f"LlamaConfig: latent attention (kv_lora_rank={self.kv_lora_rank}) does not "
+                f"combine with {bad[0]}={getattr(self, bad[0])!r} (it needs n_kv_head == n_head, "
+                "no head_dim, qk_norm or sliding_window, and one attention_bias switch for its "
+                "q_a/kv_a/o projections, as DeepSeek-V3 has)"
+            )
 
     def _validate_moe(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
@@ -198,13 +268,18 @@ class LlamaConfig:
                 f"LlamaConfig.rope_scaling rope_type={kind!r} is not implemented; "
                 f"valid: {sorted(ROPE_TYPES)}"
             )
-        expected = {"rope_type", *ROPE_TYPES[kind]}
-        if set(scaling) != expected:
+        required, optional = ROPE_TYPES[kind]
+        expected = {"rope_type", *required}
+        if not expected <= set(scaling) <= expected | set(optional):
+            optional_text = f" (optional: {sorted(optional)})" if optional else ""
             raise ValueError(
-                f"LlamaConfig.rope_scaling for rope_type={kind!r} needs exactly the keys "
-                f"{sorted(expected)}, got {sorted(scaling)}"
+                f"LlamaConfig.rope_scaling for rope_type={kind!r} needs the keys "
+                f"{sorted(expected)}{optional_text}, got {sorted(scaling)}"
             )
-        for key in ROPE_TYPES[kind]:
+        numbers = [k for k in (*required, *optional) if k != "truncate"]
+        for key in numbers:
+            if key not in required and scaling.get(key) is None:
+                continue
             if not isinstance(scaling[key], int | float) or not scaling[key] > 0:
                 raise ValueError(
                     f"LlamaConfig.rope_scaling[{key!r}] must be > 0, got {scaling[key]!r}"

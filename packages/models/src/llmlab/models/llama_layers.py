@@ -1,6 +1,7 @@
-"""The Llama's layers: RMSNorm, grouped-query attention with RoPE, the gated MLP, the block,
-the embedding and the head. Their names and shapes mirror ``transformers``' ``LlamaForCausalLM``
-(``q_proj``, ``gate_proj``, ...), so converting a checkpoint is a renaming."""
+"""The Llama's layers: RMSNorm, grouped-query attention with RoPE, multi-head latent attention
+(DeepSeek-V3's), the gated MLP, the block, the embedding and the head. Their names and shapes
+mirror ``transformers``' ``LlamaForCausalLM`` and ``DeepseekV3ForCausalLM`` (``q_proj``,
+``kv_a_proj_with_mqa``, ``gate_proj``, ...), so converting a checkpoint is a renaming."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from llmlab.models.llama_config import LlamaConfig
 from llmlab.models.moe import MoE
 from llmlab.models.ops import Ops
 from llmlab.models.quantize import output_width
-from llmlab.models.rope import Rotary
+from llmlab.models.rope import Rotary, deinterleave, softmax_scale
 
 
 class RMSNorm(nn.Module):
@@ -52,6 +53,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = Rotary(D, config.rope_theta, config.rope_scaling)
+        self.interleave = config.rope_interleave
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.ops = ops
@@ -83,6 +85,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.interleave:  # adjacent pairs -> rotate-half pairs (the same q·k)
+            q, k = deinterleave(q), deinterleave(k)
         if positions is None:  # a block run on its own (a pipeline stage): a fresh sequence
             positions = torch.arange(T, device=x.device).unsqueeze(0)
         cos, sin = self.rotary(positions, q.dtype)
@@ -101,6 +105,113 @@ class Attention(nn.Module):
                 y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.o_proj(y))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), through the same attention context.
+
+    Per token: ``c_kv, k_rope = kv_a_proj_with_mqa(x)`` -- a latent of ``kv_lora_rank`` and one
+    RoPE key of ``qk_rope_head_dim`` shared by every head --, then ``[k_nope | v] per head =
+    kv_b_proj(RMSNorm(c_kv))``; queries ``q_b_proj(RMSNorm(q_a_proj(x)))`` (``q_proj(x)`` without
+    ``q_lora_rank``), each head split into ``qk_nope_head_dim`` + ``qk_rope_head_dim``. RoPE
+    turns only the rope parts (adjacent pairs with ``rope_interleave``); a head's key is
+    ``[k_nope | k_rope]``. Softmax scale: ``qk_head_dim^-0.5`` times YaRN's ``mscale_all_dim``
+    correction squared (:func:`llmlab.models.rope.softmax_scale`).
+
+    The context's ``attend(layer_idx, q, k, v)`` takes one head width for q, k and v and scales
+    by ``1/sqrt(width)``, so the layer hands it ``q`` pre-multiplied by ``scale · sqrt(width)``
+    and zero-pads the narrower of (q, k) and v to ``head_dim = max(qk_head_dim, v_head_dim)``
+    (zeros add nothing to q·k, and padded value columns come back as zeros, which are cut off).
+    Every context -- none (training), ``KVCache``, its static step, the serving engine's paged
+    pool -- works unchanged, at the cost of caching full per-head keys and values: ``2 ·
+    n_head · head_dim`` numbers per token and layer, where DeepSeek's compressed cache holds
+    ``kv_lora_rank + qk_rope_head_dim`` (docs: the models README, "What a latent cache needs").
+    The two latent norms use eps 1e-6 whatever ``rms_norm_eps`` is, as ``transformers`` does.
+    """
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, ops: Ops) -> None:
+        super().__init__()
+        C, H = config.n_embd, config.n_head
+        self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        self.qk_dim = self.nope + self.rope_dim
+        self.head_dim = max(self.qk_dim, self.v_dim)  # the width the context sees
+        self.layer_idx = layer_idx
+        self.window = None
+        bias = config.attention_bias
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(C, H * self.qk_dim, bias=False)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(C, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, ops)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(C, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, ops)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, C, bias=config.attention_out_bias)
+        self.rotary = Rotary(self.rope_dim, config.rope_theta, config.rope_scaling)
+        self.interleave = config.rope_interleave
+        self.scale = softmax_scale(config.rope_scaling, self.qk_dim)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.ops = ops
+
+    @property
+    def local_heads(self) -> int:
+        """Heads held here (all, or a rank's share once ``kv_b_proj`` is sharded by heads)."""
+        return output_width(self.kv_b_proj) // (self.nope + self.v_dim)
+
+    @property
+    def local_kv_heads(self) -> int:
+        """Key/value heads handed to the context (and cached): one per query head."""
+        return self.local_heads
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor | None = None,
+        attention: AttentionContext | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(B, T, -1, self.qk_dim).split([self.nope, self.rope_dim], -1)
+        c_kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        k_rot = k_rot.view(B, T, 1, self.rope_dim)  # one RoPE key, shared by the heads
+        if self.interleave:
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+        if positions is None:  # a block run on its own (a pipeline stage): a fresh sequence
+            positions = torch.arange(T, device=x.device).unsqueeze(0)
+        cos, sin = self.rotary(positions, q.dtype)
+        q_rot, k_rot = self.ops.rope(q_rot.contiguous(), k_rot.contiguous(), cos, sin)
+        heads = q_nope.shape[2]
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(B, T, heads, self.rope_dim)), dim=-1)
+        D = self.head_dim
+        q = q * (self.scale * D**0.5)  # the context divides by sqrt(D)
+        if self.qk_dim < D:
+            q, k = F.pad(q, (0, D - self.qk_dim)), F.pad(k, (0, D - self.qk_dim))
+        if self.v_dim < D:
+            v = F.pad(v, (0, D - self.v_dim))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        if attention is not None:  # decoding, serving: the context knows the keys
+            y = attention.attend(self.layer_idx, q, k, v, window=None)
+        else:  # training: causal over the row (or its documents), through the layer's op
+            dropout_p = self.dropout if self.training else 0.0
+            docs = {} if document_ids is None else {"document_ids": document_ids}
+            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
+        y = y[..., : self.v_dim].transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.o_proj(y))
+
+
+LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, used for q_a / kv_a norms
 
 
 def _window_mask(T: int, window: int, device: torch.device) -> Tensor:
@@ -132,7 +243,8 @@ class Block(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int, ops: Ops) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.n_embd, config.rms_norm_eps, ops)
-        self.attn = Attention(config, layer_idx, ops)
+        attention = LatentAttention if config.latent_attention else Attention
+        self.attn = attention(config, layer_idx, ops)
         self.mlp_norm = RMSNorm(config.n_embd, config.rms_norm_eps, ops)
         self.mlp = (
             MoE(config.moe_config(), ops) if config.is_moe_layer(layer_idx) else MLP(config, ops)

@@ -33,19 +33,12 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe")
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILY)
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILY, "deepseek_v3")
 # Families refused with what is missing, rather than "not supported".
-NOT_YET = {
-    "deepseek_v3": (
-        "DeepSeek-V3 needs multi-head latent attention (q_lora_rank, kv_lora_rank, "
-        "qk_rope_head_dim, qk_nope_head_dim, v_head_dim; a KV cache of the compressed latent), "
-        "interleaved RoPE with YaRN scaling and the e_score_correction_bias buffer name, "
-        "which llmlab's Llama does not have yet; its MoE layer (sigmoid router with selection "
-        "bias, group-limited top-k, shared experts) is llmlab.models.moe.MoE"
-    ),
-}
+NOT_YET: dict[str, str] = {}
 
 INERT = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
@@ -70,6 +63,13 @@ INERT = frozenset({
 # for n_positions, unused by the model.
 FAMILY_INERT = {
     "llama": {"pretraining_tp"},
+    # the multi-token-prediction modules (num_nextn_predict_layers, transformers' num_mtp_layers)
+    # are not part of the causal LM transformers runs; expert-parallel size and the training-only
+    # sequence-wise balance loss change neither the function nor what is loaded
+    "deepseek_v3": {
+        "pretraining_tp", "num_nextn_predict_layers", "num_mtp_layers", "ep_size",
+        "aux_loss_alpha", "seq_aux",
+    },
     "gpt2": {
         "n_ctx", "summary_type", "summary_use_proj", "summary_activation",
         "summary_proj_to_labels", "summary_first_dropout",
@@ -100,6 +100,15 @@ MOE_KEYS = {
     "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
     "router_aux_loss_coef", "qkv_bias",
 }  # fmt: skip
+DEEPSEEK_KEYS = {
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "qk_head_dim", "rope_interleave",
+}  # fmt: skip
+# DeepSeek's own config.json (trust_remote_code) spells the routing it implements; only these
+# values are the function transformers' class computes.
+DEEPSEEK_REQUIRED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 GPT2_KEYS = {
     "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
     "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon",
@@ -132,12 +141,16 @@ def check_fields(hf: dict[str, Any], family: str, where: str) -> None:
     translated = GPT2_KEYS if family == "gpt2" else LLAMA_KEYS
     if family in MOE_FAMILY:
         translated = LLAMA_KEYS | MOE_KEYS
+    required = REQUIRED
+    if family == "deepseek_v3":
+        translated = LLAMA_KEYS | DEEPSEEK_KEYS
+        required = {**REQUIRED, **DEEPSEEK_REQUIRED}
     for key, value in hf.items():
-        if key in REQUIRED:
-            if value != REQUIRED[key] and value is not None:
+        if key in required:
+            if value != required[key] and value is not None:
                 raise CheckpointError(
                     f"{where}: {key}={value!r} is not supported (llmlab implements "
-                    f"{key}={REQUIRED[key]!r})"
+                    f"{key}={required[key]!r})"
                 )
         elif key not in translated and key not in INERT and key not in FAMILY_INERT.get(family, ()):
             raise CheckpointError(
@@ -205,11 +218,20 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]
             f"{hf['rope_scaling']} disagree; keep one"
         )
     merged = params or scaling
-    if merged.get("rope_type", "default") == "default":
+    kind = merged.get("rope_type", "default")
+    if kind == "default":
         extra = sorted(set(merged) - {"rope_type"})
         if extra:
             raise CheckpointError(f"{where}: rope parameter {extra[0]!r} is not supported")
         return float(theta), None
+    if kind in ("llama3", "yarn"):  # as transformers' standardize_rope_params fills it in
+        merged.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if kind == "yarn":
+        merged = {k: v for k, v in merged.items() if v is not None}  # None: HF's default
+        if "factor" not in merged:  # transformers: the ratio of the two context lengths
+            merged["factor"] = (
+                hf["max_position_embeddings"] / merged["original_max_position_embeddings"]
+            )
     return float(theta), merged
 
 
@@ -254,6 +276,8 @@ def _llama(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
     head_dim = hf.get("head_dim")
     theta, scaling = _rope(hf, where)
     window, window_layers = _windows(hf, family, layers, where)
+    if family == "deepseek_v3":
+        head_dim = None  # transformers writes qk_rope_head_dim there; latent attention's own
     bias = bool(hf.get("attention_bias", False))
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and hf.get("qkv_bias", True))
     out = {
@@ -277,7 +301,57 @@ def _llama(hf: dict[str, Any], family: str, where: str) -> dict[str, Any]:
     }
     if family in MOE_FAMILY:
         out.update(_moe(hf, family, layers, where))
+    if family == "deepseek_v3":
+        out.update(_deepseek(hf, layers, where))
     return out
+
+
+def _deepseek(hf: dict[str, Any], layers: int, where: str) -> dict[str, Any]:
+    """DeepSeek-V3: multi-head latent attention with (by default) interleaved RoPE; dense MLPs
+    in the first ``first_k_dense_replace`` layers, then DeepSeek's MoE: sigmoid router with the
+    ``e_score_correction_bias`` selection bias, group-limited top-k, ``routed_scaling_factor``
+    and ``n_shared_experts`` ungated shared experts (one MLP of their summed width)."""
+    rope, nope = int(hf.get("qk_rope_head_dim", 64)), int(hf.get("qk_nope_head_dim", 128))
+    for key, want in (("head_dim", rope), ("qk_head_dim", rope + nope)):
+        if hf.get(key) not in (None, want):
+            raise CheckpointError(
+                f"{where}: {key}={hf[key]} disagrees with qk_rope_head_dim={rope} and "
+                f"qk_nope_head_dim={nope} (transformers derives {key}={want})"
+            )
+    heads = hf["num_attention_heads"]
+    if (hf.get("num_key_value_heads") or heads) != heads:
+        raise CheckpointError(
+            f"{where}: num_key_value_heads={hf['num_key_value_heads']} with num_attention_heads="
+            f"{heads}: latent attention gives every head its own key and value"
+        )
+    q_lora = hf.get("q_lora_rank", 1536)
+    fields: dict[str, Any] = {
+        "n_kv_head": heads,
+        "kv_lora_rank": int(hf.get("kv_lora_rank", 512)),
+        "q_lora_rank": None if q_lora is None else int(q_lora),
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": int(hf.get("v_head_dim") or 128),
+        "rope_interleave": bool(hf.get("rope_interleave", True)),
+    }
+    experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
+    first_dense = int(hf.get("first_k_dense_replace") or 0)
+    if not experts or first_dense >= layers:
+        return {**fields, "num_experts": 0}  # transformers builds every layer dense
+    width = int(hf.get("moe_intermediate_size", 2048))
+    fields.update(
+        num_experts=experts,
+        num_experts_per_tok=int(hf.get("num_experts_per_tok") or 8),
+        moe_intermediate_size=width,
+        moe_layers=None if first_dense == 0 else list(range(first_dense, layers)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        router_scoring="sigmoid",
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        shared_expert_intermediate_size=width * int(hf.get("n_shared_experts") or 0),
+    )
+    return fields
 
 
 def _moe(hf: dict[str, Any], family: str, layers: int, where: str) -> dict[str, Any]:
@@ -349,7 +423,7 @@ def _moe_family_out(c: LlamaConfig) -> str:
     if c.router_scoring != "softmax" or c.n_group != 1:
         why = (
             "sigmoid / group-limited routing is DeepSeek-V3's, whose transformers class also "
-            "needs multi-head latent attention, which this model does not have"
+            "needs multi-head latent attention (kv_lora_rank), which this model does not have"
         )
     elif c.capacity_factor is not None:
         why = f"capacity_factor={c.capacity_factor} drops tokens, which no transformers MoE does"
@@ -389,8 +463,38 @@ def _moe_family_out(c: LlamaConfig) -> str:
     raise ValueError(f"this mixture of experts has no transformers counterpart: {why}")
 
 
+def _deepseek_family_out(c: LlamaConfig) -> str:
+    """``deepseek_v3`` for a latent-attention model its class computes, or a refusal saying
+    why not (dense layers first, then DeepSeek's MoE in every later layer)."""
+    why = None
+    moe = [i for i in range(c.n_layer) if c.is_moe_layer(i)]
+    width = c.moe_intermediate_size or c.intermediate_size
+    if c.num_experts and c.router_scoring != "sigmoid":
+        why = "DeepSeek-V3 routes by sigmoid scores (router_scoring='sigmoid')"
+    elif c.num_experts and moe != list(range(c.n_layer - len(moe), c.n_layer)):
+        why = f"MoE layers {moe}: DeepSeek-V3 has dense layers first, then experts in every layer"
+    elif c.num_experts and c.capacity_factor is not None:
+        why = f"capacity_factor={c.capacity_factor} drops tokens, which no transformers MoE does"
+    elif c.num_experts and (c.shared_expert_gate or c.shared_expert_intermediate_size % width):
+        why = (
+            "DeepSeek-V3's shared experts are ungated and n_shared_experts · "
+            f"moe_intermediate_size wide (shared_expert_intermediate_size="
+            f"{c.shared_expert_intermediate_size}, moe_intermediate_size={width})"
+        )
+    if why is not None:
+        raise ValueError(f"this latent-attention model has no transformers counterpart: {why}")
+    return "deepseek_v3"
+
+
 def _llama_family_out(c: LlamaConfig) -> str:
     """The simplest family that expresses ``c`` exactly (module docstring)."""
+    if c.latent_attention:
+        return _deepseek_family_out(c)
+    if c.rope_interleave:
+        raise ValueError(
+            "rope_interleave without latent attention has no transformers counterpart here "
+            "(only DeepseekV3ForCausalLM interleaves RoPE pairs)"
+        )
     if c.num_experts:
         return _moe_family_out(c)
     qwen2_bias = c.attention_bias and not c.attention_out_bias  # Qwen2: q, k, v only
@@ -420,6 +524,8 @@ def _llama_family_out(c: LlamaConfig) -> str:
 
 def _llama_out(c: LlamaConfig, dtype: str) -> dict[str, Any]:
     family = _llama_family_out(c)
+    if family == "deepseek_v3":
+        return _deepseek_out(c, dtype)
     out: dict[str, Any] = {
         "architectures": [next(a for a, f in ARCHITECTURES.items() if f == family)],
         "model_type": family,
@@ -486,4 +592,47 @@ def _moe_out(c: LlamaConfig, family: str) -> dict[str, Any]:
     if family == "qwen2_moe":
         out.update(shared_expert_intermediate_size=c.shared_expert_intermediate_size,
                    qkv_bias=c.attention_bias)  # fmt: skip
+    return out
+
+
+def _deepseek_out(c: LlamaConfig, dtype: str) -> dict[str, Any]:
+    moe = [i for i in range(c.n_layer) if c.is_moe_layer(i)]
+    width = c.moe_intermediate_size or c.intermediate_size
+    rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
+    out: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_head,
+        "max_position_embeddings": c.block_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_parameters": rope,
+        "rope_interleave": c.rope_interleave,
+        "hidden_act": "silu",
+        "attention_bias": c.attention_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": c.tie_embeddings,
+        "kv_lora_rank": c.kv_lora_rank,
+        "q_lora_rank": c.q_lora_rank,
+        "qk_nope_head_dim": c.qk_nope_head_dim,
+        "qk_rope_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim,
+        # no MoE layer: every layer dense (first_k_dense_replace = all); the routing fields
+        # then describe no module
+        "first_k_dense_replace": c.n_layer - len(moe),
+        "n_routed_experts": c.num_experts or 1,
+        "num_experts_per_tok": c.num_experts_per_tok if c.num_experts else 1,
+        "moe_intermediate_size": width,
+        "n_shared_experts": c.shared_expert_intermediate_size // width if c.num_experts else 0,
+        "n_group": c.n_group,
+        "topk_group": c.topk_group,
+        "norm_topk_prob": c.norm_topk_prob,
+        "routed_scaling_factor": c.routed_scaling_factor,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": dtype,
+    }
     return out

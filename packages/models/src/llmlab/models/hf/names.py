@@ -60,8 +60,11 @@ MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def moe_naming(c: LlamaConfig) -> str:
-    """Whose per-expert names a MoE config's checkpoint uses: Qwen's (a shared expert or q/k
-    norms: Qwen2-MoE, Qwen3-MoE) or Mixtral's."""
+    """Whose per-expert names a MoE config's checkpoint uses: DeepSeek-V3's (sigmoid routing:
+    ``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts``), Qwen's (a shared expert or
+    q/k norms: Qwen2-MoE, Qwen3-MoE) or Mixtral's."""
+    if c.router_scoring == "sigmoid":
+        return "deepseek"
     return "qwen" if c.shared_expert_intermediate_size or c.qk_norm else "mixtral"
 
 
@@ -76,6 +79,8 @@ def moe_sources(
     if moe_naming(c) == "mixtral" and f"{hf}mlp.gate.weight" not in present:
         block = f"{hf}block_sparse_moe."  # the files' name (transformers renames it on load)
     src = {f"{ours}router.weight": Source(f"{block}gate.weight")}
+    if c.router_scoring == "sigmoid":  # the selection bias (a buffer)
+        src[f"{ours}router.bias"] = Source(f"{block}gate.e_score_correction_bias")
     if f"{block}experts.gate_up_proj" in present:  # stacked, gate and up fused
         fused = f"{block}experts.gate_up_proj"
         src[f"{ours}experts.gate_proj"] = Source(fused, half=0)
@@ -87,10 +92,25 @@ def moe_sources(
             names = tuple(f"{block}experts.{e}.{theirs}.weight" for e in range(c.num_experts))
             src[f"{ours}experts.{p}"] = Source(names[0], experts=names)
     if c.shared_expert_intermediate_size:
+        shared = "shared_experts" if moe_naming(c) == "deepseek" else "shared_expert"
         for p in MLP_PROJECTIONS:
-            src[f"{ours}shared_expert.{p}.weight"] = Source(f"{hf}mlp.shared_expert.{p}.weight")
+            src[f"{ours}shared_expert.{p}.weight"] = Source(f"{hf}mlp.{shared}.{p}.weight")
     if c.shared_expert_gate:
         src[f"{ours}shared_expert_gate.weight"] = Source(f"{hf}mlp.shared_expert_gate.weight")
+    return src
+
+
+def latent_attention_sources(c: LlamaConfig, layer: int) -> dict[str, Source]:
+    """Layer ``layer``'s multi-head latent attention (DeepSeek-V3): the same names as
+    ``transformers``' ``self_attn``; the norms of the two latents; biases on q_a, kv_a and o
+    with ``attention_bias``."""
+    ours, hf = f"blocks.{layer}.attn.", f"model.layers.{layer}.self_attn."
+    names = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    names += ["q_proj"] if c.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+    src = {f"{ours}{n}.weight": Source(f"{hf}{n}.weight") for n in names}
+    biased = ["kv_a_proj_with_mqa"] + ([] if c.q_lora_rank is None else ["q_a_proj"])
+    biased = (biased if c.attention_bias else []) + (["o_proj"] if c.attention_out_bias else [])
+    src.update({f"{ours}{n}.bias": Source(f"{hf}{n}.bias") for n in biased})
     return src
 
 
@@ -105,7 +125,11 @@ def llama_sources(c: LlamaConfig, present: Collection[str] | None = None) -> dic
     }
     for i in range(c.n_layer):
         ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+        if c.latent_attention:
+            src.update(latent_attention_sources(c, i))
         for mine, theirs in LLAMA_RENAMES.items():
+            if mine.startswith("attn.") and c.latent_attention:
+                continue
             if mine.endswith("_norm") and mine.startswith("attn.") and not c.qk_norm:
                 continue
             src[f"{ours}{mine}.weight"] = Source(f"{hf}{theirs}.weight")
@@ -114,6 +138,8 @@ def llama_sources(c: LlamaConfig, present: Collection[str] | None = None) -> dic
         else:
             for p in MLP_PROJECTIONS:
                 src[f"{ours}mlp.{p}.weight"] = Source(f"{hf}mlp.{p}.weight")
+        if c.latent_attention:
+            continue
         biased = ["q_proj", "k_proj", "v_proj"] if c.attention_bias else []
         biased += ["o_proj"] if c.attention_out_bias else []
         for p in biased:
