@@ -228,9 +228,10 @@ class LlmlabLM(TemplateLM):
 
 
 def _scored(index: int, logps: Tensor, continuation: list[int]) -> tuple[int, Any]:
-    """(index, (Σ log p of the continuation, whether each of its tokens is the argmax))."""
+    """(index, (Σ log p of the continuation, whether each of its tokens is the argmax)); the sum
+    in float64, so a long continuation's total does not drift with its length."""
     target = torch.tensor(continuation)
-    logp = logps.gather(1, target[:, None]).sum().item()
+    logp = logps.gather(1, target[:, None]).double().sum().item()
     return index, (logp, bool((logps.argmax(-1) == target).all()))
 
 
