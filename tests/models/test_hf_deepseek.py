@@ -185,10 +185,16 @@ def test_greedy_decoding_through_the_kv_cache_equals_transformers_generate(name,
     prompt = _ids(1, batch=2, length=7)
     expected = torch.cat([_greedy_hf(hf, prompt[i : i + 1], 12) for i in range(2)])
     assert torch.equal(generate(ours, prompt, max_new_tokens=12)[:, 7:], expected)
-    # the cache's full per-head keys and values: n_head heads of max(qk, v) head width
+    # the cache holds the compressed latent, once: kv_lora_rank + qk_rope_head_dim per token
     cache = ours.new_cache(2, 32)
-    attn = ours.blocks[0].attn
-    assert cache.keys[0].shape == (2, 4, 32, max(attn.qk_dim, attn.v_dim))
+    assert cache.keys[0].shape == (2, 1, 32, 16 + 8) and cache.values is cache.keys
+    assert cache.nbytes == 3 * 2 * 32 * 24 * 4
+    # beam search reorders the cache: the shared buffer stays shared and right
+    beams = generate(ours, prompt[:1], max_new_tokens=6, num_beams=3)
+    hf.generation_config.eos_token_id = None
+    expected = hf.generate(prompt[:1], attention_mask=torch.ones_like(prompt[:1]),
+                           max_new_tokens=6, num_beams=3, do_sample=False)  # fmt: skip
+    assert torch.equal(beams, expected)
 
 
 def test_left_padded_batch_equals_transformers(folders):
@@ -267,6 +273,14 @@ def test_training_path_equals_the_cache_path_and_has_gradients():
             [model(ids[:, :5], attention=cache), model(ids[:, 5:], attention=cache)], 1
         )
     torch.testing.assert_close(stepped, logits.detach(), atol=1e-5, rtol=0)
+    # the fixed-shape step torch.compile runs (decoding's compile=True) writes the same latent
+    with torch.no_grad():
+        cache = model.new_cache(2, 16)
+        model(ids[:, :8], attention=cache)
+        key_mask = torch.arange(16)[None].expand(2, -1) <= 8
+        step = cache.static_step(torch.tensor([8]), key_mask)
+        last = model(ids[:, 8:], positions=torch.full((2, 1), 8), attention=step)
+    torch.testing.assert_close(last[:, 0], logits.detach()[:, 8], atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------------- refusals

@@ -10,6 +10,11 @@ write position: left padding (and the attention mask) keeps them aligned, as in 
 (and CUDA graphs): the new token is written at a tensor index and every layer attends over all
 ``max_len`` slots under a key mask, so no shape depends on how far decoding has got.
 
+``values_are_keys=True`` keeps one buffer per layer for both: multi-head latent attention
+(``llmlab.models.llama_layers.LatentAttention``) hands a context its compressed latent as the key
+*and* the value (``attend(i, q, k, k)``), so the cache stores that latent once -- DeepSeek's
+compressed KV cache, ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer.
+
 Each layer has its own pair of buffers (lists, not one (layers, ...) tensor): a compiled decode
 step that writes into a *view* of one big input tensor makes torch.compile copy the whole base
 per write (measured: 33 ms instead of 6.6 ms per step at batch 8), while separate buffers are
@@ -34,10 +39,15 @@ class KVCache(MaskedAttention):
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        values_are_keys: bool = False,
     ) -> None:
         shape = (batch_size, n_head, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.values_are_keys = values_are_keys  # one buffer per layer (module docstring)
+        if values_are_keys:
+            self.values = self.keys
+        else:
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.max_len = max_len
         self.length = 0  # tokens already stored (same for every row)
         self._spare: tuple[list[Tensor], list[Tensor]] | None = None  # reorder's second buffers
@@ -53,8 +63,11 @@ class KVCache(MaskedAttention):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by every layer's key and value buffers."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes held by every layer's key and value buffers (a shared buffer once)."""
+        return sum(t.numel() * t.element_size() for t in self._buffers())
+
+    def _buffers(self) -> list[Tensor]:
+        return self.keys if self.values_are_keys else [*self.keys, *self.values]
 
     @property
     def past(self) -> int:  # what MaskedAttention's masks and positions count from
@@ -68,8 +81,14 @@ class KVCache(MaskedAttention):
                 f"KV cache overflow: {end} tokens do not fit in max_len={self.max_len}; "
                 f"create the cache with a larger max_len"
             )
+        if self.values_are_keys and v is not k:
+            raise ValueError(
+                "this cache keeps one buffer for keys and values (values_are_keys=True), but "
+                f"layer {layer_idx} handed it different keys and values"
+            )
         self.keys[layer_idx][:, :, self.length : end] = k
-        self.values[layer_idx][:, :, self.length : end] = v
+        if not self.values_are_keys:
+            self.values[layer_idx][:, :, self.length : end] = v
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
     def end(self, num_tokens: int) -> None:
@@ -91,18 +110,22 @@ class KVCache(MaskedAttention):
             # 1.7x faster for a 4-layer, 32-row, 272-position cache at half fill).
             n = self.length
             if self._spare is None:
-                self._spare = (
-                    [torch.empty_like(t) for t in self.keys],
-                    [torch.empty_like(t) for t in self.values],
-                )
+                spare_k = [torch.empty_like(t) for t in self.keys]
+                shared = self.values_are_keys
+                spare_v = spare_k if shared else [torch.empty_like(t) for t in self.values]
+                self._spare = (spare_k, spare_v)
             spare_k, spare_v = self._spare
-            for src, dst in zip([*self.keys, *self.values], [*spare_k, *spare_v]):
+            spare = spare_k if self.values_are_keys else [*spare_k, *spare_v]
+            for src, dst in zip(self._buffers(), spare):
                 torch.index_select(src[:, :, :n], 0, batch_indices, out=dst[:, :, :n])
             self._spare = (self.keys, self.values)
             self.keys, self.values = spare_k, spare_v
             return
         self.keys = [t.index_select(0, batch_indices) for t in self.keys]
-        self.values = [t.index_select(0, batch_indices) for t in self.values]
+        if self.values_are_keys:
+            self.values = self.keys
+        else:
+            self.values = [t.index_select(0, batch_indices) for t in self.values]
         self._spare = None  # the batch size changed
 
     def crop(self, length: int) -> None:
@@ -133,7 +156,8 @@ class StaticStep:
     ) -> Tensor:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(2, self.index, k)
-        values.index_copy_(2, self.index, v)
+        if values is not keys:  # a cache with values_are_keys holds one buffer
+            values.index_copy_(2, self.index, v)
         mask = self.mask
         if window is not None and window < keys.shape[2]:  # slot i holds position i
             slots = torch.arange(keys.shape[2], device=keys.device)

@@ -149,7 +149,9 @@ class Llama(nn.Module):
 
     # ----------------------------------------------------------------------- contracts
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
-        """A preallocated cache of the *KV* heads only: ``n_kv_head / n_head`` of an MHA cache."""
+        """A preallocated cache of the *KV* heads only: ``n_kv_head / n_head`` of an MHA cache;
+        with latent attention, the compressed latent once (``kv_lora_rank + qk_rope_head_dim``
+        per token and layer)."""
         if max_len > self.config.block_size:
             raise ValueError(
                 f"max_len={max_len} exceeds the model's block_size={self.config.block_size}"
@@ -161,6 +163,7 @@ class Llama(nn.Module):
             batch_size=batch_size,
             n_head=attn.local_kv_heads if attn is not None else self.config.n_kv_head,
             head_dim=attn.head_dim if attn is not None else self.config.head_size,
+            values_are_keys=self.config.latent_attention,  # the latent, kept once
             max_len=max_len,
             dtype=dtype or ref.dtype,
             device=ref.device,

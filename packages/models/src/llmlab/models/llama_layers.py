@@ -5,6 +5,8 @@ mirror ``transformers``' ``LlamaForCausalLM`` and ``DeepseekV3ForCausalLM`` (``q
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -110,23 +112,33 @@ class Attention(nn.Module):
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3), through the same attention context.
 
-    Per token: ``c_kv, k_rope = kv_a_proj_with_mqa(x)`` -- a latent of ``kv_lora_rank`` and one
-    RoPE key of ``qk_rope_head_dim`` shared by every head --, then ``[k_nope | v] per head =
-    kv_b_proj(RMSNorm(c_kv))``; queries ``q_b_proj(RMSNorm(q_a_proj(x)))`` (``q_proj(x)`` without
-    ``q_lora_rank``), each head split into ``qk_nope_head_dim`` + ``qk_rope_head_dim``. RoPE
-    turns only the rope parts (adjacent pairs with ``rope_interleave``); a head's key is
-    ``[k_nope | k_rope]``. Softmax scale: ``qk_head_dim^-0.5`` times YaRN's ``mscale_all_dim``
-    correction squared (:func:`llmlab.models.rope.softmax_scale`).
+    Per token: ``c_kv, k_rope = kv_a_proj_with_mqa(x)`` -- a latent of ``kv_lora_rank`` (r) and
+    one RoPE key of ``qk_rope_head_dim`` (d_r) shared by every head --, ``c = RMSNorm(c_kv)``,
+    then per head ``[k_nope_h | v_h] = W_h c`` (``kv_b_proj``, W_h = [W_UK_h; W_UV_h]); queries
+    ``q_b_proj(RMSNorm(q_a_proj(x)))`` (``q_proj(x)`` without ``q_lora_rank``), each head split
+    into ``qk_nope_head_dim`` + d_r. RoPE turns only the rope parts (adjacent pairs with
+    ``rope_interleave``); head h's key is ``[k_nope_h | k_rope]``. Softmax scale:
+    ``qk_head_dim^-0.5`` times YaRN's ``mscale_all_dim`` correction squared
+    (:func:`llmlab.models.rope.softmax_scale`). The two latent norms use eps 1e-6 whatever
+    ``rms_norm_eps`` is, as ``transformers`` does.
 
-    The context's ``attend(layer_idx, q, k, v)`` takes one head width for q, k and v and scales
-    by ``1/sqrt(width)``, so the layer hands it ``q`` pre-multiplied by ``scale · sqrt(width)``
-    and zero-pads the narrower of (q, k) and v to ``head_dim = max(qk_head_dim, v_head_dim)``
-    (zeros add nothing to q·k, and padded value columns come back as zeros, which are cut off).
-    Every context -- none (training), ``KVCache``, its static step, the serving engine's paged
-    pool -- works unchanged, at the cost of caching full per-head keys and values: ``2 ·
-    n_head · head_dim`` numbers per token and layer, where DeepSeek's compressed cache holds
-    ``kv_lora_rank + qk_rope_head_dim`` (docs: the models README, "What a latent cache needs").
-    The two latent norms use eps 1e-6 whatever ``rms_norm_eps`` is, as ``transformers`` does.
+    Two orders of the same products, chosen by where the keys live:
+
+    * **no context** (training): expanded, as written above -- per-head keys of ``qk_head_dim``
+      and values of ``v_head_dim`` through the layer's attention op;
+    * **a context** (a KV cache, the serving engine's paged pool, a padded batch): absorbed, so
+      that what the context keeps is the compressed latent. Since
+      ``q_nope_h · k_nope_h = (W_UK_hᵀ q_nope_h) · c``, the layer hands ``attend`` a
+      multi-*query* problem: queries ``[W_UK_hᵀ q_nope_h | q_rope_h]`` (H heads of width
+      r + d_r), one key head ``[c | k_rope]`` (width r + d_r), and that same tensor as the
+      value head; the first r columns of the output are ``Σ p · c``, and ``W_UV_h`` maps them to
+      head h's output. The context stores r + d_r numbers per token and layer for the key (and,
+      unless it keeps one copy when ``v is k``, the same again for the value) instead of
+      ``n_head · (qk_head_dim + v_head_dim)``.
+
+    The context scales by ``1/sqrt(width)``, so the layer hands it ``q`` pre-multiplied by
+    ``scale · sqrt(width)``; in the expanded order the narrower of (q, k) and v is zero-padded
+    to one width (zeros add nothing to q·k; padded value columns come back as zeros, cut off).
     """
 
     def __init__(self, config: LlamaConfig, layer_idx: int, ops: Ops) -> None:
@@ -135,7 +147,7 @@ class LatentAttention(nn.Module):
         self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.qk_dim = self.nope + self.rope_dim
-        self.head_dim = max(self.qk_dim, self.v_dim)  # the width the context sees
+        self.head_dim = self.kv_lora_rank + self.rope_dim  # the width a context keeps
         self.layer_idx = layer_idx
         self.window = None
         bias = config.attention_bias
@@ -165,8 +177,8 @@ class LatentAttention(nn.Module):
 
     @property
     def local_kv_heads(self) -> int:
-        """Key/value heads handed to the context (and cached): one per query head."""
-        return self.local_heads
+        """Key heads a context keeps: one, the latent shared by every head."""
+        return 1
 
     def forward(
         self,
@@ -182,8 +194,7 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rot = q.view(B, T, -1, self.qk_dim).split([self.nope, self.rope_dim], -1)
         c_kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, -1, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        latent = self.kv_a_layernorm(c_kv)  # (B, T, r)
         k_rot = k_rot.view(B, T, 1, self.rope_dim)  # one RoPE key, shared by the heads
         if self.interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
@@ -191,24 +202,66 @@ class LatentAttention(nn.Module):
             positions = torch.arange(T, device=x.device).unsqueeze(0)
         cos, sin = self.rotary(positions, q.dtype)
         q_rot, k_rot = self.ops.rope(q_rot.contiguous(), k_rot.contiguous(), cos, sin)
-        heads = q_nope.shape[2]
+        if attention is not None:
+            y = self._attend_latent(q_nope, q_rot, latent, k_rot, attention)
+        else:
+            y = self._attend_expanded(q_nope, q_rot, latent, k_rot, document_ids)
+        return self.resid_dropout(self.o_proj(y.reshape(B, T, -1)))
+
+    def _attend_expanded(
+        self, q_nope: Tensor, q_rot: Tensor, latent: Tensor, k_rot: Tensor, document_ids: Any
+    ) -> Tensor:
+        """Training: per-head keys and values from ``kv_b_proj`` -> (B, T, H, v_head_dim)."""
+        B, T, H, _ = q_nope.shape
+        kv = self.kv_b_proj(latent).view(B, T, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
         q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(B, T, heads, self.rope_dim)), dim=-1)
-        D = self.head_dim
-        q = q * (self.scale * D**0.5)  # the context divides by sqrt(D)
+        k = torch.cat((k_nope, k_rot.expand(B, T, H, self.rope_dim)), dim=-1)
+        D = max(self.qk_dim, self.v_dim)
+        q = q * (self.scale * D**0.5)  # the op divides by sqrt(D)
         if self.qk_dim < D:
             q, k = F.pad(q, (0, D - self.qk_dim)), F.pad(k, (0, D - self.qk_dim))
         if self.v_dim < D:
             v = F.pad(v, (0, D - self.v_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        if attention is not None:  # decoding, serving: the context knows the keys
-            y = attention.attend(self.layer_idx, q, k, v, window=None)
-        else:  # training: causal over the row (or its documents), through the layer's op
-            dropout_p = self.dropout if self.training else 0.0
-            docs = {} if document_ids is None else {"document_ids": document_ids}
-            y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
-        y = y[..., : self.v_dim].transpose(1, 2).reshape(B, T, -1)
-        return self.resid_dropout(self.o_proj(y))
+        dropout_p = self.dropout if self.training else 0.0
+        docs = {} if document_ids is None else {"document_ids": document_ids}
+        y = self.ops.attention(q, k, v, causal=True, dropout_p=dropout_p, **docs)
+        return y[..., : self.v_dim].transpose(1, 2)
+
+    def _attend_latent(
+        self,
+        q_nope: Tensor,
+        q_rot: Tensor,
+        latent: Tensor,
+        k_rot: Tensor,
+        attention: AttentionContext,
+    ) -> Tensor:
+        """A context: the absorbed order over the compressed latent -> (B, T, H, v_head_dim)."""
+        H, r = q_nope.shape[2], self.kv_lora_rank
+        w = dense_weight(self.kv_b_proj, q_nope.dtype).view(H, self.nope + self.v_dim, r)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (H, nope, r), (H, v, r)
+        q = torch.cat((torch.einsum("bthn,hnr->bthr", q_nope, w_uk), q_rot), dim=-1)
+        q = q * (self.scale * self.head_dim**0.5)  # the context divides by sqrt(r + d_r)
+        k = torch.cat((latent.unsqueeze(2), k_rot), dim=-1)  # (B, T, 1, r + d_r)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        out = attention.attend(self.layer_idx, q, k, k, window=None)  # the latent is the value
+        return torch.einsum("bhtr,hvr->bthv", out[..., :r], w_uv)
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> Tensor:
+    """The (out, in) matrix a linear layer applies, in ``dtype``: an ``nn.Linear``'s (or a
+    tensor-parallel shard's) weight, a quantized layer's dequantized weight, a LoRA layer's
+    base plus its unmerged update."""
+    base = getattr(linear, "base_layer", None)
+    if base is not None:  # LoRA
+        weight = dense_weight(base, dtype)
+        if not (linear.merged or linear.disabled):
+            weight = weight + linear.delta_weight().to(dtype)
+        return weight
+    if callable(getattr(linear, "dequantize", None)):
+        return linear.dequantize(dtype)
+    return linear.weight.to(dtype)
 
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, used for q_a / kv_a norms
