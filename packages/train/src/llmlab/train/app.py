@@ -82,6 +82,7 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> Any:
     run = run_config(cfg, model)
     check_strategy(cfg, run)
     check_lora(cfg)
+    check_dpo(cfg)
     from llmlab.train.tokens import data_config_problems  # vocabulary, document_mask
 
     if problems := data_config_problems(cfg, model, tokenizer_vocab):
@@ -145,6 +146,25 @@ def check_lora(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from err
     if problem := strategy_problem(OmegaConf.to_container(cfg.strategy, resolve=True)):
         raise ConfigError(problem)
+
+
+def check_dpo(cfg: DictConfig) -> None:
+    """``task=dpo``: preference data, a reference it can have, and a strategy that leaves the
+    step to the task (one process or Lightning's DDP)."""
+    from llmlab.train.adapters import PLAIN_STRATEGIES
+    from llmlab.train.dpo import config_problem
+
+    task, data, strategy = (
+        OmegaConf.to_container(cfg[k], resolve=False) for k in ("task", "data", "strategy")
+    )
+    if problem := config_problem(task, data):
+        raise ConfigError(problem)
+    which = strategy.get("_target_") or strategy.get("name") or "auto"
+    if str(task.get("_target_", "")).endswith("DPOTask") and which not in PLAIN_STRATEGIES:
+        raise ConfigError(
+            f"task=dpo with strategy {which}: DPO runs under one process or Lightning's DDP "
+            "(strategy=auto or strategy=ddp) for now; the other layouts own the step"
+        )
 
 
 def model_on_meta(cfg: DictConfig, model_config: dict[str, Any] | None = None) -> Any:
