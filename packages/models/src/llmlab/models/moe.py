@@ -47,6 +47,15 @@ counted in ``stats.dropped``, never silently.
 * tokens per expert (assignments routed, before any drop), dropped assignments per expert,
   their max / mean load.
 
+**Expert parallelism** reaches the layer through two methods and nothing else (the contract
+``ExpertParallelizable`` that ``llmlab.parallel.contracts`` declares; this module imports none of
+it): :meth:`MoE.expert_parameters` names the stacked ``(E, ...)`` weights, and
+:meth:`MoE.swap_experts` replaces the expert computation ``fn(rows sorted by expert, counts per
+expert) -> rows`` by ``wrap(fn)``. Expert parallelism keeps a slice of the experts on each rank
+and wraps ``fn`` in an all-to-all that sends each row to its expert's rank and back; the router,
+the sort, the capacity drop, the weighting and the combine stay here, unchanged. A swapped layer
+always runs the sorted (grouped) dispatch: ``"loop"`` is the same function, computed in place.
+
 **Auxiliary-loss-free balancing** (DeepSeek-V3): :meth:`MoE.update_bias` moves each expert's
 selection bias by ``±γ`` toward balance (``b_e += γ · sign(mean load - load_e)``), without a
 gradient; the training side calls it after each step (with counts summed over its data ranks).
@@ -365,12 +374,23 @@ class MoE(nn.Module):
             nn.Linear(config.dim, 1, bias=False) if config.shared_gate else None
         )
         self.stats: MoEStats | None = None
+        self.expert_fn: Any = None  # set by swap_experts; None: self.experts.grouped
+
+    def expert_parameters(self) -> dict[str, nn.Parameter]:
+        """The routed experts' stacked weights, ``(E, out, in)``, by name under this layer."""
+        return {f"experts.{n}": p for n, p in self.experts.named_parameters()}
+
+    def swap_experts(self, wrap: Any) -> int:
+        """Replace the expert computation ``fn(x, counts) -> y`` (``x``: rows sorted by expert,
+        ``counts[e]`` rows for expert ``e``) by ``wrap(fn)``; returns 1 (the layers changed)."""
+        self.expert_fn = wrap(self.expert_fn or self.experts.grouped)
+        return 1
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
-        if self.config.implementation == "loop":
+        if self.config.implementation == "loop" and self.expert_fn is None:
             out, counts, dropped = self._loop(flat, routing)
         else:
             out, counts, dropped = self._grouped(flat, routing)
@@ -419,7 +439,7 @@ class MoE(nn.Module):
             rank = torch.arange(order.numel(), device=x.device) - starts[chosen[order]]
             order = order[rank < capacity]
             kept = counts.clamp(max=capacity)
-        y = self.experts.grouped(x[order // k], kept)
+        y = (self.expert_fn or self.experts.grouped)(x[order // k], kept)
         y = y * r.weights.reshape(-1)[order, None]
         slots = x.new_zeros(N * k, x.shape[-1])  # one row per (token, slot); dropped stay 0
         slots = slots.index_put((order,), y)

@@ -21,6 +21,13 @@ still pipelines, and a clear error names the missing method when a layout needs 
   batch packs several documents per row); returns how many modules changed. Recompute
   attention, tensor parallelism's per-rank dropout stream and context parallelism's ring
   attention go through it.
+* :class:`ExpertParallelizable` -- a mixture-of-experts *layer* (found among the model's
+  modules, whatever its class): ``expert_parameters()``, its routed experts' stacked weights
+  ``(E, ...)`` by name under the layer, and ``swap_experts(wrap)``: replace its expert
+  computation ``fn(x, counts) -> y`` (``x``: the rows sorted by expert, ``counts`` (E,) rows per
+  expert; ``y``: each row through its expert) by ``wrap(fn)``; returns how many layers changed.
+  Expert parallelism keeps a slice of the experts per rank and wraps ``fn`` in its all-to-all
+  dispatch and combine (:mod:`llmlab.parallel.expert`).
 * :class:`HasFlops` -- ``flops_per_token()``: training FLOPs per token of the *whole* model (read
   before any sharding, for MFU).
 * :class:`WeightSource` -- ``read(name, part)``: a tensor of the unsplit model by state-dict key,
@@ -41,6 +48,8 @@ from torch import Tensor, nn
 
 # (q, k, v, causal: bool = True, dropout_p: float = 0.0, *, document_ids: Tensor | None = None)
 AttentionFn = Callable[..., Tensor]
+# (x: rows sorted by expert (M, C), counts: (E,) rows per expert) -> (M, C)
+ExpertFn = Callable[[Tensor, Tensor], Tensor]
 
 
 @runtime_checkable
@@ -63,6 +72,13 @@ class HasRepeatedBlocks(Protocol):
 @runtime_checkable
 class AttentionSwappable(Protocol):
     def swap_attention(self, wrap: Callable[[AttentionFn], AttentionFn]) -> int: ...
+
+
+@runtime_checkable
+class ExpertParallelizable(Protocol):
+    def expert_parameters(self) -> dict[str, nn.Parameter]: ...
+
+    def swap_experts(self, wrap: Callable[[ExpertFn], ExpertFn]) -> int: ...
 
 
 @runtime_checkable

@@ -6,6 +6,14 @@ pipeline, then data -- the order of a ``DeviceMesh`` of shape ``(data, pipeline,
 
     rank = ((dp · pipeline + pp) · context + cp) · tensor + tp
 
+``expert`` is not a fifth dimension: it splits the ``data × context`` ranks of each (pipeline,
+tensor) position (torchtitan's and Megatron-Core's expert-parallel mesh), so the world size stays
+``data × pipeline × context × tensor``. The replica index ``i = dp · context + cp`` of a rank
+puts it in the expert group of the ``expert`` neighbouring replicas ``i // expert`` (they hold
+the experts' ``expert`` slices and exchange tokens) at expert index ``i % expert``; the ranks with
+the same expert index (``data × context / expert`` of them) hold a copy of the same experts and
+reduce those experts' gradients together (:mod:`llmlab.parallel.expert`).
+
 A layout is built once from the strategy's options (``NDParallelStrategy`` builds it from its
 arguments; the app's config check builds it through the strategy's ``check_config``) and every
 caller -- the app, the strategy, ``parallelize_model`` -- judges it with :func:`check_layout`, the
@@ -67,6 +75,7 @@ class ParallelDims:
     microbatches: int | None = None
     virtual_stages: int | None = None
     boundaries: tuple[int, ...] | None = None
+    expert: int = 1  # ranks the experts are split over, taken from data × context
 
     def __post_init__(self) -> None:
         if self.microbatches is None:
@@ -95,6 +104,28 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self._data() * self.model_parallel
+
+    @property
+    def expert_copies(self) -> int:
+        """Ranks holding a copy of the same experts: data × context / expert."""
+        return self.replicas // self.expert
+
+    def expert_coords(self, rank: int) -> tuple[int, int]:
+        """(expert group, expert index) of ``rank``: which ``expert`` neighbouring replicas it
+        exchanges tokens with, and which slice of the experts it holds."""
+        c = self.coords(rank)
+        return divmod(c.data * self.context + c.context, self.expert)
+
+    def expert_ranks(self) -> list[list[int]]:
+        """The expert groups: ``expert`` neighbouring replicas of one (pipeline, tensor)
+        position, ordered by expert index (they hold the experts' slices, in order)."""
+        return [r[i : i + self.expert] for r in self.replica_ranks()
+                for i in range(0, len(r), self.expert)]  # fmt: skip
+
+    def expert_copy_ranks(self) -> list[list[int]]:
+        """The ranks holding the same experts (one per expert group): their expert gradients
+        are summed together."""
+        return [r[i :: self.expert] for r in self.replica_ranks() for i in range(self.expert)]
 
     def resolve(self, world_size: int) -> ParallelDims:
         """This layout on ``world_size`` ranks: ``data`` filled in (or checked); raises the
@@ -168,7 +199,7 @@ def layout_problems(
     sizes = {
         "data": dims.data, "pipeline": dims.pipeline, "context": dims.context,
         "tensor": dims.tensor, "microbatches": dims.microbatches,
-        "virtual_stages": dims.virtual_stages,
+        "virtual_stages": dims.virtual_stages, "expert": dims.expert,
     }  # fmt: skip
     bad = [
         f"{name}={value!r} must be a positive integer"
@@ -199,6 +230,12 @@ def layout_problems(
     if world_size is not None:
         problem, data = _world_problem(dims, world_size)
         problems += [problem] if problem else []
+    if dims.expert > 1 and data and (data * dims.context) % dims.expert:
+        problems.append(
+            f"expert={dims.expert} does not divide data ({data}) × context ({dims.context}) = "
+            f"{data * dims.context}: the experts are split over data × context ranks (the world "
+            "size stays data × pipeline × context × tensor); use an expert degree that divides it"
+        )
     if model is not None:
         problems += _model_problems(dims, model)
     if global_batch is not None and data:
@@ -303,6 +340,10 @@ class ProcessGroups:
     tensor_ranks: list[int] = field(default_factory=list)
     replica: dist.ProcessGroup | None = field(default=None, repr=False)  # data × context
     replica_ranks: list[int] = field(default_factory=list)
+    expert: dist.ProcessGroup | None = field(default=None, repr=False)  # tokens exchanged
+    expert_ranks: list[int] = field(default_factory=list)
+    expert_copies: dist.ProcessGroup | None = field(default=None, repr=False)  # same experts
+    expert_copy_ranks: list[int] = field(default_factory=list)
 
     @property
     def coords(self) -> Coords:
@@ -337,4 +378,13 @@ def build_process_groups(dims: ParallelDims, backend: str | None = None) -> Proc
             group = dist.new_group(ranks, backend=backend)
             if mine.rank in ranks:
                 mine.replica, mine.replica_ranks = group, ranks
+    if dims.expert > 1:  # the expert groups (all-to-all) and the copies of the same experts
+        for ranks in dims.expert_ranks():
+            group = dist.new_group(ranks, backend=backend)
+            if mine.rank in ranks:
+                mine.expert, mine.expert_ranks = group, ranks
+        for ranks in dims.expert_copy_ranks():
+            group = dist.new_group(ranks, backend=backend)
+            if mine.rank in ranks:
+                mine.expert_copies, mine.expert_copy_ranks = group, ranks
     return mine
