@@ -319,6 +319,41 @@ def test_deepseek_metadata_is_read_past(folders, tmp_path):
     assert from_pretrained(changed).config == from_pretrained(folder).config
 
 
+def test_multi_token_prediction_layers_are_read_past(folders, tmp_path):
+    """DeepSeek-V3's files hold its MTP module as a layer past num_hidden_layers
+    (model.layers.61.*); the causal LM does not run it, and transformers skips it too."""
+    from safetensors.torch import load_file, save_file
+
+    _, folder = folders["v3-yarn-qlora-moe"]
+    shutil.copytree(folder, tmp_path / "mtp")
+    state = load_file(str(folder / "model.safetensors"))
+    state["model.layers.3.eh_proj.weight"] = torch.randn(32, 64)
+    state["model.layers.3.self_attn.kv_b_proj.weight"] = torch.randn(112, 16)
+    save_file(state, str(tmp_path / "mtp" / "model.safetensors"), metadata={"format": "pt"})
+    ids = _ids(5)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            from_pretrained(tmp_path / "mtp").eval()(ids), from_pretrained(folder).eval()(ids)
+        )
+
+
+def test_bf16_export_keeps_the_selection_bias_in_fp32(folders, tmp_path):
+    """As transformers keeps e_score_correction_bias in fp32 beside bf16 weights."""
+    from safetensors import safe_open
+
+    _, folder = folders["v3-yarn-qlora-moe"]
+    model = from_pretrained(folder, dtype=torch.bfloat16)
+    assert model.blocks[1].mlp.router.bias.dtype == torch.float32
+    out = save_pretrained(model, tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert (
+            f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+        )
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert back.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
 @pytest.mark.parametrize(
     "change,reason",
     [

@@ -70,7 +70,7 @@ def check_checkpoint(
     its shape, and no tensor is left unread. Returns the name map and the model on ``meta``."""
     sources = checkpoint_sources(checkpoint, config)
     hf_tied = "lm_head.weight" if config.tie_embeddings else None  # HF ties it away on load
-    check_coverage(checkpoint, sources, lambda n: is_inert_tensor(n) or n == hf_tied)
+    check_coverage(checkpoint, sources, lambda n: is_inert_tensor(n, config) or n == hf_tied)
     with torch.device("meta"):
         model = model_cls(config)
     _check_shapes(checkpoint, sources, model)

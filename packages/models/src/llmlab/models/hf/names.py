@@ -159,5 +159,15 @@ def sources_for(
     return llama_sources(config, present)
 
 
-def is_inert_tensor(name: str) -> bool:
-    return name.endswith(INERT_TENSOR_SUFFIXES)
+def is_inert_tensor(name: str, config: GPTConfig | LlamaConfig | None = None) -> bool:
+    """A tensor the model never reads: the suffixes above, and a DeepSeek-V3 checkpoint's
+    multi-token-prediction modules, stored as layers past ``num_hidden_layers``
+    (``model.layers.61.*`` of DeepSeek-V3), which its causal LM does not run (transformers
+    skips them on load too)."""
+    if name.endswith(INERT_TENSOR_SUFFIXES):
+        return True
+    if isinstance(config, LlamaConfig) and config.latent_attention:
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+            return int(parts[2]) >= config.n_layer
+    return False

@@ -167,7 +167,10 @@ def save_pretrained(
     if max_shard_size < 1:
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
     tensors = _hf_tensors(model, config)
-    dtypes = {t.dtype for t in tensors.values()}
+    # buffers kept in fp32 whatever the weights' dtype (a router's selection bias, as
+    # transformers keeps DeepSeek-V3's e_score_correction_bias) do not set the folder's dtype
+    fp32_buffers = _fp32_buffer_names(model, config)
+    dtypes = {t.dtype for n, t in tensors.items() if n not in fp32_buffers}
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPE_NAMES:
         raise ValueError(
             f"save_pretrained needs one float dtype of {list(DTYPE_NAMES)}, got {dtypes}"
@@ -221,6 +224,15 @@ def special_token_ids(tokenizer: Any, vocab_size: int) -> dict[str, int | None]:
             )
         ids[key] = value
     return ids
+
+
+def _fp32_buffer_names(model: nn.Module, config: Any) -> set[str]:
+    sources = sources_for(config)
+    return {
+        sources[n].hf_name
+        for n, b in model.named_buffers()
+        if n in sources and b.dtype == torch.float32
+    }
 
 
 def _hf_tensors(model: nn.Module, config: Any) -> dict[str, Tensor]:
