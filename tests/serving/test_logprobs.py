@@ -319,8 +319,8 @@ def test_chat_logprobs_and_top_logprobs(client, live):
         (dict(top_logprobs=2), "top_logprobs needs logprobs=true"),
         (dict(logprobs=True, top_logprobs=21), "less than or equal to 20"),
         (dict(logprobs=2), "Input should be a valid boolean"),
-        (dict(response_format={"type": "json_object"}), "response_format="),
-        (dict(tools=[{"type": "function"}]), "tools="),
+        (dict(response_format={"type": "json_objekt"}), "response_format.type"),
+        (dict(tools=[{"type": "function"}]), "tools.0.function: Field required"),
     ],
 )
 def test_chat_refusals(live, body, message):

@@ -10,7 +10,10 @@ sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the
 and ``bos_token`` / ``eos_token`` in scope (tested to render exactly as ``transformers`` does).
 
 Models trained here have no chat format at all; for them :data:`PLAIN_TEMPLATE` renders
-``role: content`` lines and ends with ``assistant:``. The server says which template it uses.
+``role: content`` lines and ends with ``assistant:``; with ``tools`` it lists them first, and
+renders an assistant's tool calls in the Hermes format (``<tool_call>{json}</tool_call>``, what
+``llmlab.serving.structured`` parses). The server says which template it uses. ``tools`` reach
+the template as ``apply_chat_template(tools=...)`` passes them (OpenAI's tool objects).
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 PLAIN_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}tools:{% for tool in tools %} {{ tool | tojson }}{% endfor %} (call one as "
+    '<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>)\n{% endif %}'
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "\n</tool_call>{% endfor %}{{ '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
@@ -54,12 +62,19 @@ class ChatTemplate:
         self.source = source
         self.special = {"bos_token": bos_token, "eos_token": eos_token}
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``; a template's own ``raise_exception`` (e.g.
-        "roles must alternate") becomes a ``ValueError`` with its message."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for ``messages`` (and ``tools``, OpenAI's tool objects); a
+        template's own ``raise_exception`` (e.g. "roles must alternate") becomes a
+        ``ValueError`` with its message."""
         try:
             return self.template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special
-            )
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                **self.special,
+            )  # fmt: skip
         except jinja2.exceptions.TemplateError as err:
             raise ValueError(f"the chat template refused the messages: {err}") from err

@@ -17,6 +17,13 @@ logprobs``): a generated token's from the row it was chosen from, a prompt token
 rows prefill keeps for requests that ask (every position of their prompt chunks). A request
 with ``prompt_only`` ends when its prompt is computed, with no token generated.
 
+Structured output (``RequestOptions.grammar``, ``llmlab.serving.structured``): each sequence
+of such a request carries an llguidance matcher. The masks of this step's grammar sequences are
+computed in a worker thread while the forward runs (they depend only on accepted tokens),
+applied to their rows before any token is chosen, and the chosen token advances the matcher; a
+sequence whose grammar is complete finishes with ``"stop"``. A grammar that errs (or an injected
+``grammar`` fault) ends its request alone.
+
 Isolation: a request is the unit of failure. Ids the tokenizer cannot decode (an embedding
 padded past the vocabulary) are masked before any token is chosen, as HF's ``suppress_tokens``
 does. If choosing a request's token (its logits processors, its sampling, its beam step) or
@@ -57,6 +64,7 @@ from llmlab.serving.sequence import (
     Status,
     TokenLogprob,
 )
+from llmlab.serving.structured import Grammars, MaskJob
 
 log = logging.getLogger("llmlab.serving")
 SUPPORTED_STRATEGIES = ("greedy", "sample", "beam")
@@ -110,6 +118,7 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks=self.config.num_blocks)
         self.suppressed = undecodable_ids(tokenizer, model.config.vocab_size, self.runner.device)
         self.faults = FaultInjection.from_config(self.config.inject_fault)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size, self.suppressed)
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
 
@@ -132,7 +141,9 @@ class LLMEngine:
             rules.fault = self.faults.stage_for(prompt_ids, self.tokenizer)
         if config.resolved_strategy() == "beam":
             request.beam = BeamGroup(request, self.tokenizer, self.runner.device)
-        request.new_sequence(0, request.prompt_ids, self.runner.device)
+        first = request.new_sequence(0, request.prompt_ids, self.runner.device)
+        if options.grammar is not None:
+            first.grammar = self.grammars.matcher(options.grammar, list(config.eos_token_ids))
         self._tracked[request_id] = _Tracked(request, rules)
         self.scheduler.add(request.sequences[0])
         return request
@@ -206,6 +217,15 @@ class LLMEngine:
             raise ValueError("stop strings need the engine to have a tokenizer")
         if config.seed is not None and not SEED_RANGE[0] <= config.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {config.seed}")
+        if options.grammar is not None:
+            if strategy == "beam":
+                raise ValueError(
+                    f"num_beams={config.num_beams}: structured output (a grammar) is served "
+                    f"with greedy decoding and sampling, not beam search"
+                )
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the engine to have a tokenizer")
+            self.grammars.check(options.grammar, list(config.eos_token_ids))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its sequences stop and their blocks return to the pool now."""
@@ -232,17 +252,21 @@ class LLMEngine:
         if not out.chunks:
             return []
         every_row = {i for i, c in enumerate(out.chunks) if _wants_prompt_rows(c)}
+        masked, job, grammar_errors = self._start_masks(out.chunks)  # while the forward runs
         try:
             for chunk in out.chunks:
                 fire("forward", self._tracked[chunk.seq.request.request_id].rules.fault)
             logits = self.runner.execute(out.chunks, out.copies, every_row)
         except Exception as err:
+            if job is not None:
+                job.future.exception()  # the masks' thread is done with the matchers
             ids = dict.fromkeys(c.seq.request.request_id for c in out.chunks)
             failed = [self._fail(rid, "forward", err) for rid in ids]
             self.stats.observe_queues(self.scheduler)
             return [f for f in failed if f is not None]
         self.scheduler.after_forward(out)
         failed: dict[str, RequestOutput | None] = {}
+        allowed = self._collect_masks(masked, job, grammar_errors, failed)
         if every_row:  # prompt log-probabilities; then one row per completing chunk
             logits = self._prompt_logprobs(out.chunks, every_row, logits, failed)
         raw = logits  # the model's logits: what log-probabilities are reported of
@@ -250,6 +274,7 @@ class LLMEngine:
             logits = logits.index_fill(1, self.suppressed, float("-inf"))
         seqs: list[Sequence] = []
         rows: list[int] = []
+        grammar_rows: list[int | None] = []  # each sequence's row of `allowed`, if it has one
         changed: dict[str, _Tracked] = {}
         beam_tokens = 0
         for row, chunk in enumerate(c for c in out.chunks if c.completes):
@@ -281,9 +306,12 @@ class LLMEngine:
             family = self._fork(chunk.seq)
             seqs += family
             rows += [row] * len(family)
+            grammar_rows += [masked.get(chunk.seq)] * len(family)  # forks share their first mask
         rules = [self._tracked[s.request.request_id].rules for s in seqs]
         if rows != list(range(logits.shape[0])):  # forks and beams: a gather (a copy)
             logits = logits[rows]
+        if allowed is not None:
+            logits = _apply_masks(logits, allowed, grammar_rows)
         tokens = next_tokens(seqs, rules, logits)
         for seq, token in zip(seqs, tokens):  # a failed choice fails its request first
             rid = seq.request.request_id
@@ -297,10 +325,20 @@ class LLMEngine:
             if rid in failed:
                 continue
             tracked = self._tracked[rid]
+            complete = False
+            if seq.grammar is not None and token not in tracked.rules.eos:
+                try:
+                    complete = _advance(seq.grammar, token)
+                except Exception as err:
+                    failed[rid] = self._fail(rid, "grammar", err)
+                    changed.pop(rid, None)
+                    continue
             seq.token_ids.append(token)
             generated += 1
             self._first_token(seq.request, now)
             reason = stop_reason(seq, tracked.rules, self.config.max_model_len)
+            if reason is None and complete:  # the grammar takes no more: the text is whole
+                reason = "stop"
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             changed[rid] = tracked
@@ -318,6 +356,56 @@ class LLMEngine:
         if failed:
             self.stats.observe_queues(self.scheduler)
         return outputs + [f for f in failed.values() if f is not None]
+
+    def _start_masks(
+        self, chunks: list[Chunk]
+    ) -> tuple[dict[Sequence, int], MaskJob | None, dict[str, Exception]]:
+        """Start computing the next-token masks of the sequences this step samples that follow
+        a grammar (in a worker thread, while the forward runs): ``(sequence -> its row, the
+        job, requests whose grammar stage failed already)``."""
+        masked: dict[Sequence, int] = {}
+        errors: dict[str, Exception] = {}
+        for chunk in chunks:
+            seq = chunk.seq
+            if not chunk.completes or seq.grammar is None:
+                continue
+            rid = seq.request.request_id
+            try:
+                fire("grammar", self._tracked[rid].rules.fault)
+            except Exception as err:
+                errors[rid] = err
+                continue
+            masked[seq] = len(masked)
+        if not masked:
+            return masked, None, errors
+        return masked, self.grammars.start([s.grammar for s in masked]), errors
+
+    def _collect_masks(
+        self,
+        masked: dict[Sequence, int],
+        job: MaskJob | None,
+        errors: dict[str, Exception],
+        failed: dict,
+    ) -> Any:
+        """The masks ``_start_masks`` computed ((rows, vocab) booleans, None if none); a
+        request whose grammar failed ends here (the others' masks stand)."""
+        for rid, err in errors.items():
+            failed[rid] = self._fail(rid, "grammar", err)
+        if job is None:
+            return None
+        try:
+            allowed = job.result()
+        except Exception as err:
+            for seq in masked:
+                rid = seq.request.request_id
+                if rid not in failed:
+                    failed[rid] = self._fail(rid, "grammar", err)
+            return None
+        for seq in masked:
+            rid = seq.request.request_id
+            if seq.grammar.is_error() and rid not in failed:
+                failed[rid] = self._fail(rid, "grammar", ValueError(seq.grammar.get_error()))
+        return allowed
 
     def _prompt_logprobs(
         self, chunks: list[Chunk], every_row: set[int], logits: Any, failed: dict
@@ -429,6 +517,8 @@ class LLMEngine:
         family = [seq]
         for index in range(1, request.config.num_return_sequences):
             child = request.new_sequence(index, seq.token_ids, self.runner.device)
+            if seq.grammar is not None:  # the same state: its own copy from here on
+                child.grammar = seq.grammar.deep_copy()
             self.scheduler.blocks.fork(seq, child)
             self.scheduler.add_running(child)
             family.append(child)
@@ -473,6 +563,26 @@ class LLMEngine:
         if request.first_token_time is not None:
             metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
         return metrics
+
+
+def _apply_masks(logits: Any, allowed: Any, grammar_rows: list[int | None]) -> Any:
+    """``logits`` with ``-inf`` wherever row ``i``'s grammar (row ``grammar_rows[i]`` of
+    ``allowed``) does not allow a token; rows with no grammar unchanged. A new tensor: the
+    step's raw logits stay the model's (log-probabilities are reported from them)."""
+    pick = [i for i, j in enumerate(grammar_rows) if j is not None]
+    if not pick:
+        return logits
+    disallowed = torch.zeros(logits.shape, dtype=torch.bool)
+    disallowed[pick] = ~allowed[[grammar_rows[i] for i in pick]]
+    return logits.masked_fill(disallowed.to(logits.device, non_blocking=True), float("-inf"))
+
+
+def _advance(matcher: Any, token: int) -> bool:
+    """Advance a sequence's grammar by its chosen ``token``; whether the grammar is then
+    complete (it takes no more tokens). A token the grammar refuses raises."""
+    if not matcher.consume_token(token):
+        raise ValueError(f"the grammar refused token {token}: {matcher.get_error()}")
+    return matcher.is_stopped()
 
 
 def _wants_prompt_rows(chunk: Chunk) -> bool:

@@ -10,6 +10,7 @@ request whose prompt text contains ``BOOM`` raise :class:`InjectedFault` at that
 * ``logits``: before the request's logits processors run;
 * ``sampling``: before its next token is picked;
 * ``logprobs``: before its tokens' log-probabilities are computed (requests that ask for them);
+* ``grammar``: before its next-token mask is computed (requests with structured output);
 * ``detokenize``: when its new tokens are turned into text.
 
 Off (the default), nothing is decoded and nothing is checked per step.
@@ -21,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-STAGES = ("forward", "logits", "sampling", "logprobs", "detokenize")
+STAGES = ("forward", "logits", "sampling", "logprobs", "grammar", "detokenize")
 ENV = "LLMLAB_SERVING_INJECT_FAULT"
 
 

@@ -7,10 +7,13 @@ chat; ``temperature`` 1; ``temperature: 0`` means greedy). vLLM's extensions tha
 ``length_penalty``, ``early_stopping``: the ``n`` best of ``num_beams`` beams, greedy).
 Log-probabilities are OpenAI's: ``logprobs: N`` (0..20) and ``echo`` on completions
 (``max_tokens: 0`` only with ``echo``), ``logprobs: true`` and ``top_logprobs: N`` on chat; they
-become the request's ``RequestOptions``. OpenAI options the engine cannot honour (penalties by
-frequency, logit bias, tools, response formats...) are refused with a 400 naming the field when
-they are set to anything but their default, and unknown fields are refused: an option that
-would silently change nothing is an error, not a no-op.
+become the request's ``RequestOptions``. Structured output is OpenAI's: ``response_format``
+(``json_object``, ``json_schema``) on both endpoints, ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` on chat (``llmlab.serving.structured`` turns them into a grammar; the
+server does). OpenAI options the engine cannot honour (penalties by frequency, logit bias...)
+are refused with a 400 naming the field when they are set to anything but their default, and
+unknown fields are refused: an option that would silently change nothing is an error, not a
+no-op.
 
 Types are strict (pydantic's strict mode: ``"max_tokens": true``, ``"stream": "yes"`` or
 ``"temperature": "0.5"`` are refused, not coerced; an integer is a float where a float is
@@ -20,9 +23,10 @@ checked here too, so that every value the engine admits is one it can serve.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from llmlab.decoding import GenerationConfig
 from llmlab.serving.sequence import RequestOptions
@@ -41,15 +45,62 @@ UNSUPPORTED: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "logit_bias": None,
     "suffix": None,
-    "tools": None,
-    "tool_choice": None,
-    "response_format": None,
 }
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``. A schema is
+    enforced whatever ``strict`` says (as vLLM does)."""
+
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionName
 
 
 class SamplingFields(BaseModel):
@@ -80,6 +131,10 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # the grammar the server built for this request (llmlab.serving.structured), if any
+    _grammar: str | None = PrivateAttr(None)
+    _grammar_field: str | None = PrivateAttr(None)  # the field it came from
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
@@ -161,6 +216,7 @@ class CompletionRequest(SamplingFields):
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo else None,
             prompt_only=self.max_tokens == 0,
+            grammar=self._grammar,
         )
 
     def prompts(self) -> list[str | list[int]]:
@@ -189,7 +245,24 @@ class Message(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {**self.model_dump(exclude_none=True), "content": content or ""}
+        out = {**self.model_dump(exclude_none=True), "content": content or ""}
+        calls = out.get("tool_calls")
+        if isinstance(calls, list):  # chat templates read a call's arguments as a mapping
+            out["tool_calls"] = [_arguments_as_mapping(c) for c in calls]
+        return out
+
+
+def _arguments_as_mapping(call: Any) -> Any:
+    """An OpenAI tool call with its ``arguments`` JSON string parsed (what HF chat templates
+    render with ``tojson``); anything else unchanged."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -199,15 +272,58 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: Any = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice is only allowed when tools are specified")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in [t.function.name for t in self.tools or []]:
+                raise ValueError(f"tool_choice names the function {name!r}, which tools lacks")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        fixed = self.response_format is not None and self.response_format.type != "text"
+        if self.forced_tools and fixed:
+            raise ValueError(
+                f"response_format={self.response_format.type!r} and tool_choice="
+                f"{self.tool_choice_name!r} each fix the output's form: send one of them"
+            )
         return self
+
+    @property
+    def tool_choice_name(self) -> str:
+        """``none``, ``auto``, ``required`` or ``function`` (a named one); ``none`` when there
+        are no tools, ``auto`` when tools come with no choice (OpenAI's defaults)."""
+        if not self.tools:
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return "function" if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+
+    @property
+    def tools_active(self) -> bool:
+        """Whether the model's text is parsed for tool calls."""
+        return self.tool_choice_name != "none"
+
+    @property
+    def forced_tools(self) -> list[dict[str, Any]]:
+        """The tools a grammar makes the model call: all of them (``required``), the named
+        one, or none (``auto``, ``none``)."""
+        choice = self.tool_choice_name
+        if choice == "required":
+            return [t.model_dump(exclude_none=True) for t in self.tools or []]
+        if choice == "function":
+            name = self.tool_choice.function.name
+            return [t.model_dump(exclude_none=True) for t in self.tools or []
+                    if t.function.name == name]  # fmt: skip
+        return []
 
     @property
     def token_limit(self) -> int | None:
@@ -216,7 +332,9 @@ class ChatCompletionRequest(SamplingFields):
     def request_options(self) -> RequestOptions:
         """``logprobs: true``: each generated token's log-probability, with the
         ``top_logprobs`` most likely tokens at its position."""
-        return RequestOptions(logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        return RequestOptions(
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None, grammar=self._grammar
+        )
 
 
 def error_body(

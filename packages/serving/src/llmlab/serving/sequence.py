@@ -53,12 +53,14 @@ class RequestOptions:
     prompt position in prefill (the request then skips the prefix cache: a cached block has no
     logits); ``prompt_only``: compute the prompt and generate nothing (OpenAI's ``max_tokens:
     0`` with ``echo``). Log-probabilities are the log-softmax of the model's logits as the
-    forward returns them, before any logits processor, temperature or mask.
+    forward returns them, before any logits processor, temperature or mask. ``grammar``: an
+    llguidance grammar (``llmlab.serving.structured``) every sequence's text must follow.
     """
 
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_only: bool = False
+    grammar: str | None = None
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
+    grammar: Any = None  # its llguidance matcher (RequestOptions.grammar), at its accepted tokens
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,12 @@ aborts its request, and its KV blocks return to the pool before the engine's nex
 Log-probabilities (``logprobs``, ``top_logprobs``, ``echo``) become the request's
 ``RequestOptions``; the engine's ``TokenLogprob`` s are shaped into OpenAI's objects here
 (``llmlab.serving.logprobs``): completions' legacy object, chat's ``logprobs.content``.
+Structured output (``llmlab.serving.structured``): ``response_format`` becomes a grammar (a
+schema llguidance refuses is a 400 before anything is queued); chat ``tools`` are rendered by
+the chat template, a forced ``tool_choice`` (``required`` or a named function) becomes a grammar
+of the template's tool-call format, and the text of a request with tools is parsed into OpenAI
+``tool_calls`` (``finish_reason: "tool_calls"``; a stream sends its content and calls at the
+end).
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ from llmlab.serving.loading import encode
 from llmlab.serving.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from llmlab.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from llmlab.serving.sequence import TokenLogprob
+from llmlab.serving.structured import (
+    json_object_grammar,
+    json_schema_grammar,
+    parse_tool_calls,
+    tool_call_format,
+    tool_call_grammar,
+)
 
 log = logging.getLogger("llmlab.serving")
 
@@ -176,7 +189,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Any:
         raw = await read_body(request, state.max_body_bytes)
         body, prompts, configs = await off_the_loop(_prepare_chat, state, raw)
-        fmt = ChatFormat(state, body=body)
+        tools = tool_call_format(state.chat_template.source) if body.tools_active else None
+        fmt = ChatFormat(state, body=body, tool_format=tools)
         return await _serve(async_engine, request, body, prompts, configs, fmt)
 
     return app
@@ -229,6 +243,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 def _prepare_completion(state: ServerState, raw: bytes) -> tuple[Any, list, list]:
     body = parse(CompletionRequest, raw)
     _check_model(state, body.model)
+    body._grammar = _response_grammar(body)
     prompts = [_prompt_ids(state, p) for p in body.prompts()]
     limit = max(body.token_limit, 1)  # max_tokens=0 (echo): RequestOptions.prompt_only
     return body, prompts, [_config(state, body, ids, limit) for ids in prompts]
@@ -238,13 +253,56 @@ def _prepare_chat(state: ServerState, raw: bytes) -> tuple[Any, list, list]:
     body = parse(ChatCompletionRequest, raw)
     _check_model(state, body.model)
     messages = [m.as_dict() for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    body._grammar = _response_grammar(body) or _tool_grammar(state, body)
     try:
-        text = state.chat_template.render(messages, body.add_generation_prompt)
+        text = state.chat_template.render(messages, body.add_generation_prompt, tools)
     except ValueError as err:
         raise BadRequest(str(err), "messages") from err
     ids = _prompt_ids(state, text)
     room = state.engine.config.max_model_len - len(ids)
     return body, [ids], [_config(state, body, ids, body.token_limit or max(room, 1))]
+
+
+def _response_grammar(body: Any) -> str | None:
+    """The grammar of ``response_format`` (None for none or ``text``); a schema that is not a
+    JSON object is a 400 here, one llguidance cannot compile is one in ``_config``."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    body._grammar_field = "response_format"
+    try:
+        if fmt.type == "json_object":
+            return json_object_grammar()
+        return json_schema_grammar(fmt.json_schema.schema_)
+    except ValueError as err:
+        raise BadRequest(f"response_format: {err}", "response_format") from err
+
+
+def _tool_grammar(state: ServerState, body: Any) -> str | None:
+    """With tools: the template must render them; a forced choice (``required``, a named
+    function) is the grammar of one call in the template's format (``required`` with
+    ``parallel_tool_calls``: one or more, where the model has an end token to stop on)."""
+    if not body.tools:
+        return None
+    fmt = tool_call_format(state.chat_template.source)
+    if fmt is None:
+        raise BadRequest(
+            "tools: this model's chat template does not render tools (it never reads "
+            "`tools`, or uses a tool-call format llmlab.serving does not parse: Hermes "
+            "<tool_call> or Llama 3 JSON); serve it with --chat-template FILE of one that does",
+            "tools",
+        )
+    forced = body.forced_tools
+    if not forced:
+        return None
+    body._grammar_field = "tools"
+    ends = bool(state.eos_token_ids) and not body.ignore_eos
+    many = body.tool_choice_name == "required" and body.parallel_tool_calls and ends
+    try:
+        return tool_call_grammar(forced, fmt, many)
+    except ValueError as err:
+        raise BadRequest(f"tools: {err}", "tools") from err
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -269,6 +327,9 @@ def _config(state: ServerState, body: Any, ids: list[int], max_tokens: int) -> G
         state.engine.check_request("", ids, config, body.request_options())
     except ValueError as err:
         message = str(err).removeprefix("GenerationConfig: ")
+        if message.startswith("invalid grammar"):  # llguidance's word on a schema
+            field = body._grammar_field
+            raise BadRequest(f"{field}: {message}", field) from err
         for ours, openai_name in RENAMED.items():  # say it in the request's own words
             message = message.replace(ours, openai_name)
         raise BadRequest(message) from err
@@ -498,6 +559,23 @@ class ChatFormat(CompletionFormat):
     choice (each chunk, for its new tokens) has ``logprobs: {"content": [...]}``."""
 
     prefix: str = "chatcmpl"
+    tool_format: str | None = None  # parse the text for tool calls in this format
+
+    def _message(self, seq: Any) -> tuple[dict[str, Any], str | None]:
+        """A finished choice's message and finish reason: its tool calls parsed out of its
+        text when the request has tools (``finish_reason: "tool_calls"``)."""
+        message: dict[str, Any] = {"role": "assistant", "content": seq.text}
+        if self.tool_format is None or seq.finish_reason in (None, "error", "abort"):
+            return message, seq.finish_reason
+        content, calls = parse_tool_calls(seq.text, self.tool_format)
+        if not calls:
+            return message, seq.finish_reason
+        message["content"] = content
+        message["tool_calls"] = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call}
+            for call in calls
+        ]
+        return message, "tool_calls"
 
     def _base(self, rid: str, chunk: bool = True) -> dict[str, Any]:
         kind = "chat.completion.chunk" if chunk else "chat.completion"
@@ -519,11 +597,28 @@ class ChatFormat(CompletionFormat):
         for seq in sorted(final.output.outputs, key=lambda o: o.index):
             tokens += len(seq.token_ids)
             logprobs = self._logprobs(final.logprobs.get(seq.index, []))
-            choices.append({"index": seq.index, "logprobs": logprobs,
-                            "message": {"role": "assistant", "content": seq.text},
-                            "finish_reason": seq.finish_reason})  # fmt: skip
+            message, finish_reason = self._message(seq)
+            choices.append({"index": seq.index, "logprobs": logprobs, "message": message,
+                            "finish_reason": finish_reason})  # fmt: skip
         return {**self._base(rid, chunk=False), "choices": choices,
                 "usage": usage(prompts, n, tokens)}  # fmt: skip
+
+    def _tool_chunk(self, rid: str, index: int, seq: Any, logprobs: Any) -> dict | None:
+        if seq.finish_reason is None:
+            if logprobs is None:
+                return None
+            choice = {"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": None}
+            return {**self._base(rid), "choices": [choice]}
+        message, finish_reason = self._message(seq)
+        delta: dict[str, Any] = {}
+        if message["content"]:
+            delta["content"] = message["content"]
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **call}
+                                   for k, call in enumerate(message["tool_calls"])]  # fmt: skip
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}  # fmt: skip
+        return {**self._base(rid), "choices": [choice]}
 
     def first_chunks(self, rid: str, choices: int) -> list[dict]:
         return [
@@ -534,6 +629,8 @@ class ChatFormat(CompletionFormat):
 
     def chunk(self, rid: str, p: int, index: int, seq: Any, output: RequestOutput) -> dict | None:
         logprobs = self._logprobs(seq.new_logprobs) if seq.new_logprobs else None
+        if self.tool_format is not None:  # the text is parsed when it is whole: sent then
+            return self._tool_chunk(rid, index, seq, logprobs)
         if not seq.new_text and logprobs is None and seq.finish_reason is None:
             return None
         delta = {"content": seq.new_text} if seq.new_text else {}
