@@ -283,6 +283,37 @@ def test_training_path_equals_the_cache_path_and_has_gradients():
     torch.testing.assert_close(last[:, 0], logits.detach()[:, 8], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("wrap", ["int8", "lora"])
+def test_the_latent_path_reads_quantized_and_lora_projections(wrap, folders):
+    """The absorbed order reads kv_b_proj as a matrix (``dense_weight``): a quantized layer's
+    dequantized weight, a LoRA layer's base plus its update; the cached path still equals the
+    training path's forward."""
+    from llmlab.models.lora import apply_lora
+    from llmlab.models.quantize import quantize
+
+    _, folder = folders["v3-yarn-qlora-moe"]
+    model = from_pretrained(folder)
+    if wrap == "int8":
+        model = quantize(model, "int8")
+        assert type(model.blocks[0].attn.kv_b_proj).__name__ == "QuantizedLinear"
+    else:
+        model = apply_lora(model, {"r": 4, "target_modules": "all-linear"})
+        assert hasattr(model.blocks[0].attn.kv_b_proj, "lora_B")
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: make the update count
+                torch.nn.init.normal_(p, std=0.1)
+    model.eval()
+    ids = _ids(6, batch=2, length=10)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(2, 16)
+        stepped = torch.cat(
+            [model(ids[:, :6], attention=cache), model(ids[:, 6:], attention=cache)], 1
+        )
+    torch.testing.assert_close(stepped, full, atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------- refusals
 def _copy_with(src, dst, **changes):
     shutil.copytree(src, dst)

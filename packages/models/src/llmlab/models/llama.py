@@ -288,11 +288,13 @@ class Llama(nn.Module):
 
         GQA shrinks N (smaller k/v projections) but not the attention term: every query head
         still scores every key. A mixture of experts counts the parameters a token uses
-        (:meth:`active_params`): k of E experts.
+        (:meth:`active_params`): k of E experts. Latent attention (training's expanded order)
+        scores over ``qk_head_dim`` and sums values of ``v_head_dim``: ``D`` is their mean.
         """
         c = self.config
         T = seq_len or c.block_size
-        return 6.0 * self.active_params() + 12.0 * c.n_layer * c.n_head * c.head_size * T
+        D = (c.head_size + c.v_head_dim) / 2 if c.latent_attention else c.head_size
+        return 6.0 * self.active_params() + 12.0 * c.n_layer * c.n_head * D * T
 
     # ------------------------------------------------------------------- conversions
     @classmethod
