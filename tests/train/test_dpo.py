@@ -250,3 +250,27 @@ def test_config_checks():
                                         "task.reference=adapters"]))  # fmt: skip
     with pytest.raises(ConfigError, match="task=dpo with strategy"):
         validate_config(compose_config(["experiment=llama_dpo", "~task.lora", "strategy=nd"]))
+
+
+@pytest.mark.distributed
+def test_ddp_logs_the_global_batch_values_of_one_process(tmp_path):
+    """train/loss, the gradient norm and the dpo/ metrics of 2 DDP ranks (2 pairs each) equal
+    one process's (4 pairs) at every step, the later steps after updates from the averaged
+    gradients (W&B's offline record of each run)."""
+    from tests.helpers.runs import QUICK, run_train, wandb_history
+
+    keys = ["train/loss", "train/grad_norm", "dpo/rewards_chosen", "dpo/rewards_rejected",
+            "dpo/margins", "dpo/accuracy"]  # fmt: skip
+    steps = []
+    for name, extra in (("one", []), ("ddp", ["strategy=ddp", "trainer.devices=2"])):
+        args = ["experiment=llama_dpo", *QUICK, "trainer.max_steps=3", "task.lr=1e-2",
+                "task.warmup_steps=0", f"paths.cache_dir={tmp_path / 'cache'}", *extra]  # fmt: skip
+        result = run_train(args, tmp_path / name, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        (run,) = (tmp_path / name / "llama_dpo").glob("*/wandb/offline-run-*")
+        steps.append([[row[k] for k in keys] for row in wandb_history(run) if "train/loss" in row])
+    assert len(steps[0]) == len(steps[1]) == 3
+    assert steps[0][0][0] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at first
+    for one, ddp in zip(steps[0], steps[1]):
+        assert ddp == pytest.approx(one, abs=1e-5), (one, ddp)
+    assert steps[0][-1][4] > 0  # the margins grew: the comparison means something

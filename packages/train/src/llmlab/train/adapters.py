@@ -19,6 +19,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from llmlab.models.lora import (
@@ -62,10 +63,18 @@ def strategy_problem(strategy: Mapping[str, Any]) -> str | None:
 
 def add_adapters(model: nn.Module, config: LoRAConfig) -> None:
     """Wrap ``model``'s target layers once (a second call finds them there) and log the
-    trainable share."""
+    trainable share.
+
+    The adapters' initial values (A random, B zero) are drawn from the run's seed
+    (``torch.initial_seed()``, the seed ``seed_everything`` set), not from wherever the random
+    stream happens to be: Lightning's DDP re-seeds every rank just before ``configure_model``
+    and one process does not, so the stream's position differs while the seed does not -- and
+    a DDP run must start from the adapters one process starts from."""
     if lora_layers(model):
         return
-    apply_lora(model, config)
+    with torch.random.fork_rng():
+        torch.manual_seed(torch.initial_seed())
+        apply_lora(model, config)
     trainable, total = count_parameters(model)
     log.info(
         "LoRA r=%d alpha=%g on %d layers: %s trainable of %s parameters (%.2f%%)",
