@@ -54,9 +54,12 @@ def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
         d, t = strategy.groups.coords.data, strategy.groups.coords.tensor
         c = strategy.groups.coords.context  # context ranks hold equal gradients, as replicas
         duplicates = {id(p) for p in parallel.duplicates}
+        # an expert slice (expert parallelism) is counted on the ranks of the first expert group
+        expert_group = strategy.dims.expert_coords(strategy.global_rank)[0]
         for p in params:
             owner = model_of.get(id(p), p)
-            if p.grad is None or id(owner) in duplicates or d != 0 or c != 0:
+            first = expert_group == 0 if hasattr(owner, "ep_slice") else d == 0 and c == 0
+            if p.grad is None or id(owner) in duplicates or not first:
                 continue
             if strategy.dims.tensor > 1 and getattr(owner, "tp_shard_dim", None) is None and t:
                 continue  # replicated under tensor parallelism: counted on tensor rank 0

@@ -54,26 +54,30 @@ from llmlab.parallel.contracts import ExpertFn, ExpertParallelizable
 EXPERT_ATTR = "ep_slice"  # (index, count): the parameter holds experts slice ``index`` of ``count``
 
 EXPERT_REFUSALS = {  # what expert > 1 does not compose with yet, and why
-    "pipeline": "a pipeline stage's MoE layers would run their all-to-alls inside the schedule's "
-    "interleaved micro-batches; that was never checked against one process",
-    "tensor": "tensor parallelism shards the dense MLPs only (the plan names no expert weight), "
-    "so each tensor rank would dispatch the same rows twice; not implemented",
-    "zero": "ZeRO and FSDP2 shard one flat gradient over data × context, while expert weights "
-    "reduce over the ranks holding the same experts; not implemented",
+    "strategy.pipeline": "a pipeline stage's MoE layers would run their all-to-alls inside the "
+    "schedule's interleaved micro-batches; never checked against one process",
+    "strategy.tensor": "the tensor-parallel plan names no expert weight, so every tensor rank "
+    "would dispatch the same rows; not implemented",
+    "strategy.zero": "ZeRO and FSDP2 shard one flat gradient over data × context, while expert "
+    "weights reduce over the ranks holding the same experts; not implemented",
     "compile": "compiled blocks around the all-to-all (data-dependent split sizes) were never "
     "checked",
     "activation_checkpointing": "a recomputed block repeats its all-to-alls in backward; never "
     "checked against one process",
     "precision": "expert parallelism was checked against one process in fp32 only",
-    "init_from": "pretrained weights are read whole per tensor slice; reading each rank's expert "
+    "model.init_from": "pretrained weights are read per tensor slice; reading each rank's expert "
     "slice is not implemented",
+    "strategy.sharded_checkpoints": "checkpoints do not gather or split the expert slices yet",
+    "checkpoint": "checkpoints do not gather or split the expert slices yet (each rank holds "
+    "1/expert of them); train without saving (trainer.enable_checkpointing=false)",
 }
 
 
 def expert_refusal(what: str, value: Any, expert: int) -> str:
+    """The message refusing ``what=value`` with ``strategy.expert=expert``."""
     return (
         f"strategy.expert={expert} with {what}={value} is refused: {EXPERT_REFUSALS[what]}; "
-        "use expert=1 or drop the option"
+        "use strategy.expert=1 or leave the option out"
     )
 
 
@@ -166,13 +170,7 @@ class ExpertParallel:
     def apply(self, model: nn.Module) -> int:
         """Shard and wrap every ``ExpertParallelizable`` layer of ``model``; the number of layers
         changed (an error when none: expert > 1 asked of a model without experts)."""
-        layers = [m for m in model.modules() if isinstance(m, ExpertParallelizable)]
-        if not layers:
-            raise ValueError(
-                f"strategy.expert={self.size} found no mixture-of-experts layer in "
-                f"{type(model).__name__} (no module with expert_parameters() and swap_experts(), "
-                "the ExpertParallelizable contract in llmlab.parallel.contracts); use expert=1"
-            )
+        layers = check_has_experts(model, self.size)
         changed = 0
         for layer in layers:
             self._shard(layer)
@@ -203,6 +201,19 @@ class ExpertParallel:
             return dispatch(x, counts, fn, self.group, self.size, self.index, self.stats)
 
         return expert_parallel
+
+
+def check_has_experts(model: nn.Module, expert: int) -> list[Any]:
+    """The model's ``ExpertParallelizable`` layers; ``ValueError`` when there is none (an
+    expert degree that would change nothing). Cheap on a ``meta`` model."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelizable)]
+    if not layers:
+        raise ValueError(
+            f"strategy.expert={expert} found no mixture-of-experts layer in "
+            f"{type(model).__name__} (no module with expert_parameters() and swap_experts(), "
+            "the ExpertParallelizable contract in llmlab.parallel.contracts); use expert=1"
+        )
+    return layers
 
 
 def is_expert_slice(p: Tensor) -> bool:

@@ -11,6 +11,7 @@ from llmlab.parallel.compile import COMPILE_WITH_TENSOR
 from llmlab.parallel.context.step import check_context
 from llmlab.parallel.data.sharding import check_zero_impl
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
+from llmlab.parallel.expert import expert_refusal
 from llmlab.parallel.mesh import ParallelDims
 from llmlab.parallel.pipeline.split_layout import check_split_backward
 from llmlab.parallel.transforms import ModelTransforms
@@ -25,8 +26,32 @@ ZERO_WITH_PIPELINE = (
 )
 
 
+def check_expert(
+    dims: ParallelDims, zero: int, transforms: ModelTransforms, sharded_checkpoints: bool = False
+) -> None:
+    """What ``expert > 1`` was checked with: data × context, fp32, no ZeRO, compile or
+    activation checkpointing (:data:`llmlab.parallel.expert.EXPERT_REFUSALS` says why)."""
+    if dims.expert == 1:
+        return
+    for what, value, bad in (
+        ("strategy.pipeline", dims.pipeline, dims.pipeline > 1),
+        ("strategy.tensor", dims.tensor, dims.tensor > 1),
+        ("strategy.zero", zero, zero > 0),
+        ("compile", True, transforms.compile),
+        ("activation_checkpointing", transforms.activation_checkpointing,
+         transforms.activation_checkpointing is not None),
+        ("strategy.sharded_checkpoints", True, sharded_checkpoints),
+    ):  # fmt: skip
+        if bad:
+            raise ValueError(expert_refusal(what, value, dims.expert))
+
+
 def check_options(
-    dims: ParallelDims, zero: int, zero_impl: str, transforms: ModelTransforms
+    dims: ParallelDims,
+    zero: int,
+    zero_impl: str,
+    transforms: ModelTransforms,
+    sharded_checkpoints: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the values for the first combination that cannot be exact."""
     if zero not in ZERO_STAGES:
@@ -41,3 +66,4 @@ def check_options(
     check_split_backward(dims.schedule, transforms.compile)  # zb1/zbv/dualpipev: exact only
     check_context(dims.context, transforms)
     check_zero_impl(zero_impl, zero, dims.pipeline, transforms, context=dims.context)
+    check_expert(dims, zero, transforms, sharded_checkpoints)

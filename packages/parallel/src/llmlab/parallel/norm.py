@@ -119,11 +119,15 @@ class WholeModelNorm:
         groups: Iterable[dist.ProcessGroup | None],
         duplicates: Iterable[nn.Parameter] = (),
         owner_of: Callable[[], Mapping[int, nn.Parameter]] = dict,
+        experts: Iterable[nn.Parameter] = (),
+        expert_size: int = 1,
     ) -> None:
         self.tensor_size = tensor_size
         self.groups = list(groups)
         self.duplicates = list(duplicates)
         self.owner_of = owner_of
+        self.experts = {id(p) for p in experts}  # expert slices: summed over the expert group,
+        self.expert_size = expert_size  # in ``groups``; every other piece counts 1/expert_size
 
     def __call__(self, params: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
         """The norm of ``params``' gradients as the whole model's (a collective)."""
@@ -131,4 +135,7 @@ class WholeModelNorm:
         owner = self.owner_of()
         owners = [owner.get(id(p), p) for p in params]
         weights = piece_weights(owners, self.tensor_size, self.duplicates)
+        if self.expert_size > 1:
+            weights = [w if id(p) in self.experts else w / self.expert_size
+                       for p, w in zip(owners, weights, strict=True)]  # fmt: skip
         return global_grad_norm([p.grad for p in params], weights, self.groups, norm_type)

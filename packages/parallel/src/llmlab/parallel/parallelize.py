@@ -7,6 +7,7 @@ tasks and the app never transform a model.
     1. tensor parallelism      shard the layers the model's ``tensor_parallel_plan()`` names
     2. sequence parallelism    norms / dropout / residual adds on sequence shards (part of 1)
     2b. context parallelism    ring attention over the context group, global position ids
+    2c. expert parallelism     this rank's slice of each MoE layer's experts, all-to-all around it
     3. memory                  recompute attention, activation checkpointing of repeated blocks
     4. pipeline stage split    keep this stage's ``pipeline_layers()``, free the rest
        pretrained weights      a ``meta`` model is filled: this stage's layers, this TP slice
@@ -44,6 +45,7 @@ from llmlab.parallel.contracts import (
     WeightSource,
     require,
 )
+from llmlab.parallel.expert import ExpertParallel, expert_refusal
 from llmlab.parallel.memory import apply_activation_checkpointing, use_recompute_attention
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, check_layout
 from llmlab.parallel.pipeline.schedules import placement
@@ -76,6 +78,7 @@ class ParallelModel:
     duplicates: list[nn.Parameter] = field(default_factory=list)  # tied copies owned elsewhere
     loss_fn: LossFn | None = None  # replaces the task's loss (vocab-parallel cross-entropy)
     context: ContextParallel | None = None  # ring attention (context > 1), split in steps only
+    expert: ExpertParallel | None = None  # expert parallelism (expert > 1): the expert slices
     applied: dict[str, Any] = field(default_factory=dict)  # what each step changed (for logs)
 
     @property
@@ -159,6 +162,15 @@ def parallelize_model(
         check_context(dims.context, transforms)
         result.context = ContextParallel(groups.context)
         result.applied["context_parallel"] = result.context.apply(model, active=False)
+
+    # 2c. expert parallelism: a slice of every MoE layer's experts, tokens sent by all-to-all
+    if dims.expert > 1:
+        assert groups is not None, "expert parallelism needs process groups"
+        if weights is not None:
+            raise ValueError(expert_refusal("model.init_from", "<a folder>", dims.expert))
+        index = dims.expert_coords(groups.rank)[1]
+        result.expert = ExpertParallel(groups.expert, dims.expert, index)
+        result.applied["expert_parallel"] = result.expert.apply(model)  # raises: no MoE layer
 
     # 3. memory: trade compute for activation memory
     if transforms.recompute_attention is not None:

@@ -8,7 +8,9 @@
 * ``comm/dp_bytes``: the gradient all-reduce over the data group (data × context with context
   parallelism: the folded reduction), or ZeRO's reduce-scatters and all-gathers;
 * ``comm/cp_bytes``: ring attention's key/value chunks and their gradients
-  (:func:`~llmlab.parallel.context.accounting.cp_bytes` per micro-batch).
+  (:func:`~llmlab.parallel.context.accounting.cp_bytes` per micro-batch);
+* ``comm/ep_bytes``: expert parallelism's all-to-alls (rows to other ranks' experts and back,
+  their gradients, the counts; the formula is in :mod:`llmlab.parallel.expert`).
 
 Counts are per rank and per optimizer step (payload bytes, not what the wire carries).
 """
@@ -35,6 +37,7 @@ class StepComm:
         self.dp_bytes = 0
         self.counting = counting or nullcontext
         self.cp_bytes = 0
+        self.ep_bytes = 0
 
     @contextmanager
     def recording(self) -> Generator[None, None, None]:
@@ -52,7 +55,8 @@ class StepComm:
             "comm/pp_bytes": float(self.pp_bytes),
             "comm/dp_bytes": float(self.dp_bytes),
             "comm/cp_bytes": float(self.cp_bytes),
+            "comm/ep_bytes": float(self.ep_bytes),
         }
         ledger.clear()
-        self.pp_bytes = self.dp_bytes = self.cp_bytes = 0
+        self.pp_bytes = self.dp_bytes = self.cp_bytes = self.ep_bytes = 0
         return out

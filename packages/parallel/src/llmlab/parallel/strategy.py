@@ -22,7 +22,9 @@ Lightning's hooks, each calling the mechanism that does the work:
   DCP folder of every rank's shards: any layout's resumes in any other and loads into a plain
   model; they are restored after ``setup``, when every tensor is in its final place.
 
-With a pipeline only ``zero=1`` is accepted (``nd_options.ZERO_WITH_PIPELINE``).
+With a pipeline only ``zero=1`` is accepted (``nd_options.ZERO_WITH_PIPELINE``). ``expert``: the
+ranks of data × context each MoE layer's experts are split over (:mod:`llmlab.parallel.expert`;
+what it composes with: ``nd_options.check_expert``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from llmlab.parallel.data.sharding import build_data_sharding, check_zero_impl
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_memory import ReplicatedMemory
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
+from llmlab.parallel.expert import check_has_experts, expert_refusal, split_expert_params
 from llmlab.parallel.loss_mean import LossReplicas
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
 from llmlab.parallel.nd_options import check_options
@@ -70,6 +73,7 @@ from llmlab.parallel.step_comm import StepComm
 from llmlab.parallel.transforms import ModelTransforms
 
 log = logging.getLogger(__name__)
+FP32 = ("32-true", "32", 32, None)  # Lightning's fp32 precision flags
 
 
 class NDParallelStrategy(DDPStrategy):
@@ -110,6 +114,7 @@ class NDParallelStrategy(DDPStrategy):
         zero: int = 0,
         sharded_checkpoints: bool = False,
         zero_impl: str = "llmlab",
+        expert: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -123,10 +128,11 @@ class NDParallelStrategy(DDPStrategy):
             microbatches=microbatches,
             virtual_stages=virtual_stages,
             boundaries=None if boundaries is None else tuple(boundaries),
+            expert=expert,
         )  # the layout as asked; ``dims`` is it on this world
         self._dims: ParallelDims | None = None
         self.transforms = ModelTransforms.from_config(transforms)
-        check_options(self.requested, zero, zero_impl, self.transforms)
+        check_options(self.requested, zero, zero_impl, self.transforms, bool(sharded_checkpoints))
         self.zero, self.zero_impl = zero, zero_impl
         self.sharded_checkpoints = bool(sharded_checkpoints)
         self.model_attribute = model_attribute
@@ -157,7 +163,11 @@ class NDParallelStrategy(DDPStrategy):
         check_split_backward(dims.schedule, run.transforms.compile, run.plugin_options)
         check_zero_impl(s.zero_impl, s.zero, dims.pipeline, None, run.plugin, run.precision,
                         context=dims.context)  # fmt: skip
-        model = run.model() if dims.tensor > 1 or dims.pipeline > 1 else None
+        if dims.expert > 1 and (run.plugin is not None or run.precision not in FP32):
+            raise ValueError(expert_refusal("precision", run.plugin or run.precision, dims.expert))
+        model = run.model() if dims.tensor > 1 or dims.pipeline > 1 or dims.expert > 1 else None
+        if dims.expert > 1 and model is not None:
+            check_has_experts(model, dims.expert)
         check_layout(dims, world_size=run.world_size, model=model, global_batch=run.global_batch)
         check_context(dims.context, run.transforms, run.seq_len, run.attention_dropout)
 
@@ -296,7 +306,11 @@ class NDParallelStrategy(DDPStrategy):
         assert self.parallel is not None
         groups, zero, parallel = self.groups, self.zero_engine, self.parallel
         data = (groups.replica, self.dims.replicas) if zero is None else (None, 1)
-        self._reducer = GradientReducer(parallel.params, parallel.tied, *data)
+        experts = split_expert_params(parallel.params)[1]
+        self._reducer = GradientReducer(
+            parallel.params, parallel.tied, *data,
+            experts=experts, expert_group=groups.expert_copies,
+        )  # fmt: skip
         plugin = self.precision_plugin
         masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
         held = masters.masters if zero is None and masters is not None else ()  # zero=0's fp32
@@ -309,10 +323,12 @@ class NDParallelStrategy(DDPStrategy):
             layout={**self.dims.sizes(), "zero": self.zero, "zero_impl": self.zero_impl,
                     "sequence_parallel": self.dims.sequence_parallel},
         )  # fmt: skip
-        norm_groups = (groups.tensor, groups.pipeline, *((groups.replica,) if zero else ()))
+        norm_groups = (groups.tensor, groups.pipeline, *((groups.replica,) if zero else ()),
+                       groups.expert)  # fmt: skip
         self._norm = WholeModelNorm(  # the optimizer's tensors (masters, ZeRO pieces) stand for
             self.dims.tensor, norm_groups, parallel.duplicates,  # the model parameters the
             self.checkpointer.model_param_of,  # checkpointer names them by
+            experts, self.dims.expert,
         )  # fmt: skip
         if isinstance(plugin, WholeModelClipping):
             plugin.clip_by_norm_of(self.global_grad_norm)
@@ -409,6 +425,8 @@ class NDParallelStrategy(DDPStrategy):
         self.comm.pp_bytes += reducer.tied_bytes
         self.comm.dp_bytes += reducer.data_bytes
         self.comm.cp_bytes += take_cp_bytes(self.context)
+        if self.parallel is not None and self.parallel.expert is not None:
+            self.comm.ep_bytes += self.parallel.expert.stats.take()
         reducer.reset_counts()
         if self.pipeline_step is not None:
             self.comm.pp_bytes += self.pipeline_step.take_bytes_sent()
@@ -490,6 +508,8 @@ class NDParallelStrategy(DDPStrategy):
         return checkpoint
 
     def _checkpoints(self) -> LayoutCheckpointer:
+        if self.dims.expert > 1:
+            raise ValueError(expert_refusal("checkpoint", "saved or loaded", self.dims.expert))
         if self.checkpointer is None:
             raise RuntimeError(
                 f"{type(self).__name__}: checkpoints are read and written after setup"

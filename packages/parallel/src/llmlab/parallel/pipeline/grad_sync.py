@@ -7,6 +7,8 @@ copies take the same optimizer step and stay equal, and the gradient equals sing
 
 Data parallelism: each data-parallel replica of a stage saw its share of the global batch, and
 the loss is a mean, so its gradients are averaged within the stage's data-parallel group.
+Expert slices (expert parallelism) are summed over the ranks that hold the same experts and
+divided by the same data-group size (:mod:`llmlab.parallel.expert` says why).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class GradientReducer:
     data_size: int = 1
     tied_bytes: int = 0
     data_bytes: int = 0
+    experts: list[nn.Parameter] = field(default_factory=list)  # expert slices (expert > 1)
+    expert_group: dist.ProcessGroup | None = None  # the ranks holding the same experts
 
     def __call__(self) -> None:
         for p in self.params:
@@ -64,8 +68,14 @@ class GradientReducer:
             dist.all_reduce(p.grad, group=group)
             self.tied_bytes += p.grad.numel() * p.grad.element_size()
         if self.data_size > 1:
-            grads = [p.grad for p in self.params]
+            experts = {id(p) for p in self.experts}
+            grads = [p.grad for p in self.params if id(p) not in experts]
             self.data_bytes += all_reduce_mean_(grads, self.data_group, self.data_size)
+            grads = [p.grad for p in self.params if id(p) in experts]
+            if grads and dist.get_world_size(self.expert_group) > 1:
+                self.data_bytes += all_reduce_mean_(grads, self.expert_group, self.data_size)
+            elif grads:  # one copy of these experts: nothing to sum, the same division
+                torch._foreach_div_(grads, float(self.data_size))
 
     def reset_counts(self) -> None:
         self.tied_bytes = self.data_bytes = 0
