@@ -15,7 +15,10 @@ where ``ctx`` meets :class:`AttentionContext`:
   new queries (B, H, T, D) and keys/values (B, H_kv, T, D) after RoPE; keeps ``k``/``v`` where
   it keeps them, and returns softmax attention over the keys each query may see (B, H, T, D).
   ``window``: the layer's sliding window (a query at ``i`` sees keys ``(i - window, i]``), or
-  None;
+  None. A layer may hand the *same* tensor as ``k`` and ``v`` (multi-head latent attention
+  attends over its compressed latent, one key head that is also the value; the output's extra
+  columns are the layer's to drop): a context may then keep it once
+  (``KVCache(values_are_keys=True)``);
 * ``end(num_tokens)``: called once after the last layer (a cache commits the new tokens).
 
 Contexts in this repository: none (training: causal, or document-masked with
