@@ -189,3 +189,27 @@ def test_too_few_rows_for_a_batch_is_refused(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="fewer than one global batch of 8"):
         ChatDataModule(str(path), tokenizer, template=str(EXAMPLE_DIR), block_size=64,
                        batch_size=8, val_files=str(path), cache_dir=str(tmp_path))  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_lora_sft_from_a_hugging_face_folder_through_the_app(tmp_path):
+    """``llama_sft_lora`` on an HF Llama folder holding the example's tokenizer and template
+    (``model=pretrained tokenizer=pretrained``): it trains, and its checkpoint holds the
+    adapters alone (the base is the folder)."""
+    import shutil
+
+    from tests.helpers.hf_tiny import build_hf
+    from tests.helpers.runs import QUICK, run_train
+
+    folder = tmp_path / "instruct"
+    build_hf("Llama", dict(vocab_size=384, max_position_embeddings=256)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EXAMPLE_DIR / name, folder / name)
+    args = ["experiment=llama_sft_lora", *QUICK, "model=pretrained", "tokenizer=pretrained",
+            f"model.init_from={folder}", f"paths.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    result = run_train(args, tmp_path / "out")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "assistant targets" in result.stdout
+    (ckpt,) = (tmp_path / "out" / "llama_sft_lora").glob("*/checkpoints/last.ckpt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    assert state and all("lora_" in k for k in state)
