@@ -46,9 +46,10 @@ VARIANTS = {
         rope_parameters={"rope_type": "default", "rope_theta": 500.0}, n_routed_experts=4,
         first_k_dense_replace=3, n_group=1, topk_group=1,
     ),
-    "no-renorm-one-group": dict(
+    # ... and attention biases (q_a, kv_a, o)
+    "no-renorm-one-group-biases": dict(
         q_lora_rank=24, v_head_dim=12, rope_parameters=YARN, n_routed_experts=4,
-        n_shared_experts=1, n_group=1, topk_group=1, num_experts_per_tok=2,
+        attention_bias=True, n_shared_experts=1, n_group=1, topk_group=1, num_experts_per_tok=2,
         first_k_dense_replace=0, routed_scaling_factor=1.0, norm_topk_prob=False,
     ),
 }  # fmt: skip
@@ -60,7 +61,7 @@ def _build(overrides: dict, seed: int = 0):
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():  # norms and biases away from 1 / 0: a mix-up shows in the logits
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.2)
         for name, b in model.named_buffers():  # a selection bias that changes the choice
             if name.endswith("e_score_correction_bias"):
