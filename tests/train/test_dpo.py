@@ -274,3 +274,92 @@ def test_ddp_logs_the_global_batch_values_of_one_process(tmp_path):
     for one, ddp in zip(steps[0], steps[1]):
         assert ddp == pytest.approx(one, abs=1e-5), (one, ddp)
     assert steps[0][-1][4] > 0  # the margins grew: the comparison means something
+
+
+def test_lora_dpo_steps_equal_trl_dpo_trainer_on_peft(tokenizer, tmp_path):
+    """A random HF Llama with peft adapters (A and B random) in TRL's ``DPOTrainer`` (sigmoid,
+    β 0.1, the reference its adapters off) and the same model and adapters in ``DPOTask``, on
+    the same pairs in the same order: the first step's loss, rewards and every adapter gradient
+    within 1e-5; then 20 plain AdamW steps (constant learning rate, no clipping, no warm-up) on
+    both sides, whose losses track within 1e-4. TRL computes its loss in its own
+    ``_compute_loss`` on its own collated batches; only the optimizer loop is written here."""
+    peft = pytest.importorskip("peft")
+    trl = pytest.importorskip("trl")
+    import datasets
+    import transformers
+
+    from llmlab.models import from_pretrained
+    from llmlab.models.lora import LoRAConfig, load_lora, lora_state_dict, to_peft_state_dict
+    from tests.helpers.hf_tiny import build_hf
+
+    hf = build_hf("Llama", dict(vocab_size=384, max_position_embeddings=64))
+    hf.save_pretrained(tmp_path / "hf")
+    theirs = peft.get_peft_model(
+        copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    theirs.save_pretrained(tmp_path / "peft")
+    task = _task(lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}, beta=0.1)
+    task.model = load_lora(from_pretrained(tmp_path / "hf"), tmp_path / "peft").train()
+    task.lora = LoRAConfig(r=4, alpha=8)
+
+    records = [json.loads(line) for line in PAIRS.read_text().splitlines()]
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True,
+                         max_length=None, beta=0.1, loss_type=["sigmoid"])  # fmt: skip
+    trainer = trl.DPOTrainer(
+        model=theirs, args=args, processing_class=transformers.AutoTokenizer.from_pretrained(
+            EXAMPLE_DIR), train_dataset=datasets.Dataset.from_list(records),
+    )  # fmt: skip
+    # Handed a PeftModel whose adapter exists already, TRL keeps a copy of it as the reference
+    # ("ref"); a fresh adapter (B = 0, as task.lora starts) is the base itself, which is what
+    # TRL falls back to without that copy: the base, as DPOTask's adapters-off reference.
+    trainer.model.delete_adapter("ref")
+    trainer.model.train()
+    data = _data(tokenizer, tmp_path, val_files=str(PAIRS), val_fraction=0.0)
+    ours_set, theirs_set = data.split_dataset("train"), trainer.train_dataset
+    columns = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+    def batches(step):
+        rows = [(step * 4 + i) % len(records) for i in range(4)]
+        mine = data.collate([ours_set[i] for i in rows])
+        trl_batch = trainer.data_collator([{k: theirs_set[i][k] for k in columns} for i in rows])
+        return mine, trl_batch
+
+    ours_params = list(lora_state_dict(task.model).values())
+    theirs_params = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in ours_params) == sum(p.numel() for p in theirs_params)
+    opt_ours = torch.optim.AdamW(ours_params, lr=1e-2, weight_decay=0.0)
+    opt_theirs = torch.optim.AdamW(theirs_params, lr=1e-2, weight_decay=0.0)
+    for step in range(20):
+        mine, trl_batch = batches(step)
+        losses, metrics = task.pair_losses("train", mine)
+        loss_ours = losses.mean()
+        loss_theirs = trainer._compute_loss(trainer.model, trl_batch, return_outputs=False)
+        assert abs(float(loss_ours) - float(loss_theirs)) < 1e-4, step
+        loss_ours.backward()
+        loss_theirs.backward()
+        if step == 0:
+            assert abs(float(loss_ours) - float(loss_theirs)) < 1e-5
+            logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+            for ours_name, trl_name in (("rewards_chosen", "rewards/chosen"),
+                                        ("rewards_rejected", "rewards/rejected")):  # fmt: skip
+                assert float(metrics[ours_name].mean()) == pytest.approx(logged[trl_name],
+                                                                         abs=1e-5)  # fmt: skip
+            grads = to_peft_state_dict(
+                task.model, {k: p.grad for k, p in lora_state_dict(task.model).items()}
+            )
+            named = trainer.model.named_parameters()
+            peft_grads = {n.replace(".default", ""): p.grad for n, p in named if p.requires_grad}
+            assert sorted(grads) == sorted(peft_grads)
+            for key, grad in peft_grads.items():
+                assert grad.abs().max() > 0, key
+                torch.testing.assert_close(grads[key], grad, atol=1e-5, rtol=0, msg=key)
+        opt_ours.step()
+        opt_theirs.step()
+        opt_ours.zero_grad()
+        opt_theirs.zero_grad()
+    assert float(loss_ours) < math.log(2) - 0.05  # it learned: the comparison means something
