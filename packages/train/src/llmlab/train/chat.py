@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -248,8 +249,11 @@ def read_records(
         return []
     paths = [str(p) for p in input_files([str(f) for f in files])]
     stamp = hashlib.sha1()
-    for p in paths:
-        stamp.update(p.encode() + b"\0" + Path(p).read_bytes())
+    for p in paths:  # the cache key: names and contents (a changed file is read again)
+        stamp.update(p.encode() + b"\0")
+        with open(p, "rb") as f:
+            while block := f.read(1 << 20):
+                stamp.update(block)
     datasets.disable_progress_bars()
     features = datasets.Features(
         {k: datasets.Value("string") for k in ("record", "source", "where", "problem")}
@@ -468,7 +472,8 @@ class ChatDataModule(GlobalBatchDataModule):
                 return tokenize_spans(tokenizer, *self.template.render(messages))
             except ValueError as err:
                 problem = str(err)
-        self.report.bad(record.source, record.where, problem.split(" (")[0], problem)
+        kind = re.sub(r"\d+", "N", problem.split(" (")[0].split(":")[0])  # "message N has ..."
+        self.report.bad(record.source, record.where, kind, problem)
         return None
 
     def split_dataset(self, split: str) -> Dataset:
