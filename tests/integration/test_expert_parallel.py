@@ -43,7 +43,7 @@ def _overrides(devices: int, strategy: list[str], extra: tuple[str, ...] = ()) -
     return [*MOE, *strategy, f"trainer.devices={devices}", "precision=fp32", *extra]
 
 
-def _fit(overrides: list[str], devices: int) -> dict:
+def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> dict:
     from omegaconf import OmegaConf
 
     from llmlab.train.app import (
@@ -64,10 +64,11 @@ def _fit(overrides: list[str], devices: int) -> dict:
         strategy,
         devices,
         OmegaConf.to_container(cfg.model, resolve=True),
-        steps=STEPS,
+        steps=steps,
         plugins=plugins,
         precision=precision,
         prepare=lambda s, task: hand_model_transforms(cfg, s, task, run.transforms),
+        **kwargs,
     )
     result = {k: out[k] for k in ("losses", "norms", "master_norm")}
     parallel = getattr(strategy, "parallel", None)
@@ -84,7 +85,7 @@ def _rank_fit(rank: int, world: int, overrides: list[str]) -> dict:
 
 
 def _close(got: list[float], want: list[float], what: str) -> None:
-    assert len(got) == len(want) == STEPS, (what, got, want)
+    assert len(got) == len(want), (what, got, want)
     for a, b in zip(got, want, strict=True):
         assert math.isfinite(a) and abs(a - b) <= REL * abs(b), (what, got, want)
 
@@ -139,3 +140,71 @@ def test_an_expert_degree_on_a_dense_model_is_refused() -> None:
     overrides = [*MODELS["llama"], "strategy=nd", "strategy.expert=2", "trainer.devices=2"]
     with pytest.raises(ConfigError, match="found no mixture-of-experts layer in Llama"):
         validate_config(compose_config(overrides))
+
+
+# --------------------------------------------------------------------------- checkpoints
+RESUME_STEPS, HALF = 4, 2  # two epochs of two batches; saved after the first
+
+
+def _save_at(step: int, path: str):
+    import lightning as L
+
+    class Save(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == step:
+                trainer.save_checkpoint(path)
+
+    return Save()
+
+
+def _rank_checkpoint(rank: int, world: int, root: str) -> dict:
+    """data 2 × expert 2 trains 4 steps, saving after 2; the checkpoint resumes in the same
+    layout and in data 2 × expert 1 (every expert on every rank)."""
+    path = f"{root}/ep2.ckpt"
+    ep2 = _overrides(2, LAYOUTS["dp2-ep2"][1])
+    dp2 = _overrides(2, ["strategy=nd", "strategy.data=2"])
+    full = _fit(ep2, 2, RESUME_STEPS, batches=HALF, callbacks=[_save_at(HALF, path)])
+    same = _fit(ep2, 2, RESUME_STEPS, batches=HALF, ckpt_path=path)
+    dense = _fit(dp2, 2, RESUME_STEPS, batches=HALF, ckpt_path=path)
+    return {"full": full["losses"], "same": same["losses"], "dense": dense["losses"]}
+
+
+@pytest.mark.distributed
+def test_an_expert_parallel_checkpoint_is_the_unsplit_model_and_resumes_in_expert_1(tmp_path):
+    """The consolidated checkpoint of data 2 × expert 2 holds every expert at full shape (a
+    plain ``Llama`` loads it strictly, and its weights are one process's after 2 steps within
+    1e-3 of each tensor's largest); resumed in the same layout and in expert=1 it continues
+    the uninterrupted curve, which is one process's."""
+    import torch
+
+    from llmlab.models import build_model
+
+    results = run_distributed(_rank_checkpoint, 2, str(tmp_path), timeout=900)
+    path = tmp_path / "ep2.ckpt"
+    one = _fit(_overrides(1, ["strategy=auto"]), 1, RESUME_STEPS, batches=HALF,
+               callbacks=[_save_at(HALF, str(tmp_path / "one.ckpt"))])  # fmt: skip
+    for r in results:
+        _close(r["full"], one["losses"], "expert=2 over two epochs")
+        _close(r["same"], r["full"][HALF:], "resumed with expert=2")
+        _close(r["dense"], r["full"][HALF:], "resumed with expert=1")
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    want = torch.load(tmp_path / "one.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        assert state[key].shape == value.shape, key
+        # 1e-3 of the tensor's largest weight (measured: up to 2.1e-4, in an expert's
+        # down_proj): Adam divides by √v + ε, so the fp32 rounding of an element's near-zero
+        # gradient can move it by a good part of lr; a misplaced or missing expert slice is off
+        # by the weights' own size. The resumed curves (1e-5) are the exact check.
+        scale = value.abs().max().item()
+        diff = (state[key] - value).abs().max().item()
+        assert diff <= 1e-3 * scale, (key, diff, scale)
+    prefix = "model."
+    from omegaconf import OmegaConf
+
+    from llmlab.train.app import compose_config
+
+    cfg = OmegaConf.to_container(compose_config(_overrides(1, ["strategy=auto"])).model)
+    model = build_model(cfg)
+    model.load_state_dict({k[len(prefix) :]: v for k, v in state.items()}, strict=True)
+    assert model.moe_layers()[0].experts.gate_proj.shape[0] == 4

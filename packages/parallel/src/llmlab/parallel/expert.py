@@ -67,9 +67,8 @@ EXPERT_REFUSALS = {  # what expert > 1 does not compose with yet, and why
     "precision": "expert parallelism was checked against one process in fp32 only",
     "model.init_from": "pretrained weights are read per tensor slice; reading each rank's expert "
     "slice is not implemented",
-    "strategy.sharded_checkpoints": "checkpoints do not gather or split the expert slices yet",
-    "checkpoint": "checkpoints do not gather or split the expert slices yet (each rank holds "
-    "1/expert of them); train without saving (trainer.enable_checkpointing=false)",
+    "strategy.sharded_checkpoints": "sharded (DCP) checkpoints do not write the expert slices "
+    "yet; consolidated checkpoints do",
 }
 
 

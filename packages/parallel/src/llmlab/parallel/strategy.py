@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -317,8 +318,13 @@ class NDParallelStrategy(DDPStrategy):
         self._memory = (
             ReplicatedMemory(parallel.params, self.optimizers, held) if zero is None else zero
         )
+        # expert slices are gathered (and split) along dim 0 over the expert group where a
+        # tensor shard is over the tensor group: tensor = 1 with expert > 1 (nd_options)
+        shards = groups if self.dims.expert == 1 else replace(
+            groups, tensor=groups.expert, tensor_ranks=groups.expert_ranks
+        )  # fmt: skip
         self.checkpointer = LayoutCheckpointer(
-            self.lightning_module, self.model_attribute, groups, parallel.duplicates, zero,
+            self.lightning_module, self.model_attribute, shards, parallel.duplicates, zero,
             masters, self.sharded_checkpoints,
             layout={**self.dims.sizes(), "zero": self.zero, "zero_impl": self.zero_impl,
                     "sequence_parallel": self.dims.sequence_parallel},
@@ -508,8 +514,6 @@ class NDParallelStrategy(DDPStrategy):
         return checkpoint
 
     def _checkpoints(self) -> LayoutCheckpointer:
-        if self.dims.expert > 1:
-            raise ValueError(expert_refusal("checkpoint", "saved or loaded", self.dims.expert))
         if self.checkpointer is None:
             raise RuntimeError(
                 f"{type(self).__name__}: checkpoints are read and written after setup"

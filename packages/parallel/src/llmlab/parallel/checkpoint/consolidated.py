@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from llmlab.parallel.expert import EXPERT_ATTR
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
 
 FORMAT = "llmlab.consolidated/2"
@@ -38,7 +39,11 @@ def _size(group: dist.ProcessGroup | None) -> int:
 
 
 def shard_dim(t: Tensor) -> int | None:
-    return getattr(t, SHARD_DIM_ATTR, None)
+    """The dimension ``t`` is split along over the checkpointer's shard group: a tensor-parallel
+    shard's, or 0 for an expert slice (expert parallelism, whose checkpoints gather over the
+    expert group: tensor parallelism is refused with it, so no tensor has both)."""
+    dim = getattr(t, SHARD_DIM_ATTR, None)
+    return 0 if dim is None and hasattr(t, EXPERT_ATTR) else dim
 
 
 def named_state(module: nn.Module) -> dict[str, tuple[Tensor, int | None]]:
