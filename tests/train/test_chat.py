@@ -213,3 +213,16 @@ def test_lora_sft_from_a_hugging_face_folder_through_the_app(tmp_path):
     (ckpt,) = (tmp_path / "out" / "llama_sft_lora").glob("*/checkpoints/last.ckpt")
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
     assert state and all("lora_" in k for k in state)
+
+    # the merged export leaves with the template it was trained on
+    import transformers
+
+    from llmlab.train.export import export
+
+    out = export(ckpt, tmp_path / "export")
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    example = transformers.AutoTokenizer.from_pretrained(EXAMPLE_DIR)
+    messages = json.loads(CONVERSATIONS.read_text().splitlines()[0])["messages"]
+    assert exported.apply_chat_template(messages, tokenize=False) == (
+        example.apply_chat_template(messages, tokenize=False)
+    )

@@ -21,6 +21,7 @@ in ``llmlab.train`` because only the app knows its checkpoint formats; the writi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,43 @@ def export(
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     block = getattr(getattr(model, "config", None), "block_size", None)
-    return save_pretrained(model, out_dir, hf_tokenizer(tokenizer, block), max_shard_size)
+    out = save_pretrained(model, out_dir, hf_tokenizer(tokenizer, block), max_shard_size)
+    carry_chat_template(checkpoint_path(ckpt), Path(out))
+    return out
+
+
+def carry_chat_template(ckpt: Path, out_dir: Path) -> None:
+    """The chat template of the folder the run's tokenizer came from (``chat_template.jinja``,
+    or ``tokenizer_config.json``'s ``chat_template``) into the export's
+    ``tokenizer_config.json``: a chat model trained with ``data=chat`` leaves with the template
+    it was trained on (``AutoTokenizer.apply_chat_template``, a DPO run from the export)."""
+    import torch
+
+    if ckpt.is_dir():  # sharded: Lightning's state is the checkpoint's "extra"
+        from llmlab.parallel.checkpoint import read_extra
+
+        hp = (read_extra(ckpt) or {}).get("hyper_parameters", {})
+    else:
+        hp = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get(
+            "hyper_parameters", {}
+        )
+    path = (hp.get("tokenizer") or {}).get("path")
+    target = out_dir / "tokenizer_config.json"
+    if not path or not target.is_file():
+        return
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    source = None
+    if (folder / "chat_template.jinja").is_file():
+        source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (folder / "tokenizer_config.json").is_file():
+        source = json.loads((folder / "tokenizer_config.json").read_text("utf-8")).get(
+            "chat_template"
+        )
+    if source is None:
+        return
+    config = json.loads(target.read_text("utf-8"))
+    config["chat_template"] = source
+    target.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
