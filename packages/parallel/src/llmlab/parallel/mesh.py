@@ -63,7 +63,9 @@ class ParallelDims:
     not compose with a pipeline (stages never see the position ids). ``microbatches`` defaults
     to 4 with a pipeline, else 1; ``virtual_stages`` to 2 for the interleaved and V-shaped
     schedules, else 1. ``boundaries``: the first layer index of every virtual stage after the
-    first (``None``: balanced by parameter count).
+    first (``None``: balanced by parameter count). ``expert``: the ranks of data × context
+    each mixture-of-experts layer's experts are split over (module docstring); it must divide
+    data × context and adds no rank.
     """
 
     data: int | None = 1
