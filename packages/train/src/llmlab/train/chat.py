@@ -405,7 +405,12 @@ class ChatDataModule(GlobalBatchDataModule):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"data.block_size must be a positive integer, got {block_size!r}")
         if template is None:
-            raise ValueError("data.template is required: the tokenizer folder with the template")
+            raise ValueError(
+                "data=chat needs a chat template: data.template (a tokenizer folder, its "
+                "tokenizer.json or a .jinja file) defaults to the folder of tokenizer.path, and "
+                "this tokenizer has none; use tokenizer=pretrained (a model folder's) or "
+                "tokenizer=chat_example"
+            )
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction!r}")
         self.block_size, self.document_mask = block_size, bool(document_mask)
