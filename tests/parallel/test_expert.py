@@ -78,6 +78,13 @@ def _rank_dispatch(rank: int, world: int, skew: bool, dtype: torch.dtype) -> dic
     router = layer.router.weight.grad.clone()
     dist.all_reduce(router)  # each rank's router saw its own tokens
     per = E // world
+    counts = [torch.empty(E, dtype=torch.long) for _ in range(world)]  # every rank's routing
+    dist.all_gather(counts, layer.stats.tokens_per_expert)
+    mine_experts = slice(rank * per, (rank + 1) * per)
+    sent = int(counts[rank].sum() - counts[rank][mine_experts].sum())  # S
+    received = sum(int(c[mine_experts].sum()) for r, c in enumerate(counts) if r != rank)  # R
+    row = DIM * x.element_size()
+    formula = 2 * (sent + received) * row + 8 * E * (world - 1) // world  # README, expert.py
     experts = {  # no gradient where no row came (the strategy's reducer fills in zeros)
         n: torch.zeros_like(p) if p.grad is None else p.grad
         for n, p in layer.experts.named_parameters()
@@ -93,6 +100,7 @@ def _rank_dispatch(rank: int, world: int, skew: bool, dtype: torch.dtype) -> dic
         "shapes": {n: tuple(p.shape) for n, p in layer.experts.named_parameters()},
         "counts": ref.stats.tokens_per_expert.tolist(),
         "sent": ep.stats.take(),
+        "formula": formula,
     }
 
 
@@ -104,7 +112,7 @@ def test_dispatch_equals_the_unsplit_layer_forward_and_backward(skew: bool, dtyp
     expert slice's gradient equal the unsplit layer's on the whole batch (fp64: the per-expert
     matmuls, 1e-12; fp32: ``grouped_mm``, 1e-6). Loads are uneven and expert 3 gets no row;
     with ``skew`` experts 2-3 get none, so rank 1 computes nothing and still answers every
-    all-to-all."""
+    all-to-all. The bytes counted equal the formula of ``comm/ep_bytes``."""
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     results = run_distributed(_rank_dispatch, 2, skew, dtype)
     counts = results[0]["counts"]
@@ -116,6 +124,7 @@ def test_dispatch_equals_the_unsplit_layer_forward_and_backward(skew: bool, dtyp
         assert r["shapes"]["down_proj"] == (E // 2, DIM, WIDTH)
         for key in ("out", "x_grad", "router", "experts"):
             assert r[key] < tol, (key, r)
+    assert all(r["sent"] == r["formula"] for r in results), results  # comm/ep_bytes
     assert sum(r["sent"] for r in results) > 0
 
 

@@ -42,6 +42,8 @@ other ranks, ``C``-wide rows of ``b``-byte elements, ``E`` experts split over ``
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +177,15 @@ class ExpertParallel:
             self._shard(layer)
             changed += layer.swap_experts(self._wrap)
         return changed
+
+    @contextmanager
+    def uncounted(self) -> Generator[None, None, None]:
+        """All-to-alls inside (validation, test) are not counted in :attr:`stats`."""
+        sent = self.stats.bytes_sent
+        try:
+            yield
+        finally:
+            self.stats.bytes_sent = sent
 
     def _shard(self, layer: Any) -> None:
         for name, p in layer.expert_parameters().items():

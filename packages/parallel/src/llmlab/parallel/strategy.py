@@ -456,16 +456,24 @@ class NDParallelStrategy(DDPStrategy):
 
     # -------------------------------------------------------------- validation
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._model_replaced(), split_batch(self.context, args, count=False) as args:
+        with self._evaluating(), split_batch(self.context, args, count=False) as args:
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._model_replaced(), split_batch(self.context, args, count=False) as args:
+        with self._evaluating(), split_batch(self.context, args, count=False) as args:
             return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._model_replaced():
+        with self._evaluating():
             return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _evaluating(self) -> Generator[None, None, None]:
+        """Outside training steps: the pipeline's whole-model stand-in, and expert all-to-alls
+        that are no training step's ``comm/ep_bytes``."""
+        expert = self.parallel.expert if self.parallel is not None else None
+        with self._model_replaced(), expert.uncounted() if expert else nullcontext():
+            yield
 
     def _model_replaced(self) -> Any:
         if self.pipeline_step is None:
