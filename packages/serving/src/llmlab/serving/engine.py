@@ -266,7 +266,7 @@ class LLMEngine:
             return [f for f in failed if f is not None]
         self.scheduler.after_forward(out)
         failed: dict[str, RequestOutput | None] = {}
-        allowed = self._collect_masks(masked, job, grammar_errors, failed)
+        refused = self._collect_masks(masked, job, grammar_errors, failed)
         if every_row:  # prompt log-probabilities; then one row per completing chunk
             logits = self._prompt_logprobs(out.chunks, every_row, logits, failed)
         raw = logits  # the model's logits: what log-probabilities are reported of
@@ -310,8 +310,8 @@ class LLMEngine:
         rules = [self._tracked[s.request.request_id].rules for s in seqs]
         if rows != list(range(logits.shape[0])):  # forks and beams: a gather (a copy)
             logits = logits[rows]
-        if allowed is not None:
-            logits = _apply_masks(logits, allowed, grammar_rows)
+        if refused is not None:
+            logits = _apply_masks(logits, refused, grammar_rows)
         tokens = next_tokens(seqs, rules, logits)
         for seq, token in zip(seqs, tokens):  # a failed choice fails its request first
             rid = seq.request.request_id
@@ -387,14 +387,15 @@ class LLMEngine:
         errors: dict[str, Exception],
         failed: dict,
     ) -> Any:
-        """The masks ``_start_masks`` computed ((rows, vocab) booleans, None if none); a
-        request whose grammar failed ends here (the others' masks stand)."""
+        """The masks ``_start_masks`` computed ((rows, vocab) booleans, True where a token is
+        refused; None if none); a request whose grammar failed ends here (the others' masks
+        stand)."""
         for rid, err in errors.items():
             failed[rid] = self._fail(rid, "grammar", err)
         if job is None:
             return None
         try:
-            allowed = job.result()
+            refused = job.result()
         except Exception as err:
             for seq in masked:
                 rid = seq.request.request_id
@@ -405,7 +406,7 @@ class LLMEngine:
             rid = seq.request.request_id
             if seq.grammar.is_error() and rid not in failed:
                 failed[rid] = self._fail(rid, "grammar", ValueError(seq.grammar.get_error()))
-        return allowed
+        return refused
 
     def _prompt_logprobs(
         self, chunks: list[Chunk], every_row: set[int], logits: Any, failed: dict
@@ -565,16 +566,18 @@ class LLMEngine:
         return metrics
 
 
-def _apply_masks(logits: Any, allowed: Any, grammar_rows: list[int | None]) -> Any:
+def _apply_masks(logits: Any, refused: Any, grammar_rows: list[int | None]) -> Any:
     """``logits`` with ``-inf`` wherever row ``i``'s grammar (row ``grammar_rows[i]`` of
-    ``allowed``) does not allow a token; rows with no grammar unchanged. A new tensor: the
-    step's raw logits stay the model's (log-probabilities are reported from them)."""
+    ``refused``) refuses a token; rows with no grammar unchanged. A new tensor: the step's raw
+    logits stay the model's (log-probabilities are reported from them)."""
     pick = [i for i, j in enumerate(grammar_rows) if j is not None]
     if not pick:
         return logits
-    disallowed = torch.zeros(logits.shape, dtype=torch.bool)
-    disallowed[pick] = ~allowed[[grammar_rows[i] for i in pick]]
-    return logits.masked_fill(disallowed.to(logits.device, non_blocking=True), float("-inf"))
+    if grammar_rows != list(range(len(grammar_rows))) or refused.shape[0] != len(pick):
+        full = torch.zeros(logits.shape, dtype=torch.bool)
+        full[pick] = refused[[grammar_rows[i] for i in pick]]
+        refused = full
+    return logits.masked_fill(refused.to(logits.device, non_blocking=True), float("-inf"))
 
 
 def _advance(matcher: Any, token: int) -> bool:
