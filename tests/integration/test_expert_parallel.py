@@ -36,6 +36,10 @@ LAYOUTS = {  # name -> (devices, strategy overrides)
     "dp2-ep2": (2, ["strategy=nd", "strategy.data=2", "strategy.expert=2"]),
     "cp2-ep2": (2, ["strategy=nd", "strategy.context=2", "strategy.expert=2"]),
     "dp4-ep2": (4, ["strategy=nd", "strategy.data=4", "strategy.expert=2"]),
+    "dp2-cp2-ep4": (
+        4,
+        ["strategy=nd", "strategy.data=2", "strategy.context=2", "strategy.expert=4"],
+    ),
 }
 
 
@@ -98,16 +102,18 @@ def one_process() -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_training_equals_one_process(layout: str, one_process: dict) -> None:
-    """Experts split over 2 ranks of data (or context; or of data 4: two copies of each expert):
-    every rank's loss, logged norm and first-step gradient norm equal one process's; each rank
-    holds 2 of the 4 experts of both MoE layers and sent rows through the all-to-all."""
+    """Experts split over 2 ranks of data (or context; or of data 4: two copies of each
+    expert), or over all 4 ranks of data 2 × context 2 (one expert each): every rank's loss,
+    logged norm and first-step gradient norm equal one process's; each rank holds its slice of
+    the 4 experts of both MoE layers and sent rows through the all-to-all."""
     devices, strategy = LAYOUTS[layout]
     results = run_distributed(_rank_fit, devices, _overrides(devices, strategy), timeout=900)
     for r in results:
         _close(r["losses"], one_process["losses"], f"{layout} loss")
         _close(r["norms"], one_process["norms"], f"{layout} train/grad_norm")
         _close([r["master_norm"]] * STEPS, [one_process["master_norm"]] * STEPS, f"{layout} master")
-        assert r["experts_held"] == [(2, 32, 32)] * 2 and r["applied"] == 2, r
+        held = 4 // int(strategy[-1].split("=")[1])  # experts per rank
+        assert r["experts_held"] == [(held, 32, 32)] * 2 and r["applied"] == 2, r
         assert r["ep_bytes"] > 0, r
 
 
