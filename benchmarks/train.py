@@ -64,7 +64,7 @@ class Shape:
 
 DEFAULT_SHAPE, SMOKE_SHAPE = Shape(), Shape(block=32, layers=1, heads=2, embd=32, batch=4)
 SHAPE = DEFAULT_SHAPE  # main() sets SMOKE_SHAPE for --smoke
-HP = SimpleNamespace(  # conf/train.yaml's task
+HP = SimpleNamespace(  # conf/task/causal_lm.yaml's
     lr=2e-3,
     weight_decay=0.1,
     betas=(0.9, 0.95),
