@@ -211,7 +211,7 @@ def tool_call_format(template_source: str | None) -> str | None:
         return None
     if TOOL_TAGS[0] in source:
         return "hermes"
-    if '"parameters"' in source or "parameters" in source:
+    if "parameters" in source:  # Llama 3.1's template describes the calls it wants so
         return "llama3_json"
     return None
 
