@@ -75,6 +75,8 @@ def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> di
         **kwargs,
     )
     result = {k: out[k] for k in ("losses", "norms", "master_norm")}
+    metrics = out["trainer"].callback_metrics
+    result["moe"] = {k: float(v) for k, v in metrics.items() if k.startswith("moe/")}
     parallel = getattr(strategy, "parallel", None)
     if parallel is not None:
         layers = out["trainer"].lightning_module.model.moe_layers().values()
@@ -115,6 +117,21 @@ def test_expert_parallel_training_equals_one_process(layout: str, one_process: d
         held = 4 // int(strategy[-1].split("=")[1])  # experts per rank
         assert r["experts_held"] == [(held, 32, 32)] * 2 and r["applied"] == 2, r
         assert r["ep_bytes"] > 0, r
+    _check_expert_load(results[0]["moe"], devices)
+
+
+def _check_expert_load(moe: dict, replicas: int) -> None:
+    """Rank zero's expert load of both MoE layers: its 8·16/replicas tokens × top-2 over 4
+    experts, nothing dropped (no capacity), a finite aux loss."""
+    for i in (0, 1):
+        load = {k.split("/")[-1]: v for k, v in moe.items() if k.startswith(f"moe/layer{i}/")}
+        assert load["mean_load"] == 8 * 16 * 2 / 4 / replicas, moe
+        assert load["max_load"] >= load["mean_load"] and load["dropped"] == 0, moe
+        assert math.isfinite(load["aux_loss"]) and load["aux_loss"] > 0, moe
+
+
+def test_one_process_logs_the_expert_load(one_process: dict) -> None:
+    _check_expert_load(one_process["moe"], 1)
 
 
 REFUSED = {  # an option expert > 1 does not compose with yet -> what the message says

@@ -15,6 +15,13 @@ MFU (model FLOPs utilisation) = achieved model FLOP/s ÷ peak FLOP/s of the devi
   other jobs share the cores reads low and inflates MFU (43 % one run, 85 % the next); the
   running best only moves up, towards what the cores sustain alone, so MFU on a CPU means
   "fraction of the best matmul rate this machine ever measured".
+
+A mixture-of-experts model (one that meets :class:`RoutesTokens`: ``router_stats()``, each MoE
+layer's statistics of its last forward, as ``llmlab.models.Llama`` has) also logs, per layer
+``i``, ``moe/layer{i}/max_load``, ``mean_load`` (assignments per expert), ``imbalance`` (their
+ratio), ``dropped`` and ``dropped_fraction`` (assignments over capacity), ``aux_loss`` and
+``z_loss``: rank zero's
+tokens of the step's last micro-batch (the loads of the other data ranks are not summed in).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -151,9 +158,34 @@ def _engine_grad_norm(trainer: L.Trainer) -> Any:
     return getattr(getattr(trainer.strategy, "model", None), "get_global_grad_norm", None)
 
 
+@runtime_checkable
+class RoutesTokens(Protocol):
+    """A mixture-of-experts model: each MoE layer's last-forward statistics by layer index,
+    each with ``summary() -> dict[str, float]`` (``llmlab.models.moe.MoEStats``)."""
+
+    def router_stats(self) -> dict[int, Any]: ...
+
+
+def expert_load_metrics(model: Any) -> dict[str, float]:
+    """``moe/layer{i}/<stat>`` of every MoE layer that ran (empty for a dense model, or where a
+    pipeline stage holds no MoE layer)."""
+    if not isinstance(model, RoutesTokens):
+        return {}
+    try:
+        stats = model.router_stats()
+    except ValueError:  # a layer has not run here (another pipeline stage holds it)
+        return {}
+    return {
+        f"moe/layer{i}/{name}": value
+        for i, s in stats.items()
+        for name, value in s.summary().items()
+    }
+
+
 class TrainingTelemetry(L.Callback):
     """Logs ``train/tokens_per_sec``, ``train/samples_per_sec``, ``train/mfu``, ``train/lr``,
-    ``train/grad_norm`` and ``sys/peak_memory_mb`` every optimizer step (rank zero logs)."""
+    ``train/grad_norm``, ``sys/peak_memory_mb`` and, for a mixture of experts, ``moe/layer{i}/*``
+    every optimizer step (rank zero logs)."""
 
     def __init__(self, peak_flops_per_device: float | None = None) -> None:
         self.peak_flops_per_device = peak_flops_per_device
@@ -216,6 +248,8 @@ class TrainingTelemetry(L.Callback):
         if norm is not None:
             metrics["train/grad_norm"] = float(norm)
         metrics["sys/peak_memory_mb"] = peak_memory_bytes(pl_module.device) / 2**20
+        if trainer.is_global_zero:
+            metrics.update(expert_load_metrics(getattr(pl_module, "model", None)))
         if self._log_peak and self.peak_flops_per_device and trainer.is_global_zero:
             for logger in trainer.loggers:  # once (self.log would repeat it every step)
                 logger.log_metrics(
