@@ -24,6 +24,7 @@ import openai
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer, models
 
 from llmlab.decoding import GenerationConfig
 from llmlab.models import GPT
@@ -39,7 +40,6 @@ from llmlab.serving.structured import (
 )
 from llmlab.tokenizer import ByteTokenizer
 from tests.serving.live import MODEL_NAME, LiveServer
-from tests.serving.test_chat_template import hf_tokenizer
 
 TOK = ByteTokenizer()
 CONTEXT = 1024
@@ -507,6 +507,14 @@ HISTORY = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
     {"id": "call_1", "type": "function",
      "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+
+
+def hf_tokenizer(template: str) -> transformers.PreTrainedTokenizerFast:
+    """The oracle: HF's apply_chat_template on a tokenizer carrying ``template``."""
+    backend = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "<unk>": 2}, unk_token="<unk>"))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", chat_template=template
+    )
 
 
 @pytest.mark.parametrize("template", [HERMES, PLAIN_TEMPLATE], ids=["hermes", "plain"])
