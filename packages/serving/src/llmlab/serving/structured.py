@@ -32,8 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance
-import llguidance.torch
+import llguidance  # not llguidance.torch: it torch.compiles at import (seconds, and inductor)
 import torch
 
 # compact JSON: no whitespace between tokens (llguidance's default allows any run of it, which
@@ -185,8 +184,9 @@ def _disallowed(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     """(matchers, vocab_size) booleans, True where a matcher's grammar refuses the token."""
     words = (vocab_size + 1 + 31) // 32  # room for a virtual eos
     bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-    for i, matcher in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+    row_bytes = words * 4
+    for i, matcher in enumerate(matchers):  # what llguidance.torch.fill_next_token_bitmask does
+        matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
     # little-endian: token 32 w + j is bit j % 8 of byte 4 w + j // 8
     allowed = _BYTE_BITS[bitmask.view(torch.uint8).long()].flatten(1)[:, :vocab_size]
     return ~allowed
