@@ -274,7 +274,7 @@ class LLMEngine:
             logits = logits.index_fill(1, self.suppressed, float("-inf"))
         seqs: list[Sequence] = []
         rows: list[int] = []
-        grammar_rows: list[int | None] = []  # each sequence's row of `allowed`, if it has one
+        grammar_rows: list[int | None] = []  # each sequence's row of `refused`, if it has one
         changed: dict[str, _Tracked] = {}
         beam_tokens = 0
         for row, chunk in enumerate(c for c in out.chunks if c.completes):
