@@ -39,8 +39,6 @@ import torch
 # a random or weak model may emit forever)
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 TOOL_TAGS = ("<tool_call>", "</tool_call>")  # the Hermes / Qwen tool-call format
-# byte value -> its 8 bits, least significant first: a bitmask's bytes -> one bool per token
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 
 
 # ----------------------------------------------------------------------------- grammars
@@ -181,15 +179,13 @@ class Grammars:
 
 
 def _disallowed(matchers: list[Any], vocab_size: int) -> torch.Tensor:
-    """(matchers, vocab_size) booleans, True where a matcher's grammar refuses the token."""
-    words = (vocab_size + 1 + 31) // 32  # room for a virtual eos
-    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-    row_bytes = words * 4
-    for i, matcher in enumerate(matchers):  # what llguidance.torch.fill_next_token_bitmask does
-        matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
-    # little-endian: token 32 w + j is bit j % 8 of byte 4 w + j // 8
-    allowed = _BYTE_BITS[bitmask.view(torch.uint8).long()].flatten(1)[:, :vocab_size]
-    return ~allowed
+    """(matchers, vocab_size) booleans, True where a matcher's grammar refuses the token: from
+    llguidance's byte-per-token mask (0: refused), which costs about half of expanding its
+    bitmask in torch (~350 vs ~600 us for 8 rows of GPT-2's vocabulary here), contiguous so
+    that the step's ``masked_fill`` is fast too."""
+    rows = [torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)[:vocab_size]
+            for m in matchers]  # fmt: skip
+    return torch.stack(rows) == 0
 
 
 @dataclass
