@@ -77,6 +77,7 @@ def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> di
     result = {k: out[k] for k in ("losses", "norms", "master_norm")}
     metrics = out["trainer"].callback_metrics
     result["moe"] = {k: float(v) for k, v in metrics.items() if k.startswith("moe/")}
+    result["routing"] = {k: float(v) for k, v in metrics.items() if k in ROUTING_METRICS}
     parallel = getattr(strategy, "parallel", None)
     if parallel is not None:
         layers = out["trainer"].lightning_module.model.moe_layers().values()
@@ -132,6 +133,42 @@ def _check_expert_load(moe: dict, replicas: int) -> None:
 
 def test_one_process_logs_the_expert_load(one_process: dict) -> None:
     _check_expert_load(one_process["moe"], 1)
+
+
+# The routing losses on, weighted far above Mixtral's 0.02 so that their gradients move the
+# norms well past the tolerance if any rank used its own tokens' counts and probabilities.
+ROUTING = ("+model.router_aux_loss_coef=1.0", "+model.router_z_loss_coef=0.1")
+ROUTING_METRICS = ("train/aux_loss", "train/z_loss")
+
+
+@pytest.fixture(scope="module")
+def one_process_routing() -> dict:
+    one = _fit(_overrides(1, ["strategy=auto"], ROUTING), 1)
+    plain = _fit(_overrides(1, ["strategy=auto"]), 1)
+    assert set(one["routing"]) == set(ROUTING_METRICS)
+    assert one["norms"] != plain["norms"]  # the routing losses reach the gradients
+    return one
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], LAYOUTS["dp2-ep2"][1]],
+                         ids=["ddp2", "dp2-ep2"])  # fmt: skip
+def test_routing_losses_under_data_parallelism_equal_one_process(
+    strategy: list[str], one_process_routing: dict
+) -> None:
+    """With the load-balancing and z losses in the differentiated loss, Lightning's DDP on 2
+    ranks and data 2 × expert 2 give one process's loss, gradient norms (every step) and last
+    aux / z losses: the counts and router probabilities are pooled over both data ranks before
+    the product (``llmlab.train.routing``); without the pooling the loss is off by 1e-3 at the
+    second step."""
+    one = one_process_routing
+    results = run_distributed(_rank_fit, 2, _overrides(2, strategy, ROUTING), timeout=900)
+    for r in results:
+        _close(r["losses"], one["losses"], "routing loss: train/loss")
+        _close(r["norms"], one["norms"], "routing loss: train/grad_norm")
+        _close([r["master_norm"]], [one["master_norm"]], "routing loss: master norm")
+        for name in ROUTING_METRICS:
+            _close([r["routing"][name]], [one["routing"][name]], name)
 
 
 REFUSED = {  # an option expert > 1 does not compose with yet -> what the message says

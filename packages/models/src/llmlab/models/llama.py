@@ -257,6 +257,12 @@ class Llama(nn.Module):
             loss = loss + c.router_z_loss_coef * z
         return loss
 
+    def router_loss_coefficients(self) -> tuple[float, float]:
+        """``(router_aux_loss_coef, router_z_loss_coef)``: how much of each routing loss the
+        training side adds to the loss it differentiates (``llmlab.train.routing``, which
+        computes the losses over the whole global batch on any data-parallel layout)."""
+        return self.config.router_aux_loss_coef, self.config.router_z_loss_coef
+
     def update_router_bias(self, rate: float) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing step on every MoE layer (see
         :meth:`llmlab.models.moe.MoE.update_bias`), from the last forward's loads."""

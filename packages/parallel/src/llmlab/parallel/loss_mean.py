@@ -93,3 +93,32 @@ def global_token_mean(local_mean: Tensor, count: Tensor, replicas: LossReplicas)
     if replicas.size == 1:
         return local_mean
     return _GlobalTokenMean.apply(local_mean, count, replicas)
+
+
+class _ReplicaSum(torch.autograd.Function):
+    """Value: ``Σ_r x_r`` over the replicas. Gradient: ``size`` times the incoming one, so the
+    strategy's mean over the replicas gives each ``x_r`` the gradient one process would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, replicas: LossReplicas) -> Tensor:
+        ctx.size = replicas.size
+        total = x.detach().clone()
+        dist.all_reduce(total, group=replicas.group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.size, None
+
+
+def replica_sum(x: Tensor, replicas: LossReplicas) -> Tensor:
+    """``x`` summed over the loss replicas, differentiably, for a loss that is a function of
+    sums over the whole global batch (a mixture of experts' load-balancing loss pools its
+    router probabilities over every token): with every replica computing ``f(Σ_r x_r)``, the
+    value is one process's and, after the strategy averages the gradients over the ``size``
+    replicas, so is the gradient (each rank's ``x_r`` receives ``size · f'``, as in
+    :func:`global_token_mean`). One rank: ``x`` itself. Counts without a gradient go through
+    the same call (their backward is never taken)."""
+    if replicas.size == 1:
+        return x
+    return _ReplicaSum.apply(x, replicas)

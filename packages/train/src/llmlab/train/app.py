@@ -81,6 +81,7 @@ def validate_config(cfg: DictConfig, tokenizer_vocab: int | None = None) -> Any:
         )
     run = run_config(cfg, model)
     check_strategy(cfg, run)
+    check_router_loss(cfg, model)
     check_lora(cfg)
     check_dpo(cfg)
     from llmlab.train.tokens import data_config_problems  # vocabulary, document_mask
@@ -131,6 +132,24 @@ def check_strategy(cfg: DictConfig, run: Any) -> None:
                               options, run)  # fmt: skip
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from err
+
+
+def check_router_loss(cfg: DictConfig, model: dict[str, Any]) -> None:
+    """Routing losses (``model.router_aux_loss_coef`` / ``router_z_loss_coef`` > 0) with a
+    pipeline: refused. The pipeline schedule computes the loss on its last stage from the
+    logits alone, and the load-balancing loss pools every MoE layer, which the stages hold
+    apart (``llmlab.train.routing``)."""
+    coefs = {k: model.get(k) or 0 for k in ("router_aux_loss_coef", "router_z_loss_coef")}
+    strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
+    stages = strategy.get("pipeline") or strategy.get("stages") or 1
+    for name, value in coefs.items():
+        if value and model.get("num_experts") and stages > 1:
+            raise ConfigError(
+                f"model.{name}={value} with a pipeline of {stages} stages is refused: the "
+                "schedule computes the loss on its last stage from the logits alone, and the "
+                "load-balancing loss pools the MoE layers of every stage; not implemented. "
+                f"Set model.{name}=0 or use a layout without pipeline stages"
+            )
 
 
 def check_lora(cfg: DictConfig) -> None:

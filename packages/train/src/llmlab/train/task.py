@@ -32,6 +32,7 @@ from llmlab.parallel.loss_mean import (
     loss_replicas,
 )
 from llmlab.train.adapters import add_adapters, fill_base, keep_adapters_only, lora_config
+from llmlab.train.routing import router_loss
 
 
 def causal_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -193,11 +194,22 @@ class CausalLMTask(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
         """The global batch's mean over its counted tokens, the same value on every rank of
         every layout (:mod:`llmlab.parallel.loss_mean`), so ``train/loss`` is what one process
-        logs; its gradient is this rank's share."""
+        logs; its gradient is this rank's share. A mixture-of-experts model adds its weighted
+        routing losses of the same global batch to what is differentiated, logged apart as
+        ``train/aux_loss`` (and ``train/z_loss``; :mod:`llmlab.train.routing`)."""
         local, count = self.batch_loss(batch)
-        loss = global_token_mean(local, count, loss_replicas(self.trainer.strategy))
+        replicas = loss_replicas(self.trainer.strategy)
+        loss = global_token_mean(local, count, replicas)
         self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=False)
-        return loss
+        routing = router_loss(self.model, replicas)  # None without routers or coefficients
+        if routing is None:
+            return loss
+        # A mixture of experts: its routing losses over the same global batch join the loss
+        # that is differentiated, not the one logged (llmlab.train.routing).
+        self.log("train/aux_loss", routing.aux, sync_dist=False)
+        if routing.z is not None:
+            self.log("train/z_loss", routing.z, sync_dist=False)
+        return loss + routing.total
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
         loss, count = self.batch_loss(batch)
