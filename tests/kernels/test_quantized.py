@@ -52,7 +52,7 @@ def test_the_kernel_is_built_here():
     assert cpu_kernel() is not None
 
 
-def test_gradients_and_other_dtypes_take_the_reference():
+def test_input_gradients_and_other_dtypes():
     data, scales = pack(torch.randn(16, 64), "int8")
     x = torch.randn(3, 64, requires_grad=True)
     quantized_matmul(x, data, scales, "int8").sum().backward()
@@ -68,3 +68,30 @@ def test_bad_arguments_are_refused():
     data, scales = pack(torch.randn(8, 64), "int8")
     with pytest.raises(RuntimeError, match="x must be"):
         cpu_kernel().int8_matmul(torch.randn(2, 32), data, scales)
+
+
+@pytest.mark.parametrize(("kind", "group"), FORMATS)
+def test_input_gradients_equal_the_widened_reference_and_keep_no_widened_weight(kind, group):
+    """``QuantizedMatmul``: ``grad_x`` equals the reference's (``F.linear`` on the widened
+    weight, autograd) within fp32 rounding; the graph saves the packed buffers and nothing of
+    the weight's full-precision size (the reference saves the widened (O, I) fp32 copy)."""
+    data, scales = pack(torch.randn(48, 128), kind, group)
+    x = torch.randn(5, 128, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    grad_out = torch.randn(5, 48)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = quantized_matmul(x, data, scales, kind)
+    out.backward(grad_out)
+    quantized.reference(x_ref, data, scales, kind).backward(grad_out)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    assert {t.data_ptr() for t in saved} <= {data.data_ptr(), getattr(scales, "data_ptr", int)()}
+    packed = sum(t.numel() * t.element_size() for t in (data, scales) if t is not None)
+    assert sum(t.numel() * t.element_size() for t in saved) <= packed < 48 * 128 * 4
+
+
+def test_a_packed_weight_that_asks_for_a_gradient_is_refused():
+    data, scales = pack(torch.randn(16, 64), "int8")
+    scales.requires_grad_()
+    with pytest.raises(RuntimeError, match="a quantized layer is frozen"):
+        quantized_matmul(torch.randn(2, 64), data, scales, "int8")

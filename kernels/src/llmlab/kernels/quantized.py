@@ -18,7 +18,10 @@ packed bytes and widens them in registers, each widened weight vector reused by 
 rows of ``x``; built once with ``torch.utils.cpp_extension``); and :func:`quantized_matmul`,
 which dispatches: the kernel for fp32 CPU inputs where it is built, else a ``torch.compile``d
 reduction over the packed bytes for one or two rows, else the reference. All compute
-``x @ dequantize(W).T`` to fp32 rounding (their sums run in different orders).
+``x @ dequantize(W).T`` to fp32 rounding (their sums run in different orders). An input that
+requires grad goes through :class:`QuantizedMatmul` (the same faces forward; the backward
+widens one layer's weight for ``grad_x`` and keeps nothing widened in between), the weight
+frozen.
 """
 
 from __future__ import annotations
@@ -240,8 +243,9 @@ def quantized_matmul(x: Tensor, data: Tensor, scales: Tensor | None, kind: str) 
     width = x.shape[-1]
     flat = x.reshape(-1, width)
     rows = flat.shape[0]
-    grad = torch.is_grad_enabled() and x.requires_grad
-    if not grad and x.device.type == "cpu" and x.dtype == torch.float32:
+    if torch.is_grad_enabled() and (x.requires_grad or _frozen_problem(data, scales)):
+        return QuantizedMatmul.apply(x, data, scales, kind)
+    if x.device.type == "cpu" and x.dtype == torch.float32:
         kernel = cpu_kernel()
         if kernel is not None:
             flat = flat.contiguous()
@@ -252,7 +256,43 @@ def quantized_matmul(x: Tensor, data: Tensor, scales: Tensor | None, kind: str) 
             else:
                 out = kernel.bf16_matmul(flat, data)
             return out.view(*x.shape[:-1], data.shape[0])
-    if not grad and rows <= COMPILED_ROWS:
+    if rows <= COMPILED_ROWS:
         out = compiled_rows(flat.float(), data, scales, kind).to(x.dtype)
         return out.view(*x.shape[:-1], data.shape[0])
     return reference(x, data, scales, kind)
+
+
+# -------------------------------------------------------------------------- autograd
+def _frozen_problem(data: Tensor, scales: Tensor | None) -> bool:
+    """Whether a packed buffer asks for a gradient (refused by :class:`QuantizedMatmul`)."""
+    return data.requires_grad or (scales is not None and scales.requires_grad)
+
+
+class QuantizedMatmul(torch.autograd.Function):
+    """``x @ dequantize(W).T`` with a frozen packed ``W``, differentiable in ``x`` only
+    (QLoRA's base): the forward is the packed product (no widened weight is built to be kept),
+    and it saves only the packed buffers, which the module holds anyway; the backward widens
+    ``W`` for one layer at a time, ``grad_x = grad_out @ dequantize(W)``, and drops it.
+    Widening in the forward through ``F.linear`` instead would keep every layer's full-precision
+    weight alive until the backward: the memory a quantized base was meant to save. ``W`` gets
+    no gradient; packed buffers that ask for one are refused."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> Tensor:
+        if _frozen_problem(data, scales):
+            raise RuntimeError(
+                "quantized_matmul: the packed weight (data/scales) requires grad; a quantized "
+                "layer is frozen (integer codes have no gradient): train adapters beside it "
+                "(llmlab.models.lora) or a float copy of the layer"
+            )
+        ctx.kind = kind
+        ctx.save_for_backward(data, scales)
+        return quantized_matmul(x, data, scales, kind)  # grad mode is off in here: no autograd
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None, None]:
+        data, scales = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        weight = unpack(data, scales, ctx.kind, grad_out.dtype)  # (O, I), this layer only
+        return grad_out @ weight, None, None, None

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmlab.models.quantize import QuantizedLinear
+from llmlab.models.quantize import QuantizedEmbedding, QuantizedLinear, parse_scheme, quantize
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -70,7 +70,10 @@ class LoRAConfig:
     preset; or any other string, a regular expression the whole module name must match (peft's
     rule for a string). ``r``: the rank; ``alpha``: the scale's numerator; ``use_rslora``: scale
     ``alpha / sqrt(r)`` instead of ``alpha / r``; ``dropout``: on the adapter's input (training
-    only).
+    only). ``quantize``: QLoRA -- a scheme of :func:`llmlab.models.quantize.parse_scheme`
+    (``"int8"``, ``"int4"``, ``"int4:g64"``, ...) that :func:`apply_lora` stores the frozen
+    base in (every linear layer and embedding) before it wraps the targets; ``None``: the base
+    as it is. Not a peft setting: :func:`save_lora` writes the adapters alone.
     """
 
     r: int = 8
@@ -79,8 +82,14 @@ class LoRAConfig:
     target_modules: str | list[str] = "all-linear"
     use_rslora: bool = False
     exclude: list[str] = field(default_factory=list)  # names/globs never adapted
+    quantize: str | None = None  # QLoRA: the base's scheme (quantized before wrapping)
 
     def __post_init__(self) -> None:
+        if self.quantize is not None:
+            try:
+                self.quantize = str(parse_scheme(str(self.quantize)))
+            except ValueError as err:
+                raise ValueError(f"lora.{err}") from err
         if not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"lora.r must be a positive integer, got {self.r!r}")
         if not self.alpha > 0:
@@ -264,12 +273,16 @@ def _preview(names: Sequence[str]) -> str:
 
 def apply_lora(model: nn.Module, config: LoRAConfig | dict[str, Any]) -> nn.Module:
     """Wrap the linear layers ``config`` names in :class:`LoRALinear`, in place, freeze every
-    other parameter of ``model``, and return it. A model that already has adapters is refused
-    (one adapter per layer)."""
+    other parameter of ``model``, and return it. With ``config.quantize`` the base is first
+    quantized (:func:`llmlab.models.quantize.quantize`: QLoRA), then wrapped. A model that
+    already has adapters is refused (one adapter per layer)."""
     if isinstance(config, dict):
         config = LoRAConfig(**config)
     if lora_layers(model):
         raise ValueError("apply_lora: the model already has LoRA adapters")
+    if config.quantize is not None:
+        target_names(model, config)  # a bad target refused before the base is converted
+        quantize(model, config.quantize)
     names = target_names(model, config)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -367,9 +380,18 @@ def disable_lora(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameters, each tensor counted once."""
+    """``(trainable, total)`` parameters, each tensor counted once; a quantized base's weights
+    (buffers, frozen) count in the total by the numbers they stand for (a shared table once)."""
     params = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    quantized = {
+        m.data.data_ptr(): m.out_features * m.in_features
+        if isinstance(m, QuantizedLinear)
+        else m.num_embeddings * m.embedding_dim
+        for m in model.modules()
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding))
+    }
+    total = sum(p.numel() for p in params) + sum(quantized.values())
+    return sum(p.numel() for p in params if p.requires_grad), total
 
 
 # ------------------------------------------------------------------------ peft's format

@@ -23,7 +23,11 @@ of that product in fp32), through :func:`llmlab.kernels.quantized.quantized_matm
 kernel that reads the packed bytes and widens them in registers (each widened weight vector
 serving up to four rows), elsewhere a ``torch.compile``d reduction for one or two rows or the
 widened weight through ``F.linear``. The modules are frozen: usable as the base of adapters in
-training, where input gradients flow through the widened weight.
+training (QLoRA), where the input gradient ``grad_out @ dequantize(W)`` is computed in the
+backward, one layer's weight widened at a time (:class:`llmlab.kernels.quantized.
+QuantizedMatmul`): the graph keeps the packed bytes, never a full-precision copy of the base.
+:func:`dequantize` turns a quantized model back into plain float layers holding the weights it
+computes with (what a merged export of a quantized base writes).
 """
 
 from __future__ import annotations
@@ -136,10 +140,10 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.scheme}"
 
 
-def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
-    """Quantize every ``nn.Linear`` and ``nn.Embedding`` of ``model`` in place (module
-    docstring) and return it. Layers of other classes (a tensor-parallel shard, an adapter) are
-    refused by name: quantize before making a model parallel, and wrap adapters afterwards."""
+def quantize_problem(model: nn.Module, scheme: str | Scheme) -> str | None:
+    """Why :func:`quantize` would refuse ``model`` (any device, ``meta`` included), or None:
+    a layer of another class, or an input width that int4's group does not divide. Checked for
+    every layer before any is converted."""
     scheme = parse_scheme(scheme)
     targets = [
         (name, m) for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
@@ -150,22 +154,35 @@ def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
         if type(m) not in (nn.Linear, nn.Embedding)
     ]
     if odd:
-        raise ValueError(
+        return (
             f"quantize: cannot convert {', '.join(odd)}; only plain nn.Linear and "
             "nn.Embedding layers are quantized (quantize before parallelizing)"
         )
-    if scheme.kind == "int4":  # checked for every layer before any is converted
+    if scheme.kind == "int4":
         for name, module in targets:
             width = module.weight.shape[1]
             if width % scheme.group:
-                raise ValueError(
+                return (
                     f"quantize: {name} has {width} inputs, not a multiple of "
                     f"int4's group {scheme.group}; valid: {VALID}"
                 )
+    return None
+
+
+def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
+    """Quantize every ``nn.Linear`` and ``nn.Embedding`` of ``model`` in place (module
+    docstring) and return it. Layers of other classes (a tensor-parallel shard, an adapter) are
+    refused by name: quantize before making a model parallel, and wrap adapters afterwards."""
+    scheme = parse_scheme(scheme)
+    if problem := quantize_problem(model, scheme):
+        raise ValueError(problem)
+    targets = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
+    ]
     # tied weights are packed once: which layers share a weight is read while every weight is
     # alive (ids unique); then no full-precision module is held here, each freed once replaced
     tie = {name: id(module.weight) for name, module in targets}
-    del targets, odd
+    del targets
     shared: dict[int, tuple[Tensor, Tensor | None]] = {}
     for name, key in tie.items():
         module = model.get_submodule(name)
@@ -184,11 +201,62 @@ def quantize(model: nn.Module, scheme: str | Scheme) -> nn.Module:
     return model
 
 
+def dequantize(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Swap every :class:`QuantizedLinear` / :class:`QuantizedEmbedding` of ``model`` for a
+    plain ``nn.Linear`` / ``nn.Embedding`` holding its dequantized weight in ``dtype``, in place,
+    and return it: the same function in float layers (not the original weights: the rounding
+    stays). Layers that shared one quantized table share one float weight again (a tied
+    embedding and head); the new weights are frozen like the quantized ones were."""
+    shared: dict[int, nn.Parameter] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            continue
+        key = module.data.data_ptr()
+        if key not in shared:
+            weight = unpack(module.data, module.scales, module.scheme, dtype)
+            shared[key] = nn.Parameter(weight, requires_grad=False)
+        if isinstance(module, QuantizedEmbedding):
+            new: nn.Module = nn.Embedding(
+                module.num_embeddings, module.embedding_dim, device="meta", dtype=dtype
+            )
+        else:
+            bias = module.bias is not None
+            new = nn.Linear(
+                module.in_features, module.out_features, bias, device="meta", dtype=dtype
+            )
+            if bias:
+                new.bias = nn.Parameter(module.bias.to(dtype), requires_grad=False)
+        new.weight = shared[key]
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
+
+
 def output_width(linear: nn.Module) -> int:
     """Output features a linear layer holds here: its weight's rows (a tensor-parallel shard's
     share), or a quantized layer's ``out_features``."""
     weight = getattr(linear, "weight", None)
     return weight.shape[0] if isinstance(weight, Tensor) else linear.out_features
+
+
+def float_weight_bytes(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """:func:`weight_bytes` as if every quantized table were widened to ``dtype`` (a shared
+    table once): the weights' size before :func:`quantize`, for reports."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            width = (
+                module.in_features
+                if isinstance(module, QuantizedLinear)
+                else (module.embedding_dim)
+            )
+            seen[module.data.data_ptr()] = module.data.shape[0] * width * size
+            if module.scales is not None:
+                seen[module.scales.data_ptr()] = 0
+    return sum(seen.values())
 
 
 def weight_bytes(model: nn.Module) -> int:

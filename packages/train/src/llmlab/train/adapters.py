@@ -11,6 +11,16 @@ base is the folder, read again on resume, by ``make sample`` and by ``make expor
 random base (no folder to read it back from) the whole model. :func:`strategy_problem` refuses
 the layouts adapters are not wired through yet: Lightning's own single-process and DDP
 strategies leave the model as it is; llmlab's strategies shard, split or re-wrap it.
+
+QLoRA is ``+task.lora={r: 8, alpha: 16, quantize: int4}`` (``int8``, ``int4``, ``int4:g64``,
+``int4:g128``, ``bf16``): the loaded base is quantized first (every linear layer and embedding,
+:func:`llmlab.models.quantize.quantize`), then the adapters wrap it in full precision; the input
+gradients run through the packed base (:class:`llmlab.kernels.quantized.QuantizedMatmul`).
+A quantized base exists only under adapters: its weights are packed integer buffers that take no
+gradient, so full fine-tuning has nothing to train there (``+task.quantize`` is no key of the
+task and is refused by name). The weight bytes before and after are logged and shown in the
+model summary. The checkpoint still holds the adapters alone (the base is re-read from its
+folder and quantized again, the same bytes: quantizing is deterministic).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from llmlab.models.lora import (
     lora_layers,
     lora_state_dict,
 )
+from llmlab.models.quantize import weight_bytes
 
 log = logging.getLogger(__name__)
 # Lightning's strategies that run the task's model unchanged (one process, or replicas)
@@ -45,7 +56,7 @@ def lora_config(spec: Mapping[str, Any] | LoRAConfig | None) -> LoRAConfig | Non
         return LoRAConfig(**dict(spec))
     except TypeError as err:
         raise TypeError(f"task.lora: {err} (fields: r, alpha, dropout, target_modules, "
-                        "use_rslora, exclude)") from err  # fmt: skip
+                        "use_rslora, exclude, quantize)") from err  # fmt: skip
 
 
 def strategy_problem(strategy: Mapping[str, Any]) -> str | None:
@@ -72,15 +83,22 @@ def add_adapters(model: nn.Module, config: LoRAConfig) -> None:
     a DDP run must start from the adapters one process starts from."""
     if lora_layers(model):
         return
+    before = weight_bytes(model)
     with torch.random.fork_rng():
         torch.manual_seed(torch.initial_seed())
-        apply_lora(model, config)
+        apply_lora(model, config)  # with config.quantize: the base quantized first
     trainable, total = count_parameters(model)
     log.info(
         "LoRA r=%d alpha=%g on %d layers: %s trainable of %s parameters (%.2f%%)",
         config.r, config.alpha, len(lora_layers(model)), f"{trainable:,}", f"{total:,}",
         100 * trainable / max(total, 1),
     )  # fmt: skip
+    if config.quantize is not None:
+        after = weight_bytes(model)
+        log.info(
+            "QLoRA: base quantized to %s: weights %s -> %s bytes (%.2fx, adapters included)",
+            config.quantize, f"{before:,}", f"{after:,}", after / max(before, 1),
+        )  # fmt: skip
 
 
 def keep_adapters_only(state: dict[str, Tensor], model: nn.Module, prefix: str = "model.") -> None:

@@ -13,7 +13,14 @@ exporting into a folder that already holds files would mix them with the export.
 checkpoint (``task.lora``) exports the merged model (``W + s·BA``, plain layers: what any HF
 reader loads), or with ``--adapter`` (``make export ... ARGS=--adapter``) the adapters alone
 as a peft folder (``adapter_config.json`` + ``adapter_model.safetensors``) for
-``peft.PeftModel.from_pretrained`` over the base folder. This lives
+``peft.PeftModel.from_pretrained`` over the base folder. A QLoRA run (``task.lora.quantize``)
+exports merged by dequantizing its base first: the folder holds ``dequantize(W) + s·BA`` in
+fp32, the function the run trained (its logits to fp32 rounding); requantizing the sum would
+round most of the adapters' small update away (an int4 step is far larger than its entries),
+and refusing would leave no folder a plain HF reader loads. Its ``--adapter`` export was
+trained against the quantized base: ``PeftModel.from_pretrained`` over a dequantized copy of
+that base reproduces the run, over the original float folder it is QLoRA's usual
+approximation. This lives
 in ``llmlab.train`` because only the app knows its checkpoint formats; the writing itself is
 ``llmlab.models``' (which never imports Lightning).
 """
@@ -110,11 +117,13 @@ def export(
     check_out_dir(out_dir, overwrite)
     model, tokenizer = load_checkpoint(str(checkpoint_path(ckpt)))
     from llmlab.models.lora import lora_layers, merge_and_unload, save_lora
+    from llmlab.models.quantize import dequantize
 
     if adapter:
         if not lora_layers(model):
             raise ValueError(f"--adapter: {ckpt} is not a LoRA run's checkpoint (no task.lora)")
         return save_lora(model.to(getattr(torch, dtype)) if dtype else model, out_dir)
+    model = dequantize(model)  # a QLoRA base in float layers: the adapters merge into them
     model = merge_and_unload(model)  # a LoRA run's adapters folded into plain layers
     if dtype is not None:
         model = model.to(getattr(torch, dtype))

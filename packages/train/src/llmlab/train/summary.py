@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+from torch import nn
 
 
 class ModelSummary(RichModelSummary):
@@ -26,12 +27,30 @@ class ModelSummary(RichModelSummary):
     def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
         super().__init__(max_depth, **summarize_kwargs)
         self.flops_per_token: float | None = None
+        self.quantized_bytes: tuple[int, int] | None = None  # (held, fp32 equivalent)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning calls this before the strategy's setup: the model is still whole here.
         count = getattr(getattr(pl_module, "model", None), "flops_per_token", None)
         if self.flops_per_token is None and callable(count):
             self.flops_per_token = float(count())
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # a quantized base (QLoRA) holds its weights in buffers, which Lightning's "params
+        # size" never counts: the bytes held and their fp32 size, read once the task built it
+        from llmlab.models.quantize import (
+            QuantizedEmbedding,
+            QuantizedLinear,
+            float_weight_bytes,
+            weight_bytes,
+        )
+
+        model = getattr(pl_module, "model", None)
+        if isinstance(model, nn.Module) and any(
+            isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules()
+        ):
+            self.quantized_bytes = (weight_bytes(model), float_weight_bytes(model))
+        super().on_fit_start(trainer, pl_module)
 
     def summarize(  # type: ignore[override]  # an instance method: it reads flops_per_token
         self,
@@ -66,6 +85,12 @@ class ModelSummary(RichModelSummary):
             ("Modules in train mode", str(total_training_modes["train"])),
             ("Modules in eval mode", str(total_training_modes["eval"])),
         ]
+        if self.quantized_bytes:
+            held, wide = self.quantized_bytes
+            lines.append((
+                "Weights held, quantized base (MB)",
+                f"{held / 1e6:,.3f} (with an fp32 base: {wide / 1e6:,.3f}, {held / wide:.2f}x)",
+            ))  # fmt: skip
         if total_flops:
             lines.append(("Total FLOPs (measured)", get_human_readable_count(total_flops)))
         if self.flops_per_token:
