@@ -28,9 +28,9 @@ from tests.helpers.tiny import rank_trainer, tiny_tokens
 BATCH, T = 8, 16
 
 
-def make_data(vocab: int, steps: int):
+def make_data(vocab: int, steps: int, padded: bool = True):
     """``steps`` fixed global batches of ``BATCH`` rows, each replica reading its share."""
-    return tiny_tokens(steps, val_batches=1, batch=BATCH, vocab_size=vocab, seq=T, padded=True)
+    return tiny_tokens(steps, val_batches=1, batch=BATCH, vocab_size=vocab, seq=T, padded=padded)
 
 
 def _independent_master_norm(trainer: Any, optimizer: Any) -> float:
@@ -88,6 +88,7 @@ def fit(
     prepare: Callable[[Any, Any], None] | None = None,
     ckpt_path: str | None = None,
     batches: int | None = None,
+    padded: bool = True,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
     norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
@@ -139,7 +140,9 @@ def fit(
         callbacks=[TrainingTelemetry(peak_flops_per_device=1e12), Record(), *callbacks],
     )
     trainer.fit(
-        task, datamodule=make_data(model["vocab_size"], batches or steps), ckpt_path=ckpt_path
+        task,
+        datamodule=make_data(model["vocab_size"], batches or steps, padded),
+        ckpt_path=ckpt_path,
     )
     first_master = master[0] if master else None
     return {"losses": losses, "norms": norms, "master_norm": first_master, "trainer": trainer}

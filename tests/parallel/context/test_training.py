@@ -35,9 +35,13 @@ EPS = 1e-6
 
 
 def fit(strategy, devices: int, steps: int = STEPS, model: dict = MODEL) -> dict:
+    """10 clipped steps on whole (unpadded) batches: over that many AdamW steps the rounding of
+    unequal per-rank token counts grows past 1e-5 in the Llama's norm (4e-5 by step 6); the
+    composition matrix checks padded batches on context layouts for 3 steps at 1e-5."""
     from tests.helpers.training import fit as fit_steps
 
-    return fit_steps(strategy, devices, model, steps=steps, clip=CLIP, warmup_steps=WARMUP, eps=EPS)
+    return fit_steps(strategy, devices, model, steps=steps, clip=CLIP, warmup_steps=WARMUP,
+                     eps=EPS, padded=False)  # fmt: skip
 
 
 def _close(got: list[float], want: list[float], what: str, tol: dict = TOL) -> None:
