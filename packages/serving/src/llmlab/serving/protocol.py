@@ -134,7 +134,12 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     # the grammar the server built for this request (llmlab.serving.structured), if any
     _grammar: str | None = PrivateAttr(None)
-    _grammar_field: str | None = PrivateAttr(None)  # the field it came from
+
+    @property
+    def grammar_field(self) -> str:
+        """The request field a grammar comes from: ``response_format``, else ``tools``."""
+        fmt = self.response_format
+        return "response_format" if fmt is not None and fmt.type != "text" else "tools"
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:

@@ -275,7 +275,6 @@ def _response_grammar(body: Any) -> str | None:
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
-    body._grammar_field = "response_format"
     try:
         if fmt.type == "json_object":
             return json_object_grammar()
@@ -301,7 +300,6 @@ def _tool_grammar(state: ServerState, body: Any) -> str | None:
     forced = body.forced_tools
     if not forced:
         return None
-    body._grammar_field = "tools"
     ends = bool(state.eos_token_ids) and not body.ignore_eos
     many = body.tool_choice_name == "required" and body.parallel_tool_calls and ends
     try:
@@ -333,7 +331,7 @@ def _config(state: ServerState, body: Any, ids: list[int], max_tokens: int) -> G
     except ValueError as err:
         message = str(err).removeprefix("GenerationConfig: ")
         if message.startswith("invalid grammar"):  # llguidance's word on a schema
-            field = body._grammar_field
+            field = body.grammar_field
             raise BadRequest(f"{field}: {message}", field) from err
         for ours, openai_name in RENAMED.items():  # say it in the request's own words
             message = message.replace(ours, openai_name)
