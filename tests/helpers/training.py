@@ -89,6 +89,7 @@ def fit(
     ckpt_path: str | None = None,
     batches: int | None = None,
     padded: bool = True,
+    task_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; returns losses, logged norms, the first master-gradient
     norm, and the trainer. ``transforms`` (memory options) go to ``parallelize_model`` as the
@@ -122,7 +123,12 @@ def fit(
         os.environ["WORLD_SIZE"] = str(dist.get_world_size())  # Lightning's teardown removes it
     L.seed_everything(0)
     task = CausalLMTask(
-        model=dict(model), lr=lr, warmup_steps=warmup_steps, max_steps=steps, eps=eps
+        model=dict(model),
+        lr=lr,
+        warmup_steps=warmup_steps,
+        max_steps=steps,
+        eps=eps,
+        **(task_kwargs or {}),
     )
     if prepare is not None:
         prepare(strategy, task)

@@ -78,6 +78,11 @@ def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> di
     metrics = out["trainer"].callback_metrics
     result["moe"] = {k: float(v) for k, v in metrics.items() if k.startswith("moe/")}
     result["routing"] = {k: float(v) for k, v in metrics.items() if k in ROUTING_METRICS}
+    result["biases"] = [
+        m.router.bias.tolist()
+        for m in out["trainer"].lightning_module.model.moe_layers().values()
+        if m.router.bias is not None
+    ]
     parallel = getattr(strategy, "parallel", None)
     if parallel is not None:
         layers = out["trainer"].lightning_module.model.moe_layers().values()
@@ -169,6 +174,30 @@ def test_routing_losses_under_data_parallelism_equal_one_process(
         _close([r["master_norm"]], [one["master_norm"]], "routing loss: master norm")
         for name in ROUTING_METRICS:
             _close([r["routing"][name]], [one["routing"][name]], name)
+
+
+SIGMOID = ("+model.router_scoring=sigmoid",)  # DeepSeek-V3's router: a selection bias
+BIAS_RATE = {"update_bias_rate": 0.01}
+
+
+def _rank_fit_bias(rank: int, world: int, overrides: list[str]) -> dict:
+    return _fit(overrides, world, task_kwargs=BIAS_RATE)
+
+
+@pytest.mark.distributed
+def test_the_bias_update_under_expert_parallelism_equals_one_process() -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing (γ 0.01 after each step): with data 2 ×
+    expert 2 every rank's biases after 3 steps are one process's (the loads are summed over
+    both data ranks; a rank moving by its own tokens' loads would differ), and so are the
+    losses and norms that the moved biases route."""
+    one = _fit(_overrides(1, ["strategy=auto"], SIGMOID), 1, task_kwargs=BIAS_RATE)
+    assert len(one["biases"]) == 2 and any(b != 0 for b in one["biases"][0])
+    strategy = LAYOUTS["dp2-ep2"][1]
+    results = run_distributed(_rank_fit_bias, 2, _overrides(2, strategy, SIGMOID), timeout=900)
+    for r in results:
+        assert r["biases"] == one["biases"]  # sums of integers, then ±γ: exact
+        _close(r["losses"], one["losses"], "bias update: train/loss")
+        _close(r["norms"], one["norms"], "bias update: train/grad_norm")
 
 
 REFUSED = {  # an option expert > 1 does not compose with yet -> what the message says

@@ -101,3 +101,40 @@ def test_routing_losses_with_a_pipeline_are_refused():
                  "trainer.devices=2"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"router_aux_loss_coef=0\.02 with a pipeline of 2"):
         validate_config(compose_config(overrides))
+
+
+def test_the_bias_update_moves_after_each_optimizer_step_by_the_steps_loads():
+    """γ · sign(mean - load) from the counts of every micro-batch of the step, once per step;
+    a model without selection biases is refused by name."""
+    from llmlab.models import build_model
+    from llmlab.train.routing import BiasUpdate
+
+    model = build_model(dict(arch="llama", vocab_size=64, n_layer=1, n_head=2, n_embd=32,
+                             num_experts=4, num_experts_per_tok=2,
+                             router_scoring="sigmoid"))  # fmt: skip
+    update = BiasUpdate(0.5)
+    loads = []
+    for seed in (0, 1):  # two micro-batches of one step
+        model(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed)))
+        update.add(model)
+        loads.append(model.router_stats()[0].tokens_per_expert.float())
+    update.apply(model, LossReplicas())
+    load = loads[0] + loads[1]
+    want = 0.5 * torch.sign(load.mean() - load)
+    assert torch.equal(model.moe_layers()[0].router.bias, want) and update.counts == {}
+    softmax = build_model(dict(arch="llama", vocab_size=64, n_layer=1, n_head=2, n_embd=32,
+                               num_experts=4, num_experts_per_tok=2))  # fmt: skip
+    softmax(torch.randint(0, 64, (1, 4)))
+    update.add(softmax)
+    with pytest.raises(ValueError, match="no selection bias"):
+        update.apply(softmax, LossReplicas())
+
+
+def test_the_bias_update_with_a_pipeline_is_refused():
+    from llmlab.train.app import ConfigError, compose_config, validate_config
+
+    overrides = ["model=llama", "+model.num_experts=4", "+model.router_scoring=sigmoid",
+                 "+task.update_bias_rate=0.001", "strategy=pipeline",
+                 "trainer.devices=2"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"task\.update_bias_rate=0\.001 with a pipeline of 2"):
+        validate_config(compose_config(overrides))

@@ -263,11 +263,14 @@ class Llama(nn.Module):
         computes the losses over the whole global batch on any data-parallel layout)."""
         return self.config.router_aux_loss_coef, self.config.router_z_loss_coef
 
-    def update_router_bias(self, rate: float) -> None:
+    def update_router_bias(
+        self, rate: float, tokens_per_expert: dict[int, Tensor] | None = None
+    ) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing step on every MoE layer (see
-        :meth:`llmlab.models.moe.MoE.update_bias`), from the last forward's loads."""
-        for layer in self.moe_layers().values():
-            layer.update_bias(rate)
+        :meth:`llmlab.models.moe.MoE.update_bias`), from ``tokens_per_expert`` by layer index
+        (counts summed over a step's micro-batches and data ranks) or the last forward's loads."""
+        for i, layer in self.moe_layers().items():
+            layer.update_bias(rate, None if tokens_per_expert is None else tokens_per_expert[i])
 
     # ------------------------------------------------------------------------ metrics
     def active_params(self) -> int:

@@ -135,20 +135,23 @@ def check_strategy(cfg: DictConfig, run: Any) -> None:
 
 
 def check_router_loss(cfg: DictConfig, model: dict[str, Any]) -> None:
-    """Routing losses (``model.router_aux_loss_coef`` / ``router_z_loss_coef`` > 0) with a
-    pipeline: refused. The pipeline schedule computes the loss on its last stage from the
-    logits alone, and the load-balancing loss pools every MoE layer, which the stages hold
-    apart (``llmlab.train.routing``)."""
+    """Routing losses (``model.router_aux_loss_coef`` / ``router_z_loss_coef`` > 0) or the
+    auxiliary-loss-free bias update (``task.update_bias_rate``) with a pipeline: refused. The
+    pipeline schedule computes the loss on its last stage from the logits alone, and the
+    routing losses and loads pool every MoE layer, which the stages hold apart
+    (``llmlab.train.routing``)."""
     coefs = {k: model.get(k) or 0 for k in ("router_aux_loss_coef", "router_z_loss_coef")}
     strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
     stages = strategy.get("pipeline") or strategy.get("stages") or 1
+    coefs["task.update_bias_rate"] = OmegaConf.select(cfg, "task.update_bias_rate") or 0
     for name, value in coefs.items():
         if value and model.get("num_experts") and stages > 1:
+            where = name if name.startswith("task.") else f"model.{name}"
             raise ConfigError(
-                f"model.{name}={value} with a pipeline of {stages} stages is refused: the "
+                f"{where}={value} with a pipeline of {stages} stages is refused: the "
                 "schedule computes the loss on its last stage from the logits alone, and the "
-                "load-balancing loss pools the MoE layers of every stage; not implemented. "
-                f"Set model.{name}=0 or use a layout without pipeline stages"
+                "routing losses and loads pool the MoE layers of every stage; not implemented. "
+                f"Set {where}=0 or use a layout without pipeline stages"
             )
 
 

@@ -22,6 +22,12 @@ as ``train/aux_loss`` (``z`` as ``train/z_loss`` when its coefficient is set).
 Padding rows count like any other (HF's loss without an ``attention_mask``): the inputs of a
 packed pre-training batch have none.
 
+**Auxiliary-loss-free balancing** (DeepSeek-V3, ``task.update_bias_rate`` γ > 0): after each
+optimizer step every MoE layer's selection bias moves by ``γ · sign(mean load - load_e)``
+(:class:`RebalancesExperts`), the loads being the step's tokens per expert summed over its
+micro-batches and over the loss replicas (:class:`BiasUpdate`), so every rank moves its copy of
+the bias alike and as one process would.
+
 Only models that route tokens (:class:`BalancesExperts`, met by ``llmlab.models.Llama``) and
 whose forward ran MoE layers on this rank take part; a pipeline stage's layers are only a part
 of the pool, so the app refuses routing losses with pipeline parallelism.
@@ -89,3 +95,43 @@ def router_loss(model: Any, replicas: LossReplicas) -> RouterLoss | None:
     z = (z_sums / rows).mean()
     total = aux_coef * aux + (z_coef * z if z_coef else 0.0)
     return RouterLoss(total, aux.detach(), z.detach() if z_coef else None)
+
+
+@runtime_checkable
+class RebalancesExperts(Protocol):
+    """A mixture-of-experts model with selection biases (sigmoid routing, DeepSeek-V3) that
+    auxiliary-loss-free balancing moves: ``update_router_bias(rate, tokens_per_expert)``."""
+
+    def router_stats(self) -> dict[int, Any]: ...
+
+    def update_router_bias(self, rate: float, tokens_per_expert: dict[int, Tensor]) -> None: ...
+
+
+class BiasUpdate:
+    """Counts a step's tokens per expert (:meth:`add`, after each micro-batch's forward) and
+    moves the biases once the optimizer has stepped (:meth:`apply`; module docstring)."""
+
+    def __init__(self, rate: float) -> None:
+        if not rate > 0:
+            raise ValueError(f"task.update_bias_rate must be > 0 to balance, got {rate!r}")
+        self.rate = rate
+        self.counts: dict[int, Tensor] = {}
+
+    def add(self, model: Any) -> None:
+        if not isinstance(model, RebalancesExperts):
+            raise ValueError(
+                f"task.update_bias_rate={self.rate}: {type(model).__name__} has no router "
+                "selection bias to move (update_router_bias); leave the option out"
+            )
+        for i, s in model.router_stats().items():
+            load = s.tokens_per_expert.detach().to(torch.float64)
+            self.counts[i] = self.counts[i] + load if i in self.counts else load
+
+    def apply(self, model: Any, replicas: LossReplicas) -> None:
+        if not self.counts:
+            return
+        layers = sorted(self.counts)
+        loads = torch.stack([self.counts[i] for i in layers])
+        loads = replica_sum(loads, replicas)  # plain counts: no gradient
+        model.update_router_bias(self.rate, dict(zip(layers, loads.unbind(0), strict=True)))
+        self.counts = {}

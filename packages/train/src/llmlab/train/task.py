@@ -32,7 +32,7 @@ from llmlab.parallel.loss_mean import (
     loss_replicas,
 )
 from llmlab.train.adapters import add_adapters, fill_base, keep_adapters_only, lora_config
-from llmlab.train.routing import router_loss
+from llmlab.train.routing import BiasUpdate, router_loss
 
 
 def causal_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -134,13 +134,16 @@ class CausalLMTask(L.LightningModule):
         tokenizer: dict[str, Any] | None = None,
         optimizer_impl: str = "foreach",
         lora: dict[str, Any] | None = None,
+        update_bias_rate: float = 0.0,
     ) -> None:
         """``model``: the model's config fields plus ``arch`` (``"gpt"`` when absent, ``"llama"``),
         kept in the checkpoint's hyper-parameters so ``llmlab.train.sample`` rebuilds the same
         class. ``tokenizer``: the tokenizer's config, kept there for the same reason.
         ``optimizer_impl``: ``default``, ``foreach`` or ``fused`` (see ``OPTIMIZER_IMPLS``).
         ``lora``: low-rank adapters on the loaded model, the rest frozen
-        (:mod:`llmlab.train.adapters`; fields of ``llmlab.models.lora.LoRAConfig``)."""
+        (:mod:`llmlab.train.adapters`; fields of ``llmlab.models.lora.LoRAConfig``).
+        ``update_bias_rate``: γ of DeepSeek-V3's auxiliary-loss-free balancing, applied after
+        each optimizer step (0: off; :mod:`llmlab.train.routing`)."""
         if optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(
                 f"task.optimizer_impl={optimizer_impl!r} is not one of {list(OPTIMIZER_IMPLS)}"
@@ -153,6 +156,8 @@ class CausalLMTask(L.LightningModule):
         self.model, self._pretrained = build_model_unloaded(model)  # meta with init_from
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] = causal_lm_loss
         self.val_loss = MeanMetric()  # weighted by counted tokens, over batches and ranks
+        self.bias_update = BiasUpdate(update_bias_rate) if update_bias_rate else None
+        self._bias_step = 0  # the optimizer step the bias last moved after (set at the start)
 
     def take_pretrained_weights(self) -> Any:
         """The init_from weights the meta model still waits for (``None`` once taken): the
@@ -201,6 +206,8 @@ class CausalLMTask(L.LightningModule):
         replicas = loss_replicas(self.trainer.strategy)
         loss = global_token_mean(local, count, replicas)
         self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=False)
+        if self.bias_update is not None:
+            self.bias_update.add(self.model)
         routing = router_loss(self.model, replicas)  # None without routers or coefficients
         if routing is None:
             return loss
@@ -210,6 +217,17 @@ class CausalLMTask(L.LightningModule):
         if routing.z is not None:
             self.log("train/z_loss", routing.z, sync_dist=False)
         return loss + routing.total
+
+    def on_train_start(self) -> None:
+        self._bias_step = self.trainer.global_step  # a resumed run starts mid-way
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After an optimizer step (not after a micro-batch that only accumulated), the
+        auxiliary-loss-free bias update from the step's loads over every loss replica."""
+        step = self.trainer.global_step
+        if self.bias_update is not None and step != self._bias_step:
+            self._bias_step = step
+            self.bias_update.apply(self.model, loss_replicas(self.trainer.strategy))
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
         loss, count = self.batch_loss(batch)
