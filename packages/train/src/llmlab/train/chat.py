@@ -47,7 +47,8 @@ import torch
 from torch.utils.data import Dataset
 
 from llmlab.parallel.loss_mean import IGNORE_INDEX
-from llmlab.train.documents import BadRecords, InputError, _json_records, in_validation, input_files
+from llmlab.train.document_loading import _json_records
+from llmlab.train.documents import BadRecords, InputError, in_validation, input_files
 from llmlab.train.global_batch import GlobalBatchDataModule
 
 log = logging.getLogger(__name__)
