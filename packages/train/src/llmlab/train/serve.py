@@ -10,7 +10,7 @@ lists ``gpt_shakespeare``, not ``last``) unless ``--served-model-name`` says oth
 
 This step lives in ``llmlab.train`` because only the app knows its run directories and
 checkpoint formats; ``llmlab.serving`` imports neither ``llmlab.train`` nor ``llmlab.parallel``
-(docs/architecture.md, "Who may import whom"), so the resolution happens here, in front of it.
+(docs/architecture.md, "Serving: a separate engine"), so the resolution happens here, in front of it.
 """
 
 from __future__ import annotations
