@@ -35,12 +35,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="the KV pool's dtype (auto: the model's)")  # fmt: skip
-    p.add_argument("--quantize", help="weights as bf16, int8, int4, int4:g64 or int4:g128 "
-                   "(llmlab.models.quantize; default: as loaded)")  # fmt: skip
-    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
-                   help="larger request bodies get a 413 (default: 8 MiB)")  # fmt: skip
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV pool's dtype (auto: the model's)",
+    )
+    p.add_argument(
+        "--quantize",
+        help="weights as bf16, int8, int4, int4:g64 or int4:g128 "
+        "(llmlab.models.quantize; default: as loaded)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="larger request bodies get a 413 (default: 8 MiB)",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
@@ -106,10 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     log.info(
         "model %r: %s, weights %.1f MiB (%s), context %d; KV pool %d blocks x %d tokens "
         "(%.1f MiB); chat template: %s",
-        name, type(loaded.model).__name__, weight_bytes(loaded.model) / 2**20,
-        c.quantize or "as loaded", c.max_model_len, c.num_blocks, c.block_size,
-        engine.runner.pool.nbytes / 2**20, source,
-    )  # fmt: skip
+        name,
+        type(loaded.model).__name__,
+        weight_bytes(loaded.model) / 2**20,
+        c.quantize or "as loaded",
+        c.max_model_len,
+        c.num_blocks,
+        c.block_size,
+        engine.runner.pool.nbytes / 2**20,
+        source,
+    )
     state = ServerState(
         engine, name, chat, loaded.eos_token_ids, max_body_bytes=args.max_body_bytes
     )

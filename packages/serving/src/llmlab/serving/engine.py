@@ -134,8 +134,9 @@ class LLMEngine:
         config = config or GenerationConfig()
         options = options or RequestOptions()
         self.check_request(request_id, prompt_ids, config, options)
-        request = Request(request_id, list(prompt_ids), config, next(self._arrivals),
-                          options=options)  # fmt: skip
+        request = Request(
+            request_id, list(prompt_ids), config, next(self._arrivals), options=options
+        )
         rules = Rules.of(config, len(prompt_ids), self.tokenizer)
         if self.faults is not None:
             rules.fault = self.faults.stage_for(prompt_ids, self.tokenizer)
@@ -493,10 +494,18 @@ class LLMEngine:
         self.stats.finished(request, "error")
         self.stats.error(stage)
         log.error("request %s failed at the %s stage: %r", request_id, stage, err)
-        outputs = [SequenceOutput(seq.index, list(seq.output_ids), "", [], "", "error")
-                   for seq in request.sequences]  # fmt: skip
-        return RequestOutput(request_id, request.prompt_ids, outputs, True,
-                             self._request_metrics(request), error=f"{stage}: {err}")  # fmt: skip
+        outputs = [
+            SequenceOutput(seq.index, list(seq.output_ids), "", [], "", "error")
+            for seq in request.sequences
+        ]
+        return RequestOutput(
+            request_id,
+            request.prompt_ids,
+            outputs,
+            True,
+            self._request_metrics(request),
+            error=f"{stage}: {err}",
+        )
 
     def fail_all(self, err: BaseException) -> list[RequestOutput]:
         """End every request with ``err`` (the last resort when a step itself raised)."""
@@ -534,15 +543,29 @@ class LLMEngine:
             new = generated[seen:]
             tracked.reported[seq.index] = len(generated)
             text, delta = self._text(tracked, seq, new)
-            outputs.append(SequenceOutput(seq.index, list(generated), text, new, delta,
-                                          seq.finish_reason, seq.logprobs[seen:]))  # fmt: skip
+            outputs.append(
+                SequenceOutput(
+                    seq.index,
+                    list(generated),
+                    text,
+                    new,
+                    delta,
+                    seq.finish_reason,
+                    seq.logprobs[seen:],
+                )
+            )
         prompt_logprobs = None
         wanted = request.options.prompt_logprobs is not None and not tracked.prompt_reported
         if wanted and not request.needs_prompt_logits:
             prompt_logprobs, tracked.prompt_reported = list(request.prompt_logprobs), True
-        return RequestOutput(request.request_id, request.prompt_ids, outputs,
-                             request.is_finished, self._request_metrics(request),
-                             prompt_logprobs=prompt_logprobs)  # fmt: skip
+        return RequestOutput(
+            request.request_id,
+            request.prompt_ids,
+            outputs,
+            request.is_finished,
+            self._request_metrics(request),
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _text(self, tracked: _Tracked, seq: Sequence, new: list[int]) -> tuple[str, str]:
         if self.tokenizer is None:

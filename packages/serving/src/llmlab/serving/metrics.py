@@ -138,18 +138,26 @@ class EngineStats:
         ):
             out += metric(f"{name}_total", "counter", help_, [f"{p}_{name}_total {value}"])
         out += metric(
-            "request_success_total", "counter", "Finished sequences by finish reason.",
-            [f'{p}_request_success_total{{finished_reason="{r}"}} {n}'
-             for r, n in sorted(dict(self.finished_by_reason).items())],
-        )  # fmt: skip
+            "request_success_total",
+            "counter",
+            "Finished sequences by finish reason.",
+            [
+                f'{p}_request_success_total{{finished_reason="{r}"}} {n}'
+                for r, n in sorted(dict(self.finished_by_reason).items())
+            ],
+        )
         with self._errors_lock:
             errors = sorted(self.errors_by_kind.items())
         out += metric(
-            "request_errors_total", "counter", "Requests refused or failed, by kind.",
+            "request_errors_total",
+            "counter",
+            "Requests refused or failed, by kind.",
             [f'{p}_request_errors_total{{kind="{k}"}} {n}' for k, n in errors],
-        )  # fmt: skip
+        )
         out += metric(
-            "time_to_first_token_seconds", "histogram", "Seconds from arrival to first token.",
+            "time_to_first_token_seconds",
+            "histogram",
+            "Seconds from arrival to first token.",
             self.ttft.lines(f"{p}_time_to_first_token_seconds"),
-        )  # fmt: skip
+        )
         return "\n".join(out) + "\n"
