@@ -47,8 +47,10 @@ import torch
 from torch.utils.data import Dataset
 
 from llmlab.parallel.loss_mean import IGNORE_INDEX
-from llmlab.train.document_loading import _json_records
-from llmlab.train.documents import BadRecords, InputError, in_validation, input_files
+from llmlab.train.chat_records import Record as Record
+from llmlab.train.chat_records import files_list, read_split_records
+from llmlab.train.chat_records import read_records as read_records
+from llmlab.train.documents import BadRecords
 from llmlab.train.global_batch import GlobalBatchDataModule
 
 log = logging.getLogger(__name__)
@@ -225,73 +227,6 @@ def messages_problem(messages: Any, need_assistant: bool = True) -> str | None:
     return None
 
 
-@dataclass
-class Record:
-    """One usable record: its parsed JSON, where it came from, and its split."""
-
-    value: dict[str, Any]
-    source: str
-    where: str
-    validation: bool
-
-
-def read_records(
-    files: Sequence[str | Path],
-    report: BadRecords,
-    val_fraction: float = 0.0,
-    cache_dir: str | Path | None = None,
-) -> list[Record]:
-    """Every JSON-object record of ``files`` (JSON lines, or ``.json`` arrays), through HF
-    ``datasets`` (one Arrow table, cached under ``cache_dir`` by the files' contents); a line
-    that is not a JSON object is skipped and reported by file and line (``report``)."""
-    import datasets
-
-    if not files:
-        return []
-    paths = [str(p) for p in input_files([str(f) for f in files])]
-    stamp = hashlib.sha1()
-    for p in paths:  # the cache key: names and contents (a changed file is read again)
-        stamp.update(p.encode() + b"\0")
-        with open(p, "rb") as f:
-            while block := f.read(1 << 20):
-                stamp.update(block)
-    datasets.disable_progress_bars()
-    features = datasets.Features(
-        {k: datasets.Value("string") for k in ("record", "source", "where", "problem")}
-    )
-    table = datasets.Dataset.from_generator(
-        _json_lines,
-        features=features,
-        gen_kwargs={"files": paths, "stamp": stamp.hexdigest()},
-        cache_dir=None if cache_dir is None else str(cache_dir),
-    )
-    records = []
-    for row in table:
-        report.records += 1
-        if row["problem"]:
-            kind, detail = row["problem"].split("\0")
-            report.bad(row["source"], row["where"], kind, detail)
-            continue
-        raw = row["record"]
-        records.append(Record(json.loads(raw), row["source"], row["where"],
-                              in_validation(raw.encode("utf-8"), val_fraction)))  # fmt: skip
-    return records
-
-
-def _json_lines(files: list[str], stamp: str) -> Iterator[dict[str, str]]:
-    """Rows of :func:`read_records`' table (``stamp`` only keys the cache)."""
-    for name in files:
-        for where, value, problem in _json_records(Path(name)):
-            if problem is None and not isinstance(value, dict):
-                problem = ("not an object", f"not a JSON object ({type(value).__name__})")
-            yield {
-                "record": "" if problem else json.dumps(value, ensure_ascii=False),
-                "source": name,
-                "where": where,
-                "problem": "\0".join(problem) if problem else "",
-            }
-
-
 # --------------------------------------------------------------------------- packing
 @dataclass
 class Example:
@@ -373,12 +308,6 @@ def pad_id_of(tokenizer: Any) -> int:
     return 0
 
 
-def files_list(files: str | Sequence[str] | None) -> list[str]:
-    if files is None:
-        return []
-    return [files] if isinstance(files, str) else [str(f) for f in files]
-
-
 class ChatDataModule(GlobalBatchDataModule):
     """Conversations of ``files`` (JSON lines of ``messages``), rendered by the chat template,
     masked to the assistant's tokens and packed with document ids (module docstring); global
@@ -417,18 +346,11 @@ class ChatDataModule(GlobalBatchDataModule):
         self.block_size, self.document_mask = block_size, bool(document_mask)
         self.template = ChatTemplate.from_path(template)
         self.report = BadRecords(strict=strict)
-        fraction = 0.0 if val_files else val_fraction
-        try:
-            train = read_records(files_list(files), self.report, fraction, cache_dir)
-            val = read_records(files_list(val_files), self.report, 0.0, cache_dir)
-        except InputError as err:
-            raise ValueError(str(err)) from err
-        for r in val:
-            r.validation = True
+        records = read_split_records(files, val_files, val_fraction, self.report, cache_dir)
         self.splits: dict[str, tuple[np.ndarray, ...]] = {}
         examples: dict[str, list[Example]] = {"train": [], "validation": []}
         cut = 0
-        for record in train + val:
+        for record in records:
             result = self.encode(record, tokenizer)
             if result is None:
                 continue

@@ -29,8 +29,9 @@ import torch
 from torch.utils.data import Dataset
 
 from llmlab.parallel.loss_mean import IGNORE_INDEX
-from llmlab.train.chat import ChatTemplate, files_list, messages_problem, pad_id_of, read_records
-from llmlab.train.documents import BadRecords, InputError
+from llmlab.train.chat import ChatTemplate, messages_problem, pad_id_of
+from llmlab.train.chat_records import read_split_records
+from llmlab.train.documents import BadRecords
 from llmlab.train.global_batch import GlobalBatchDataModule
 
 log = logging.getLogger(__name__)
@@ -101,17 +102,10 @@ class PreferenceDataModule(GlobalBatchDataModule):
         self.block_size, self.tokenizer = block_size, tokenizer
         self.template = None if template is None else ChatTemplate.from_path(template)
         self.report = BadRecords(strict=strict)
-        fraction = 0.0 if val_files else val_fraction
-        try:
-            train = read_records(files_list(files), self.report, fraction, cache_dir)
-            val = read_records(files_list(val_files), self.report, 0.0, cache_dir)
-        except InputError as err:
-            raise ValueError(str(err)) from err
-        for r in val:
-            r.validation = True
+        records = read_split_records(files, val_files, val_fraction, self.report, cache_dir)
         pairs: dict[str, list[tuple[np.ndarray, ...]]] = {"train": [], "validation": []}
         self.cut = 0
-        for record in train + val:
+        for record in records:
             try:
                 pair = self.encode(record.value)
             except ValueError as err:
