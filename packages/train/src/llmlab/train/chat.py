@@ -104,10 +104,16 @@ def _compile(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:  # fmt: skip
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)  # fmt: skip
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[AssistantTracker, jinja2.ext.loopcontrols]
@@ -182,8 +188,11 @@ class ChatTemplate:
 
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
-        kwargs = {**self.special_tokens, "messages": messages,
-                  "add_generation_prompt": add_generation_prompt}  # fmt: skip
+        kwargs = {
+            **self.special_tokens,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             with self.template.environment.track_generation(blocks, spans):
                 for block in self.template.generate(**kwargs):
@@ -364,8 +373,12 @@ class ChatDataModule(GlobalBatchDataModule):
         if summary := self.report.summary():
             log.warning("warning: chat data: %s", summary.replace("--strict", "data.strict=true"))
         if cut:
-            log.warning("warning: chat data: %d conversation(s) longer than block_size + 1 = %d "
-                        "tokens were cut there", cut, block_size + 1)  # fmt: skip
+            log.warning(
+                "warning: chat data: %d conversation(s) longer than block_size + 1 = %d "
+                "tokens were cut there",
+                cut,
+                block_size + 1,
+            )
         pad = pad_id_of(tokenizer)
         for split, items in examples.items():
             if not items:
@@ -386,10 +399,14 @@ class ChatDataModule(GlobalBatchDataModule):
         log.info(
             "chat: %d train / %d validation conversations in %d / %d rows of %d tokens; "
             "%d / %d assistant targets",
-            len(examples["train"]), len(examples["validation"]), len(self.splits["train"][0]),
-            len(self.splits["validation"][0]), block_size, counted["train"],
+            len(examples["train"]),
+            len(examples["validation"]),
+            len(self.splits["train"][0]),
+            len(self.splits["validation"][0]),
+            block_size,
+            counted["train"],
             counted["validation"],
-        )  # fmt: skip
+        )
 
     def encode(self, record: Record, tokenizer: Any) -> tuple[np.ndarray, np.ndarray] | None:
         """(ids, assistant mask) of a record, or ``None`` (reported) when it is bad."""
@@ -412,5 +429,9 @@ class ChatDataModule(GlobalBatchDataModule):
 
     def identity(self) -> dict[str, Any]:
         rows = hashlib.sha1(b"".join(a.tobytes() for a in self.splits["train"])).hexdigest()
-        return {"data": rows, "seed": self.seed, "batch_size": self.batch_size,
-                "block_size": self.block_size}  # fmt: skip
+        return {
+            "data": rows,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "block_size": self.block_size,
+        }

@@ -113,11 +113,16 @@ class PreferenceDataModule(GlobalBatchDataModule):
                 continue
             pairs["validation" if record.validation else "train"].append(pair)
         if summary := self.report.summary():
-            log.warning("warning: preference data: %s",
-                        summary.replace("--strict", "data.strict=true"))  # fmt: skip
+            log.warning(
+                "warning: preference data: %s", summary.replace("--strict", "data.strict=true")
+            )
         if self.cut:
-            log.warning("warning: preference data: %d sequence(s) longer than block_size + 1 = "
-                        "%d tokens were cut there", self.cut, block_size + 1)  # fmt: skip
+            log.warning(
+                "warning: preference data: %d sequence(s) longer than block_size + 1 = "
+                "%d tokens were cut there",
+                self.cut,
+                block_size + 1,
+            )
         self.splits: dict[str, tuple[np.ndarray, ...]] = {}
         for split, items in pairs.items():
             if len(items) < batch_size:
@@ -127,8 +132,12 @@ class PreferenceDataModule(GlobalBatchDataModule):
                     + ("" if split == "train" else " (raise data.val_fraction or give val_files)")
                 )
             self.splits[split] = tuple(np.stack(column) for column in zip(*items))
-        log.info("preference: %d train / %d validation pairs, rows of %d tokens",
-                 len(pairs["train"]), len(pairs["validation"]), block_size)  # fmt: skip
+        log.info(
+            "preference: %d train / %d validation pairs, rows of %d tokens",
+            len(pairs["train"]),
+            len(pairs["validation"]),
+            block_size,
+        )
 
     # ----------------------------------------------------------------- tokenizing
     def _ids(self, text: str) -> list[int]:
@@ -196,5 +205,9 @@ class PreferenceDataModule(GlobalBatchDataModule):
 
     def identity(self) -> dict[str, Any]:
         rows = hashlib.sha1(b"".join(a.tobytes() for a in self.splits["train"])).hexdigest()
-        return {"data": rows, "seed": self.seed, "batch_size": self.batch_size,
-                "block_size": self.block_size}  # fmt: skip
+        return {
+            "data": rows,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "block_size": self.block_size,
+        }
