@@ -1,8 +1,11 @@
-"""The N-D strategy's option checks that need no world and no model: ZeRO stage and
-implementation, compile, split-backward schedules and context parallelism against each other.
+"""The N-D strategy's option checks: :func:`check_options` needs no world and no model (ZeRO
+stage and implementation, compile, split-backward schedules, context and expert parallelism
+against each other); :func:`check_run` judges the same options against a run's precision,
+model, world and batch.
 
 ``NDParallelStrategy`` calls :func:`check_options` in its constructor, so a bad combination is
-refused where it is written (user code, the app's ``check_config``), before any process starts.
+refused where it is written (user code, the app's ``check_config``), before any process starts;
+its ``check_config`` adds :func:`check_run` for the app.
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ from llmlab.parallel.compile import COMPILE_WITH_TENSOR
 from llmlab.parallel.context.step import check_context
 from llmlab.parallel.data.sharding import check_zero_impl
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
-from llmlab.parallel.expert import expert_refusal
-from llmlab.parallel.mesh import ParallelDims
+from llmlab.parallel.expert import check_has_experts, expert_refusal
+from llmlab.parallel.mesh import ParallelDims, check_layout
 from llmlab.parallel.pipeline.split_layout import check_split_backward
+from llmlab.parallel.preflight import RunConfig
 from llmlab.parallel.transforms import ModelTransforms
+
+FP32 = ("32-true", "32", 32, None)  # Lightning's fp32 precision flags
 
 ZERO_WITH_PIPELINE = (
     "a pipeline runs several micro-batch backward passes per step, so ZeRO-2 would either keep "
@@ -67,3 +73,21 @@ def check_options(
     check_context(dims.context, transforms)
     check_zero_impl(zero_impl, zero, dims.pipeline, transforms, context=dims.context)
     check_expert(dims, zero, transforms, sharded_checkpoints)
+
+
+def check_run(dims: ParallelDims, zero: int, zero_impl: str, run: RunConfig) -> None:
+    """The options against the run: the split-backward schedule and ZeRO implementation with
+    its precision, expert parallelism with fp32 and a model that has experts, the layout with
+    the world, batch and model (built on ``meta`` only when tensor, pipeline or expert > 1),
+    context parallelism with the sequence length and dropout."""
+    check_split_backward(dims.schedule, run.transforms.compile, run.plugin_options)
+    check_zero_impl(
+        zero_impl, zero, dims.pipeline, None, run.plugin, run.precision, context=dims.context
+    )
+    if dims.expert > 1 and (run.plugin is not None or run.precision not in FP32):
+        raise ValueError(expert_refusal("precision", run.plugin or run.precision, dims.expert))
+    model = run.model() if dims.tensor > 1 or dims.pipeline > 1 or dims.expert > 1 else None
+    if dims.expert > 1 and model is not None:
+        check_has_experts(model, dims.expert)
+    check_layout(dims, world_size=run.world_size, model=model, global_batch=run.global_batch)
+    check_context(dims.context, run.transforms, run.seq_len, run.attention_dropout)

@@ -6,7 +6,7 @@
 * ``comm/pp_bytes``: activations and gradients sent to other stages, plus the tied-weight
   all-reduce across stages;
 * ``comm/dp_bytes``: the gradient all-reduce over the data group (data × context with context
-  parallelism: the folded reduction), or ZeRO's reduce-scatters and all-gathers;
+  parallelism), or ZeRO's reduce-scatters and all-gathers;
 * ``comm/cp_bytes``: ring attention's key/value chunks and their gradients
   (:func:`~llmlab.parallel.context.accounting.cp_bytes` per micro-batch);
 * ``comm/ep_bytes``: expert parallelism's all-to-alls (rows to other ranks' experts and back,
@@ -44,6 +44,24 @@ class StepComm:
         """Tensor-parallel collectives (and the engine's, with ``counting``) inside are counted."""
         with record_into(self.ledger), self.counting():
             yield
+
+    def take_step(self, reducer: Any, strategy: Any) -> None:
+        """Add what the gradient ``reducer`` and ``strategy``'s mechanisms (an
+        ``NDParallelStrategy``'s ring attention, expert dispatch, pipeline transport,
+        data-sharding engine) counted this step, and reset their counters."""
+        from llmlab.parallel.context.step import take_cp_bytes
+
+        self.pp_bytes += reducer.tied_bytes
+        self.dp_bytes += reducer.data_bytes
+        reducer.reset_counts()
+        self.cp_bytes += take_cp_bytes(strategy.context)
+        parallel = strategy.parallel
+        if parallel is not None and parallel.expert is not None:
+            self.ep_bytes += parallel.expert.stats.take()
+        if strategy.pipeline_step is not None:
+            self.pp_bytes += strategy.pipeline_step.take_bytes_sent()
+        if strategy.zero_engine is not None:
+            self.dp_bytes += strategy.zero_engine.take_comm_bytes()
 
     def metrics(self) -> dict[str, float]:
         """The step's ``comm/*`` totals; the counts start again from zero."""

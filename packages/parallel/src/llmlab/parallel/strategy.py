@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -48,16 +47,16 @@ from llmlab.parallel.checkpoint.checkpointer import LayoutCheckpointer
 from llmlab.parallel.checkpoint.pretrained import take_pretrained_weights
 from llmlab.parallel.compile import compile_refusal
 from llmlab.parallel.context.group import ContextParallel
-from llmlab.parallel.context.step import check_context, split_batch, take_cp_bytes
+from llmlab.parallel.context.step import split_batch
 from llmlab.parallel.data.fsdp2 import FSDP2Engine
-from llmlab.parallel.data.sharding import build_data_sharding, check_zero_impl
+from llmlab.parallel.data.sharding import build_data_sharding
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.data.zero_memory import ReplicatedMemory
 from llmlab.parallel.data.zero_precision import ZeroMasterWeights
-from llmlab.parallel.expert import check_has_experts, expert_refusal, split_expert_params
 from llmlab.parallel.loss_mean import LossReplicas
-from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups, check_layout
-from llmlab.parallel.nd_options import check_options
+from llmlab.parallel.mesh import ParallelDims, ProcessGroups, build_process_groups
+from llmlab.parallel.nd_mechanisms import build_step_mechanisms
+from llmlab.parallel.nd_options import check_options, check_run
 from llmlab.parallel.norm import WholeModelNorm
 from llmlab.parallel.parallelize import ParallelModel, parallelize_model
 from llmlab.parallel.pipeline.grad_sync import GradientReducer
@@ -74,7 +73,6 @@ from llmlab.parallel.step_comm import StepComm
 from llmlab.parallel.transforms import ModelTransforms
 
 log = logging.getLogger(__name__)
-FP32 = ("32-true", "32", 32, None)  # Lightning's fp32 precision flags
 
 
 class NDParallelStrategy(DDPStrategy):
@@ -160,17 +158,7 @@ class NDParallelStrategy(DDPStrategy):
         if run.transforms.compile and not cls.compile_checked:
             raise ValueError(compile_refusal(cls.__name__))
         s = cls(**options, transforms=run.transforms)
-        dims = s.requested
-        check_split_backward(dims.schedule, run.transforms.compile, run.plugin_options)
-        check_zero_impl(s.zero_impl, s.zero, dims.pipeline, None, run.plugin, run.precision,
-                        context=dims.context)  # fmt: skip
-        if dims.expert > 1 and (run.plugin is not None or run.precision not in FP32):
-            raise ValueError(expert_refusal("precision", run.plugin or run.precision, dims.expert))
-        model = run.model() if dims.tensor > 1 or dims.pipeline > 1 or dims.expert > 1 else None
-        if dims.expert > 1 and model is not None:
-            check_has_experts(model, dims.expert)
-        check_layout(dims, world_size=run.world_size, model=model, global_batch=run.global_batch)
-        check_context(dims.context, run.transforms, run.seq_len, run.attention_dropout)
+        check_run(s.requested, s.zero, s.zero_impl, run)
 
     # ------------------------------------------------------------------- layout
     @property
@@ -263,22 +251,33 @@ class NDParallelStrategy(DDPStrategy):
         if parallel.stage is not None:
             scale = getattr(self.precision_plugin, "scale_loss", None)
             self.pipeline_step = PipelinedStep.build(
-                parallel, self.groups, lambda out, target: module.loss_fn(out, target),
-                self.root_device, scale if callable(scale) else None,
-                self.timeline_every_n_steps, self.timeline_dir,
-            )  # fmt: skip
+                parallel,
+                self.groups,
+                lambda out, target: module.loss_fn(out, target),
+                self.root_device,
+                scale if callable(scale) else None,
+                self.timeline_every_n_steps,
+                self.timeline_dir,
+            )
+        plugin = self.precision_plugin
+        fp32 = plugin.fp32_values() if isinstance(plugin, MasterWeightPrecision) else None
         if self.zero >= 1 and self.zero_engine is None:
             self.zero_engine = build_data_sharding(
-                self.zero_impl, model, self.zero, self.groups, parallel.params,
-                self.precision_plugin, self.root_device.type, self._plugin_fp32_values(),
+                self.zero_impl,
+                model,
+                self.zero,
+                self.groups,
+                parallel.params,
+                self.precision_plugin,
+                self.root_device.type,
+                fp32,
                 # a pipeline sums tied weights across stages first: it reduces once per step
                 reduce_in_backward=self.pipeline_step is None,
-            )  # fmt: skip
+            )
             self.comm = StepComm(getattr(self.zero_engine, "counting", None))
-        log.info(
-            "nd layout %s: rank %d at %s holds %d parameters; applied %s",
-            dims, self.global_rank, self.groups.coords, self.local_param_count, parallel.applied,
-        )  # fmt: skip
+        where = f"rank {self.global_rank} at {self.groups.coords}"
+        log.info("nd layout %s: %s holds %d parameters", dims, where, self.local_param_count)
+        log.info("applied %s", parallel.applied)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             engine_held = self.zero_engine.named_params() if self.zero_engine else ()
@@ -288,7 +287,6 @@ class NDParallelStrategy(DDPStrategy):
                     group["params"] = [p for p in group["params"] if id(p) in held]
                 if self.zero_engine is not None:
                     self.zero_engine.rewire(optimizer)
-        plugin = self.precision_plugin
         if isinstance(self.zero_engine, ZeroEngine) and isinstance(plugin, MasterWeightPrecision):
             plugin.use_masters(  # the engine's fp32 shards are the masters
                 ZeroMasterWeights(self.zero_engine, plugin.scaler, plugin.skip_nonfinite)
@@ -298,44 +296,13 @@ class NDParallelStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._connect_mechanisms(trainer)
 
-    def _plugin_fp32_values(self) -> dict[int, Tensor] | None:
-        plugin = self.precision_plugin
-        return plugin.fp32_values() if isinstance(plugin, MasterWeightPrecision) else None
-
     def _connect_mechanisms(self, trainer: pl.Trainer) -> None:
-        """The reducer, the whole-model norm (the plugin clips by it) and the checkpoint door."""
-        assert self.parallel is not None
-        groups, zero, parallel = self.groups, self.zero_engine, self.parallel
-        data = (groups.replica, self.dims.replicas) if zero is None else (None, 1)
-        experts = split_expert_params(parallel.params)[1]
-        self._reducer = GradientReducer(
-            parallel.params, parallel.tied, *data,
-            experts=experts, expert_group=groups.expert_copies,
-        )  # fmt: skip
+        """The reducer, the whole-model norm (the plugin clips by it) and the checkpoint door
+        (:mod:`llmlab.parallel.nd_mechanisms`)."""
+        built = build_step_mechanisms(self)
+        self._reducer, self._memory, self._norm = built.reducer, built.memory, built.norm
+        self.checkpointer = built.checkpointer
         plugin = self.precision_plugin
-        masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
-        held = masters.masters if zero is None and masters is not None else ()  # zero=0's fp32
-        self._memory = (
-            ReplicatedMemory(parallel.params, self.optimizers, held) if zero is None else zero
-        )
-        # expert slices are gathered (and split) along dim 0 over the expert group where a
-        # tensor shard is over the tensor group: tensor = 1 with expert > 1 (nd_options)
-        shards = groups if self.dims.expert == 1 else replace(
-            groups, tensor=groups.expert, tensor_ranks=groups.expert_ranks
-        )  # fmt: skip
-        self.checkpointer = LayoutCheckpointer(
-            self.lightning_module, self.model_attribute, shards, parallel.duplicates, zero,
-            masters, self.sharded_checkpoints,
-            layout={**self.dims.sizes(), "zero": self.zero, "zero_impl": self.zero_impl,
-                    "sequence_parallel": self.dims.sequence_parallel},
-        )  # fmt: skip
-        norm_groups = (groups.tensor, groups.pipeline, *((groups.replica,) if zero else ()),
-                       groups.expert)  # fmt: skip
-        self._norm = WholeModelNorm(  # the optimizer's tensors (masters, ZeRO pieces) stand for
-            self.dims.tensor, norm_groups, parallel.duplicates,  # the model parameters the
-            self.checkpointer.model_param_of,  # checkpointer names them by
-            experts, self.dims.expert,
-        )  # fmt: skip
         if isinstance(plugin, WholeModelClipping):
             plugin.clip_by_norm_of(self.global_grad_norm)
         elif trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
@@ -427,18 +394,7 @@ class NDParallelStrategy(DDPStrategy):
 
     def _log_comm(self) -> None:
         assert self._reducer is not None and self._memory is not None
-        reducer = self._reducer
-        self.comm.pp_bytes += reducer.tied_bytes
-        self.comm.dp_bytes += reducer.data_bytes
-        self.comm.cp_bytes += take_cp_bytes(self.context)
-        if self.parallel is not None and self.parallel.expert is not None:
-            self.comm.ep_bytes += self.parallel.expert.stats.take()
-        reducer.reset_counts()
-        if self.pipeline_step is not None:
-            self.comm.pp_bytes += self.pipeline_step.take_bytes_sent()
-        zero = self.zero_engine
-        if zero is not None:
-            self.comm.dp_bytes += zero.take_comm_bytes()
+        self.comm.take_step(self._reducer, self)
         self.last_comm = {**self.comm.metrics(), **self._memory.memory_stats()}
         trainer = self.lightning_module.trainer
         if self.is_global_zero and trainer.logger is not None:
