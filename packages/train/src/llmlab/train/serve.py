@@ -9,8 +9,9 @@ result. A checkpoint inside a run directory is served under its experiment's nam
 lists ``gpt_shakespeare``, not ``last``) unless ``--served-model-name`` says otherwise.
 
 This step lives in ``llmlab.train`` because only the app knows its run directories and
-checkpoint formats; ``llmlab.serving`` imports neither ``llmlab.train`` nor ``llmlab.parallel``
-(docs/architecture.md, "Serving: a separate engine"), so the resolution happens here, in front of it.
+checkpoint formats; ``llmlab.serving`` imports neither ``llmlab.train`` nor
+``llmlab.parallel`` (docs/architecture.md, "Serving: a separate engine"), so the resolution
+happens here, in front of it.
 """
 
 from __future__ import annotations
