@@ -113,18 +113,30 @@ def test_files_counted_by_parts_in_two_processes_equal_one(tmp_path, name):
     assert count_chunks(FileLines(paths), splitter, workers=2) == expected
 
 
-@pytest.mark.parametrize("name", [*sorted(SPLITTERS), "gpt4"])
-def test_a_list_counted_in_forked_slices_equals_one_process(name, monkeypatch):
-    """``workers=3`` on a list of texts: each forked process counts its slice (inherited, not
-    shipped); the counts equal one process's, and the slices, taken, hold every text once."""
+def _forked_slices(name: str) -> tuple[bool, list, list[str]]:
+    """In a fresh process (no threads another test left running, which rightly stop
+    ``count_chunks`` from forking): whether ``workers=3`` counts equal one process's, the
+    slices it took, and the texts."""
     from llmlab.tokenizer import pretokenize
 
     lines = MIXED.splitlines(keepends=True) * 4 + ["a\x1cb c", "x\u2581y  z ", " ▁ ", ""]
     splitter = SPLITTERS.get(name) or resolve_pattern(name)
     real, taken = pretokenize._list_parts, []
-    monkeypatch.setattr(
-        pretokenize, "_list_parts", lambda t, w: taken.append(real(t, w)) or taken[-1]
-    )
-    assert count_chunks(lines, splitter, workers=3) == one_by_one(lines, splitter)
+    pretokenize._list_parts = lambda t, w: taken.append(real(t, w)) or taken[-1]
+    same = pretokenize.count_chunks(lines, splitter, workers=3) == one_by_one(lines, splitter)
+    return same, taken, lines
+
+
+@pytest.mark.parametrize("name", [*sorted(SPLITTERS), "gpt4"])
+def test_a_list_counted_in_forked_slices_equals_one_process(name):
+    """``workers=3`` on a list of texts: each forked process counts its slice (inherited, not
+    shipped); the counts equal one process's, and the slices, taken, hold every text once."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    spawn = multiprocessing.get_context("spawn")  # its workers may fork (a Pool's may not)
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        same, taken, lines = pool.submit(_forked_slices, name).result()
+    assert same
     [parts] = taken
     assert len(parts) == 3 and [t for [part] in parts for t in part] == lines
