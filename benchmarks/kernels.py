@@ -326,18 +326,26 @@ def bench_memory(b: Bench, rows: list[Row], smoke: bool) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    args = parse_args(parser, argv)
-    if args.smoke:  # before any Triton kernel is defined: the interpreter runs them on the CPU
+def can_run_kernels(name: str, smoke: bool) -> bool:
+    """Whether a kernel benchmark can run here; if not, its section is reported skipped. A
+    smoke run sets the interpreter before any Triton kernel is defined (it then runs on CPU)."""
+    if smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     from llmlab.kernels import triton_available
 
-    if not args.smoke and not torch.cuda.is_available():
-        report(NAME, [], skipped="no CUDA")
-        return 0
+    if not smoke and not torch.cuda.is_available():
+        report(name, [], skipped="no CUDA")
+        return False
     if not triton_available():
-        report(NAME, [], skipped="triton is not installed")
+        report(name, [], skipped="triton is not installed")
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args = parse_args(parser, argv)
+    if not can_run_kernels(NAME, args.smoke):
         return 0
     torch.manual_seed(0)
     b = Bench(args.smoke)

@@ -19,7 +19,6 @@ script, its numbers mean nothing. kernels/README.md ("Tiled matmul") explains th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -96,19 +95,11 @@ def _check(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str) -> No
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args = parse_args(parser, argv)
-    if args.smoke:  # before any Triton kernel is defined: the interpreter runs them on the CPU
-        os.environ["TRITON_INTERPRET"] = "1"
-    from llmlab.kernels import triton_available
+    from benchmarks.kernels import Bench, can_run_kernels, compare
 
-    if not args.smoke and not torch.cuda.is_available():
-        report(NAME, [], skipped="no CUDA")
+    if not can_run_kernels(NAME, args.smoke):
         return 0
-    if not triton_available():
-        report(NAME, [], skipped="triton is not installed")
-        return 0
-
     import llmlab.kernels as K
-    from benchmarks.kernels import Bench, compare
     from llmlab.kernels.matmul import TILE_SWEEP, tile_costs
 
     torch.manual_seed(0)

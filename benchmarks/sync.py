@@ -108,6 +108,15 @@ class DeviceFlagStep:
         self.optimizer.found_inf = self.found_inf  # fused AdamW skips on the device when set
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.backward_and_unscale(x, y)
+        with torch.no_grad():
+            self.optimizer.step()
+            torch._foreach_copy_(self.params, self.masters)  # unchanged masters if skipped
+            self.update_scale()
+
+    def backward_and_unscale(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The scaled backward, the fp32 gradients moved onto the masters, unscaled, and
+        ``found_inf`` set on the device where one is not finite (no host read)."""
         (loss_of(self.model, x, y) * self.scale).backward()
         with torch.no_grad():
             grads = [p.grad.float() for p in self.params]
@@ -116,11 +125,11 @@ class DeviceFlagStep:
             self.found_inf.zero_()
             inv_scale = self.scale.double().reciprocal().float()
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
-            self.optimizer.step()
-            torch._foreach_copy_(self.params, self.masters)  # unchanged masters if skipped
-            torch._amp_update_scale_(
-                self.scale, self.growth_tracker, self.found_inf, GROWTH, BACKOFF, GROWTH_INTERVAL
-            )
+
+    def update_scale(self) -> None:
+        torch._amp_update_scale_(
+            self.scale, self.growth_tracker, self.found_inf, GROWTH, BACKOFF, GROWTH_INTERVAL
+        )
 
     def state(self) -> tuple[list[torch.Tensor], float]:
         return [m.detach() for m in self.masters], float(self.scale)
@@ -136,23 +145,15 @@ class HostGatedStep(DeviceFlagStep):
         self.optimizer.found_inf = None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        (loss_of(self.model, x, y) * self.scale).backward()
+        self.backward_and_unscale(x, y)
         with torch.no_grad():
-            grads = [p.grad.float() for p in self.params]
-            for p, m, g in zip(self.params, self.masters, grads, strict=True):
-                p.grad, m.grad = None, g
-            self.found_inf.zero_()
-            inv_scale = self.scale.double().reciprocal().float()
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
             if self.found_inf.item():  # the host waits here for the backward and the check
                 for m in self.masters:
                     m.grad = None
             else:
                 self.optimizer.step()
                 torch._foreach_copy_(self.params, self.masters)
-            torch._amp_update_scale_(
-                self.scale, self.growth_tracker, self.found_inf, GROWTH, BACKOFF, GROWTH_INTERVAL
-            )
+            self.update_scale()
 
 
 @contextlib.contextmanager
