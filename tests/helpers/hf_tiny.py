@@ -105,3 +105,12 @@ def byte_level_llama_folder(folder: Path, seed: int = 0) -> tuple[Any, Path]:
     model.save_pretrained(folder)
     HFTokenizerFiles(ByteTokenizer().as_bpe(), model_max_length=256).save_pretrained(folder)
     return model, folder
+
+
+def hf_greedy(hf: Any, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """HF ``generate``'s ``n`` greedy tokens after ``prompt``: an explicit mask (HF would mask
+    prompt tokens equal to ``pad_token_id``) and no EOS, so all ``n`` tokens are compared."""
+    hf.generation_config.eos_token_id = None
+    mask = torch.ones_like(prompt)
+    out = hf.generate(prompt, attention_mask=mask, max_new_tokens=n, do_sample=False)
+    return out[:, prompt.shape[1] :]

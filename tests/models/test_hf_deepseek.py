@@ -17,6 +17,7 @@ from llmlab.models import Llama, LlamaConfig, from_pretrained, save_pretrained
 from llmlab.models.hf import CheckpointError
 from llmlab.models.llama_layers import LatentAttention
 from llmlab.models.rope import Rotary, attention_factor, inverse_frequencies, softmax_scale
+from tests.helpers.hf_tiny import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,13 +85,6 @@ def _ids(seed: int = 0, batch: int = 3, length: int = 40) -> torch.Tensor:
     return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _greedy_hf(hf, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    hf.generation_config.eos_token_id = None
-    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                      do_sample=False)  # fmt: skip
-    return out[:, prompt.shape[1] :]
-
-
 # ------------------------------------------------------------------------------- YaRN
 @pytest.mark.parametrize(
     "params",
@@ -146,7 +140,7 @@ def test_yarn_on_a_llama_family_model_equals_transformers(family, tmp_path):
         expected = hf(ids).logits
         torch.testing.assert_close(ours(ids), expected, atol=ATOL, rtol=0)
     prompt = ids[:1, :6]
-    assert torch.equal(generate(ours, prompt, max_new_tokens=8)[:, 6:], _greedy_hf(hf, prompt, 8))
+    assert torch.equal(generate(ours, prompt, max_new_tokens=8)[:, 6:], hf_greedy(hf, prompt, 8))
     out = save_pretrained(ours, tmp_path / "export")
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
@@ -184,7 +178,7 @@ def test_greedy_decoding_through_the_kv_cache_equals_transformers_generate(name,
     hf, folder = folders[name]
     ours = from_pretrained(folder).eval()
     prompt = _ids(1, batch=2, length=7)
-    expected = torch.cat([_greedy_hf(hf, prompt[i : i + 1], 12) for i in range(2)])
+    expected = torch.cat([hf_greedy(hf, prompt[i : i + 1], 12) for i in range(2)])
     assert torch.equal(generate(ours, prompt, max_new_tokens=12)[:, 7:], expected)
     # the cache holds the compressed latent, once: kv_lora_rank + qk_rope_head_dim per token
     cache = ours.new_cache(2, 32)

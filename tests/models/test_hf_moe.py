@@ -16,6 +16,7 @@ from llmlab.decoding import generate
 from llmlab.models import Llama, LlamaConfig, from_pretrained, save_pretrained
 from llmlab.models.hf import CheckpointError
 from llmlab.models.moe import MoE
+from tests.helpers.hf_tiny import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,13 +70,6 @@ def _ids(seed: int = 0, batch: int = 3, length: int = 13) -> torch.Tensor:
     return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _greedy_hf(hf, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    hf.generation_config.eos_token_id = None
-    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                      do_sample=False)  # fmt: skip
-    return out[:, prompt.shape[1] :]
-
-
 def test_transformers_writes_each_expert_as_its_own_tensors(folders):
     """What the installed transformers saves (it stacks experts in memory only)."""
     from safetensors import safe_open
@@ -105,7 +99,7 @@ def test_from_pretrained_equals_transformers_and_exports_back(name, folders, tmp
         ours.router_aux_loss(), reference.aux_loss.float(), atol=1e-6, rtol=1e-6
     )
     prompt = ids[:1, :5]
-    hf_tokens = _greedy_hf(hf, prompt, 8)
+    hf_tokens = hf_greedy(hf, prompt, 8)
     assert torch.equal(generate(ours, prompt, max_new_tokens=8)[:, 5:], hf_tokens)
 
     out = save_pretrained(ours, tmp_path / "export")

@@ -16,7 +16,7 @@ import transformers
 
 from llmlab.decoding import generate
 from llmlab.models import GPT, Llama, LlamaConfig, from_pretrained, save_pretrained
-from tests.helpers.hf_tiny import VARIANTS, save_variant
+from tests.helpers.hf_tiny import VARIANTS, hf_greedy, save_variant
 
 ATOL = 1e-5
 
@@ -31,15 +31,6 @@ def _ids(seed: int = 0, batch: int = 3, length: int = 17) -> torch.Tensor:
     return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _greedy_hf(hf, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    # An explicit mask (HF would mask prompt tokens equal to pad_token_id) and no EOS: all ``n``
-    # tokens are compared, so Mistral's window of 6 binds while decoding.
-    mask = torch.ones_like(prompt)
-    hf.generation_config.eos_token_id = None
-    out = hf.generate(prompt, attention_mask=mask, max_new_tokens=n, do_sample=False)
-    return out[:, prompt.shape[1] :]
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_from_pretrained_equals_transformers_and_exports_back(name, folders, tmp_path):
     hf, folder = folders[name]
@@ -50,7 +41,7 @@ def test_from_pretrained_equals_transformers_and_exports_back(name, folders, tmp
     with torch.no_grad():
         expected = hf(ids).logits
         torch.testing.assert_close(ours(ids), expected, atol=ATOL, rtol=0)
-    hf_tokens = _greedy_hf(hf, prompt, 10)
+    hf_tokens = hf_greedy(hf, prompt, 10)  # 10 tokens: Mistral's window of 6 binds
     assert torch.equal(generate(ours, prompt, max_new_tokens=10)[:, 6:], hf_tokens)
 
     out = save_pretrained(ours, tmp_path / "export", max_shard_size=25_000)
@@ -62,7 +53,7 @@ def test_from_pretrained_equals_transformers_and_exports_back(name, folders, tmp
     assert type(back).__name__ == type(hf).__name__
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, expected, atol=ATOL, rtol=0)
-    assert torch.equal(_greedy_hf(back, prompt, 10), hf_tokens)
+    assert torch.equal(hf_greedy(back, prompt, 10), hf_tokens)
 
 
 def test_the_export_is_sharded_above_the_limit_only(folders, tmp_path):
