@@ -19,6 +19,7 @@ class Seq:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 def prefill(bm: BlockManager, seq: Seq) -> None:

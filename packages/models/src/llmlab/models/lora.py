@@ -27,6 +27,10 @@ gradients flow through it as through any frozen layer.
   peft's. GPT-2's fused ``c_attn`` orders its outputs ``[q | k | v]`` where llmlab's ``qkv`` goes
   head by head: ``B``'s rows are reordered like the base weight's (``A`` sees the same inputs).
 
+Serving many adapters over one base in one batch (each token its own adapter) is
+:mod:`llmlab.models.lora_serving`; :func:`read_lora` reads a peft folder for it without
+touching the model.
+
 No peft at run time: peft is the tests' oracle (tests/models/test_lora.py).
 """
 
@@ -52,6 +56,7 @@ from llmlab.models.lora_peft import (
     PEFT_PREFIX,
     hf_module_names,
     load_lora,
+    read_lora,
     read_lora_config,
     save_lora,
     to_peft_state_dict,
@@ -75,6 +80,7 @@ __all__ = [
     "lora_state_dict",
     "merge_and_unload",
     "merge_lora",
+    "read_lora",
     "read_lora_config",
     "save_lora",
     "target_names",

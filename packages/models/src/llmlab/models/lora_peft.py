@@ -180,10 +180,11 @@ def read_lora_config(path: str | Path) -> LoRAConfig:
     )
 
 
-def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
-    """Put the adapters of the peft folder ``path`` on ``model`` (an llmlab GPT or Llama
-    without adapters, the base they were trained on) and return it: the layers the weights
-    file holds get :class:`LoRALinear` with the file's ``A`` and ``B``."""
+def read_lora(model: nn.Module, path: str | Path) -> tuple[LoRAConfig, dict[str, Tensor]]:
+    """The adapter of the peft folder ``path`` for ``model`` (an llmlab GPT or Llama, the base
+    it was trained on), without touching the model: its :class:`LoRAConfig` (``target_modules``
+    the llmlab names of the layers the weights file holds) and its tensors under llmlab's names
+    (``<layer>.lora_A.weight``, as :func:`lora_state_dict`)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -206,11 +207,20 @@ def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
             tensor = _qkv_from_hf(tensor, hf.qkv_heads)
         state[f"{name}.{m.group(2)}.weight"] = tensor
     layers = sorted({k.rsplit(".", 2)[0] for k in state})
-    apply_lora(
-        model,
-        LoRAConfig(config.r, config.alpha, config.dropout, layers, config.use_rslora),
-    )
+    return LoRAConfig(config.r, config.alpha, config.dropout, layers, config.use_rslora), state
+
+
+def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
+    """Put the adapters of the peft folder ``path`` on ``model`` (an llmlab GPT or Llama
+    without adapters, the base they were trained on) and return it: the layers the weights
+    file holds get :class:`LoRALinear` with the file's ``A`` and ``B``."""
+    config, state = read_lora(model, path)
+    layers = config.target_modules
+    apply_lora(model, config)
     if set(lora_layers(model)) != set(layers):
-        raise ValueError(f"{file}: adapters {layers[:3]} did not land on those layers alone")
+        raise ValueError(
+            f"{Path(path) / ADAPTER_WEIGHTS}: adapters {layers[:3]} did not land on those "
+            "layers alone"
+        )
     load_lora_state_dict(model, state)
     return model

@@ -10,7 +10,9 @@ is preempted.
 the previous block's hash, ``h_i = hash((h_{i-1}, tokens_i))``, so equal hashes mean equal
 *prefixes*, not just equal blocks. A new sequence whose first blocks' hashes are known reuses
 those blocks instead of recomputing them (the tokens are compared too, so a hash collision can
-never hand out wrong keys). Blocks are reference-counted: a block shared by k sequences has
+never hand out wrong keys). The chain starts from the sequence's ``cache_salt`` (its LoRA
+adapter's name, None for the base): the same tokens under another adapter have other keys and
+values, so they never share blocks. Blocks are reference-counted: a block shared by k sequences has
 ``ref_count == k``. A block whose count drops to 0 goes to the back of the free queue but keeps
 its hash, so a later request can still hit it; it is forgotten only when the front of the queue
 reaches it and it is handed out again (least recently freed first, as in vLLM).
@@ -36,6 +38,7 @@ class HasBlocks(Protocol):
     num_computed: int
     block_table: list[int]
     block_hashes: list[int]  # chained keys of the sequence's full computed blocks, in order
+    cache_salt: str | None  # where its chain starts (its adapter): None for the base model
 
 
 @dataclass(eq=False)
@@ -62,8 +65,9 @@ class BlockStats:
         self.used = self.total - self.free
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """The prefix cache key of a full block: its tokens chained to its parent's key."""
+def chain_hash(parent: int | str | None, tokens: tuple[int, ...]) -> int:
+    """The prefix cache key of a full block: its tokens chained to its parent's key (the first
+    block's parent: the sequence's ``cache_salt``)."""
     return hash((parent, tokens))
 
 
@@ -95,16 +99,17 @@ class BlockManager:
             copies=self._copies,
         )
 
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+    def cached_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
         """Blocks of the prefix cache holding the longest run of ``token_ids``' full blocks.
 
         At least one token is always left to compute (its logits give the next token), so a
-        prompt made only of cached blocks hits all but its last block.
+        prompt made only of cached blocks hits all but its last block. ``salt``: the
+        sequence's ``cache_salt`` (its chain's start).
         """
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = None
+        parent: int | str | None = salt
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -177,7 +182,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            key = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            key = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt, tokens)
             seq.block_hashes.append(key)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and key not in self.cache:  # a duplicate stays private

@@ -50,6 +50,7 @@ import torch
 
 from llmlab.decoding import GenerationConfig
 from llmlab.models.quantize import quantize
+from llmlab.serving.adapters import AdapterSource, ServedAdapters
 from llmlab.serving.beam import BeamGroup
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.faults import FaultInjection, fire
@@ -80,13 +81,20 @@ log = logging.getLogger("llmlab.serving")
 
 
 class LLMEngine:
-    def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        adapters: dict[str, AdapterSource] | None = None,  # LoRA: name -> peft folder or state
+    ):
         self.config = (config or EngineConfig()).resolved(model.config.block_size)
         if self.config.quantize is not None:  # in place: the full-precision weights are freed
             quantize(model, self.config.quantize)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, self.config)
+        self.adapters = ServedAdapters(model, adapters)  # on the (quantized) base layers
+        self.runner = ModelRunner(model, self.config, self.adapters)
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats(num_blocks=self.config.num_blocks)
         self.suppressed = undecodable_ids(tokenizer, model.config.vocab_size, self.runner.device)
@@ -135,8 +143,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model.config.vocab_size
         check_request_values(
-            self.config, vocab, self.tokenizer, self.grammars, prompt_ids, config, options
-        )
+            self.config, vocab, self.tokenizer, self.grammars, prompt_ids, config, options,
+            self.adapters.names,
+        )  # fmt: skip
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its sequences stop and their blocks return to the pool now."""

@@ -9,6 +9,8 @@ calls ``attend(layer, q, k, v)``, which writes the new keys and values into thei
 attends through the block tables with ``llmlab.kernels.paged_attention``. Only the rows whose
 chunk reaches its sequence's end go through the LM head (``logits_to_keep``), and every row of
 a prompt chunk whose request asked for its prompt's log-probabilities (no second forward).
+With LoRA adapters served (``llmlab.serving.adapters``) the runner also sets each token's
+adapter slot around that forward, a step-scoped context the adapter layers read.
 
 The model is never changed: no attention swapped in, no weights re-laid or copied; the same
 forward trains, decodes and serves (nano-vllm's ``model_runner.py`` and ``utils/context.py``,
@@ -24,6 +26,7 @@ whose attention context records each layer's ``k`` heads, head dim, dtype and sl
 from __future__ import annotations
 
 from collections.abc import Collection
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch
 from torch import Tensor
 
 from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
+from llmlab.serving.adapters import ServedAdapters
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.contracts import check_paged_model
 from llmlab.serving.scheduler import Chunk
@@ -142,10 +146,13 @@ def _check_triton_runs(device: torch.device) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, config: EngineConfig) -> None:
+    def __init__(
+        self, model: Any, config: EngineConfig, adapters: ServedAdapters | None = None
+    ) -> None:
         check_paged_model(model)
         self.model = model
         self.config = config
+        self.adapters = adapters  # LoRA adapters: each token's is set around the forward
         self.device = next(iter(model.parameters())).device
         self.backend = config.attention_backend
         if self.backend == "auto":
@@ -240,5 +247,9 @@ class ModelRunner:
         if copies:
             self.pool.copy_blocks(copies)
         input_ids, positions, context, keep = self.prepare(chunks, every_row)
-        logits = self.model(input_ids, positions=positions, attention=context, logits_to_keep=keep)
+        adapters = self.adapters.step(chunks, self.device) if self.adapters else nullcontext()
+        with adapters:
+            logits = self.model(
+                input_ids, positions=positions, attention=context, logits_to_keep=keep
+            )
         return logits[0].float()

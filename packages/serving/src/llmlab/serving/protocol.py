@@ -134,6 +134,8 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     # the grammar the server built for this request (llmlab.serving.structured), if any
     _grammar: str | None = PrivateAttr(None)
+    # the LoRA adapter ``model`` names (vLLM's convention), None for the base model
+    _adapter: str | None = PrivateAttr(None)
 
     @property
     def grammar_field(self) -> str:
@@ -222,6 +224,7 @@ class CompletionRequest(SamplingFields):
             prompt_logprobs=self.logprobs if self.echo else None,
             prompt_only=self.max_tokens == 0,
             grammar=self._grammar,
+            adapter=self._adapter,
         )
 
     def prompts(self) -> list[str | list[int]]:
@@ -338,7 +341,9 @@ class ChatCompletionRequest(SamplingFields):
         """``logprobs: true``: each generated token's log-probability, with the
         ``top_logprobs`` most likely tokens at its position."""
         return RequestOptions(
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None, grammar=self._grammar
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            grammar=self._grammar,
+            adapter=self._adapter,
         )
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from llmlab.decoding import GenerationConfig
@@ -21,10 +22,17 @@ def check_request_values(
     prompt_ids: list[int],
     config: GenerationConfig,
     options: RequestOptions,
+    adapters: Collection[str] = (),
 ) -> None:
     """Raise ``ValueError`` naming what is wrong with a request's prompt, decoding settings
-    and options, against the engine's limits (its context, pool and batch)."""
+    and options, against the engine's limits (its context, pool and batch) and the LoRA
+    ``adapters`` it serves."""
     config.validate()
+    if options.adapter is not None and options.adapter not in adapters:
+        served = f"the served adapters are {sorted(adapters)}" if adapters else "none is served"
+        raise ValueError(
+            f"unknown LoRA adapter {options.adapter!r}: {served} (adapter=None: the base model)"
+        )
     strategy = config.resolved_strategy()
     if strategy not in SUPPORTED_STRATEGIES:
         raise ValueError(

@@ -69,7 +69,7 @@ async def off_the_loop(prepare: Any, state: ServerState, raw: bytes) -> Any:
 
 def prepare_completion(state: ServerState, raw: bytes) -> tuple[Any, list, list]:
     body = parse(CompletionRequest, raw)
-    _check_model(state, body.model)
+    body._adapter = _check_model(state, body.model)
     body._grammar = _response_grammar(body)
     prompts = [_prompt_ids(state, p) for p in body.prompts()]
     limit = max(body.token_limit, 1)  # max_tokens=0 (echo): RequestOptions.prompt_only
@@ -78,7 +78,7 @@ def prepare_completion(state: ServerState, raw: bytes) -> tuple[Any, list, list]
 
 def prepare_chat(state: ServerState, raw: bytes) -> tuple[Any, list, list]:
     body = parse(ChatCompletionRequest, raw)
-    _check_model(state, body.model)
+    body._adapter = _check_model(state, body.model)
     messages = [m.as_dict() for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     body._grammar = _response_grammar(body) or _tool_grammar(state, body)
@@ -130,15 +130,22 @@ def _tool_grammar(state: ServerState, body: Any) -> str | None:
         raise BadRequest(f"tools: {err}", "tools") from err
 
 
-def _check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name:
+def _check_model(state: ServerState, name: str) -> str | None:
+    """The LoRA adapter ``name`` selects (vLLM's convention: an adapter is a model of its
+    own), None for the base model; a 404 for a name that is neither."""
+    if name == state.model_name:
+        return None
+    adapters = state.engine.adapters.names
+    if name not in adapters:
+        served = repr(state.model_name) + "".join(f", {a!r}" for a in adapters)
         raise APIError(
-            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            f"the model {name!r} does not exist; this server serves {served}",
             "model",
             status=404,
             code="model_not_found",
             kind="model_not_found",
         )
+    return name
 
 
 def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:

@@ -56,7 +56,7 @@ class CompletionFormat:
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.state.model_name,
+            "model": self.body.model if self.body is not None else self.state.model_name,
         }
 
     @property
@@ -164,7 +164,7 @@ class ChatFormat(CompletionFormat):
             "id": rid,
             "object": kind,
             "created": int(time.time()),
-            "model": self.state.model_name,
+            "model": self.body.model if self.body is not None else self.state.model_name,
         }
 
     @property

@@ -133,7 +133,8 @@ class Scheduler:
             # a request that wants its prompt's log-probabilities computes every prompt token
             # (a cached block has no logits to give them)
             needs_logits = seq.request.needs_prompt_logits
-            cached = [] if needs_logits else self.blocks.cached_prefix(seq.token_ids)
+            salt = seq.cache_salt  # a LoRA adapter's blocks are its own
+            cached = [] if needs_logits else self.blocks.cached_prefix(seq.token_ids, salt)
             need = seq.num_tokens - len(cached) * self.config.block_size
             if not self.config.enable_chunked_prefill and need > budget:
                 break

@@ -55,12 +55,15 @@ class RequestOptions:
     0`` with ``echo``). Log-probabilities are the log-softmax of the model's logits as the
     forward returns them, before any logits processor, temperature or mask. ``grammar``: an
     llguidance grammar (``llmlab.serving.structured``) every sequence's text must follow.
+    ``adapter``: the name of the LoRA adapter the request decodes with (``llmlab.serving.
+    adapters``); None: the base model.
     """
 
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_only: bool = False
     grammar: str | None = None
+    adapter: str | None = None
 
 
 @dataclass
@@ -114,6 +117,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Where its prefix-cache chain starts: its adapter (blocks never shared across)."""
+        return self.request.options.adapter
 
 
 @dataclass(eq=False)

@@ -3,9 +3,11 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
 with ``stream: true``, ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a
 last chunk with the token counts), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
-(Prometheus text). Every handler checks its request completely -- body size, strict types,
-model name, prompt length against the context, sampling values -- before it queues anything;
-the body is parsed, tokenized and checked in a worker thread, never on the event loop. Every
+(Prometheus text). A LoRA adapter the engine serves is a model of its own: ``model`` names it
+(vLLM's convention) and ``/v1/models`` lists it after the base. Every handler checks its
+request completely -- body size, strict types, model name, prompt length against the context,
+sampling values -- before it queues anything; the body is parsed, tokenized and checked in a
+worker thread, never on the event loop. Every
 error has OpenAI's error body, whatever its status: 400 for a bad request, 404 for an unknown
 model (``model_not_found``) or route, 405, 413 for a body over ``max_body_bytes``, 500 for a
 request the engine failed (``request_failed``, logged with its id; a stream gets an error
@@ -89,7 +91,10 @@ def create_app(state: ServerState) -> FastAPI:
             "owned_by": "llmlab",
             "max_model_len": state.engine.config.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        # each LoRA adapter is a model of its own over the base (vLLM's cards)
+        loras = [{**card, "id": name, "parent": state.model_name, "root": name}
+                 for name in state.engine.adapters.names]  # fmt: skip
+        return {"object": "list", "data": [card, *loras]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
