@@ -25,7 +25,8 @@ from llmlab.decoding import GenerationConfig, generate  # noqa: E402
 from llmlab.models import GPT, quantize  # noqa: E402
 from llmlab.models.lora import LoRAConfig, load_lora  # noqa: E402
 from llmlab.models.lora_serving import MultiLoRALinear  # noqa: E402
-from llmlab.serving import EngineConfig, LLMEngine  # noqa: E402
+from llmlab.serving import LLM, EngineConfig, LLMEngine  # noqa: E402
+from llmlab.serving.__main__ import parse_args  # noqa: E402
 from llmlab.serving.chat_template import PLAIN_TEMPLATE, ChatTemplate  # noqa: E402
 from llmlab.serving.sequence import RequestOptions  # noqa: E402
 from llmlab.serving.server import ServerState  # noqa: E402
@@ -211,3 +212,23 @@ def test_the_openai_client_picks_an_adapter_by_model_name(tmp_path):
         with pytest.raises(openai.NotFoundError, match=r"'nope' does not exist.*bytes-lora"):
             client.completions.create(model="nope", prompt=prompt, max_tokens=2)
         live.wait_idle()
+
+
+def test_the_offline_llm_takes_an_adapter_per_call(peft_adapters):
+    llm = LLM(copy.deepcopy(llama()), block_size=8, num_blocks=32,
+              adapters={"mlp": peft_adapters["mlp"][1]})  # fmt: skip
+    prompt = random_prompts(200, [6], seed=9)[0]
+    got = llm.generate([prompt], GenerationConfig(max_new_tokens=5), progress=False, lora="mlp")
+    want = hf_greedy(peft_adapters["mlp"][0], torch.tensor([prompt]), 5)[0].tolist()
+    assert got[0].token_ids == [want]
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'attn'"):
+        llm.generate([prompt], progress=False, lora="attn")
+
+
+def test_the_cli_reads_lora_flags(tmp_path):
+    (tmp_path / "a").mkdir()
+    args = parse_args(["base", "--lora", f"a={tmp_path / 'a'}", "--lora", f"b={tmp_path}"])
+    assert args.adapters == {"a": str(tmp_path / "a"), "b": str(tmp_path)}
+    for bad in ("a", f"={tmp_path}", f"a={tmp_path / 'missing'}"):
+        with pytest.raises(SystemExit):
+            parse_args(["base", "--lora", bad])

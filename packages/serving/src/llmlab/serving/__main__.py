@@ -1,8 +1,10 @@
 """``python -m llmlab.serving MODEL [--host 127.0.0.1] [--port 8000] [engine options]``.
 
 MODEL is a training checkpoint, a sharded checkpoint folder or an HF-format folder (see
-``llmlab.serving.loading``). Every option is checked before the model is loaded, and the model
-and engine before the port is opened; a bad value exits with status 2 and a message naming it.
+``llmlab.serving.loading``). ``--lora NAME=PATH`` (repeatable) serves a peft adapter folder
+beside the base in the same batches; a request whose ``model`` is NAME decodes with it.
+Every option is checked before the model is loaded, and the model and engine before the port
+is opened; a bad value exits with status 2 and a message naming it.
 ``make serve CKPT=path ARGS="--port 8001"`` runs this.
 """
 
@@ -52,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=8 * 2**20,
         help="larger request bodies get a 413 (default: 8 MiB)",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the peft adapter folder PATH as model NAME (repeatable)",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
@@ -63,6 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.chat_template and not Path(args.chat_template).is_file():
         p.error(f"--chat-template {args.chat_template!r} is not a file")
+    args.adapters = {}
+    for spec in args.lora:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            p.error(f"--lora {spec!r}: give NAME=PATH (a peft adapter folder)")
+        if name in args.adapters or name == args.served_model_name:
+            p.error(f"--lora {spec!r}: the name {name!r} is taken")
+        if not Path(path).is_dir():
+            p.error(f"--lora {spec!r}: {path!r} is not a folder")
+        args.adapters[name] = path
     return args
 
 
@@ -101,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         loaded = load(args.model, tokenizer=args.tokenizer)
-        engine = LLMEngine(loaded.model, loaded.tokenizer, config)
+        name = args.served_model_name or loaded.name
+        if name in args.adapters:
+            raise ValueError(f"--lora {name}=...: the name is the base model's")
+        engine = LLMEngine(loaded.model, loaded.tokenizer, config, adapters=args.adapters)
         if args.chat_template:
             template, source = Path(args.chat_template).read_text(), args.chat_template
         elif loaded.chat_template:
@@ -113,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     c = engine.config
-    name = args.served_model_name or loaded.name
     log.info(
         "model %r: %s, weights %.1f MiB (%s), context %d; KV pool %d blocks x %d tokens "
         "(%.1f MiB); chat template: %s",
@@ -127,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.runner.pool.nbytes / 2**20,
         source,
     )
+    for lora, path in args.adapters.items():
+        log.info("LoRA adapter %r (rank %d) from %s", lora, engine.adapters.ranks[lora], path)
     state = ServerState(
         engine, name, chat, loaded.eos_token_ids, max_body_bytes=args.max_body_bytes
     )

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from llmlab.decoding import GenerationConfig
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.engine import LLMEngine, RequestOutput
+from llmlab.serving.sequence import RequestOptions
 
 
 @dataclass
@@ -44,7 +45,8 @@ class LLM:
 
     ``model_or_checkpoint``: a model meeting ``llmlab.serving.contracts.PagedModel`` (e.g.
     ``llmlab.models.GPT``), or a path that ``llmlab.serving.loading.load`` reads (then its
-    tokenizer comes along). Keyword arguments are ``EngineConfig`` fields.
+    tokenizer comes along). Keyword arguments are ``EngineConfig`` fields. ``adapters``: LoRA
+    adapters by name (``llmlab.serving.adapters``), picked per call with ``generate(lora=)``.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class LLM:
         model_or_checkpoint: Any,
         tokenizer: Any = None,
         config: EngineConfig | None = None,
+        adapters: dict[str, Any] | None = None,
         **engine_config: Any,
     ) -> None:
         if isinstance(model_or_checkpoint, (str, PathLike)):
@@ -62,7 +65,7 @@ class LLM:
         if config is not None and engine_config:
             raise ValueError("give an EngineConfig or its fields as keywords, not both")
         config = config or EngineConfig(**engine_config)
-        self.engine = LLMEngine(model_or_checkpoint, tokenizer, config)
+        self.engine = LLMEngine(model_or_checkpoint, tokenizer, config, adapters=adapters)
         self.tokenizer = tokenizer
         self._ids = 0
 
@@ -71,9 +74,12 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         params: GenerationConfig | Sequence[GenerationConfig] | None = None,
         progress: bool = True,
+        lora: str | None = None,
     ) -> list[Completion]:
         """Complete every prompt (text, or token ids) with ``params`` (one for all, or one per
-        prompt); every request is checked before the first forward."""
+        prompt), with the LoRA adapter named ``lora`` (None: the base); every request is
+        checked before the first forward."""
+        options = RequestOptions(adapter=lora)
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self._encode(p) for p in prompts]
@@ -82,12 +88,12 @@ class LLM:
         if len(params) != len(ids):
             raise ValueError(f"{len(params)} GenerationConfigs for {len(ids)} prompts")
         for prompt, config in zip(ids, params):
-            self.engine.check_request(f"llm-{self._ids}", prompt, config)
+            self.engine.check_request(f"llm-{self._ids}", prompt, config, options)
         names = []
         for prompt, config in zip(ids, params):
             names.append(f"llm-{self._ids}")
             self._ids += 1
-            self.engine.add_request(names[-1], prompt, config)
+            self.engine.add_request(names[-1], prompt, config, options)
         done: dict[str, Completion] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=not progress)
         while self.engine.has_unfinished:
