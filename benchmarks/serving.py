@@ -52,6 +52,12 @@ the same number of tokens; CPU time of the whole process, so the mask thread's w
 full (no credit for overlapping the forward); best of interleaved rounds. Target: <= 15 % cost
 (ratio >= 0.85).
 
+LoRA adapters served side by side (issue 39): 32 requests spread evenly over three adapters
+(ranks 8, 16, 4 on attention, MLP and every linear layer) and the base, on the Llama above,
+served as one mixed continuous batch vs one adapter after another (each adapter's requests
+batched together) on the same engine, 64 new tokens each; both sides must give the same tokens.
+Target: the mixed batch >= 1.5x the one-by-one throughput.
+
 Run: ``.venv/bin/python -m benchmarks.serving`` (``--smoke``: tiny sizes, seconds).
 """
 
@@ -371,6 +377,87 @@ def structured_rows(new_tokens: int, repeats: int) -> list[Row]:
     return rows
 
 
+# ------------------------------------------------------------------------------ LoRA adapters
+LORA_ADAPTERS = {"attn-r8": (8, "attention"), "mlp-r16": (16, "mlp"), "all-r4": (4, "all-linear")}
+
+
+def lora_adapters(model) -> dict:
+    """Three random adapters (``(LoRAConfig, state)`` pairs) of different ranks and targets."""
+    from llmlab.models.lora import LoRAConfig, target_names
+
+    g = torch.Generator().manual_seed(2)
+    out = {}
+    for name, (r, targets) in LORA_ADAPTERS.items():
+        config = LoRAConfig(r=r, alpha=2 * r, target_modules=targets)
+        state = {}
+        for layer in target_names(model, config):
+            w = model.get_submodule(layer).weight
+            state[f"{layer}.lora_A.weight"] = 0.02 * torch.randn(r, w.shape[1], generator=g)
+            state[f"{layer}.lora_B.weight"] = 0.02 * torch.randn(w.shape[0], r, generator=g)
+        out[name] = (config, state)
+    return out
+
+
+def lora_rows(model, num_requests: int, new_tokens: int, repeats: int) -> list[Row]:
+    """Many adapters in one batch (``llmlab.serving.adapters``): ``num_requests`` greedy
+    requests spread evenly over three adapters and the base, served as one mixed continuous
+    batch, vs the same requests served one adapter after another (each adapter's requests
+    batched together, the next group started when the previous one is done), on the same
+    engine; decode tokens/s, CPU time, best of interleaved rounds. Target (issue 39): >= 1.5x."""
+    import copy
+
+    from llmlab.decoding import GenerationConfig
+    from llmlab.serving import EngineConfig, LLMEngine
+    from llmlab.serving.sequence import RequestOptions
+
+    adapters = lora_adapters(model)
+    config = EngineConfig(block_size=16, max_num_seqs=num_requests, max_num_batched_tokens=512,
+                          max_model_len=256)  # fmt: skip
+    engine = LLMEngine(copy.deepcopy(model), config=config, adapters=adapters)
+    names = [None, *adapters]
+    g = torch.Generator().manual_seed(3)
+    jobs = [(torch.randint(0, 8192, (24,), generator=g).tolist(), names[i % len(names)])
+            for i in range(num_requests)]  # fmt: skip
+    gen = GenerationConfig(max_new_tokens=new_tokens)
+    counter = itertools.count()
+    tokens: dict[str, dict[int, list[int]]] = {"mixed": {}, "one by one": {}}
+
+    def serve(group: list[int], into: dict[int, list[int]]) -> None:
+        rids = {}
+        for i in group:
+            rid = f"r{next(counter)}"
+            rids[rid] = i
+            engine.add_request(rid, jobs[i][0], gen, RequestOptions(adapter=jobs[i][1]))
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    assert out.error is None, out.error
+                    into[rids[out.request_id]] = out.outputs[0].token_ids
+
+    def mixed() -> None:
+        serve(list(range(num_requests)), tokens["mixed"])
+
+    def one_by_one() -> None:
+        for name in names:
+            serve([i for i, j in enumerate(jobs) if j[1] == name], tokens["one by one"])
+
+    mixed()  # warm-up, both alike
+    one_by_one()
+    best = interleaved_best({"mixed": mixed, "one by one": one_by_one}, repeats)
+    total = num_requests * new_tokens
+    rate = {k: total / t for k, t in best.items()}
+    same = tokens["mixed"] == tokens["one by one"]
+    layers = len(engine.adapters.layers)
+    return [Row(
+        f"LoRA: {num_requests} requests over 3 adapters + base, mixed batch vs one by one",
+        rate["mixed"], rate["one by one"], "each adapter's requests after the previous's",
+        "new tokens/s", True, 1.5,
+        {"identical": same, "adapter_layers": layers, "ranks": [8, 16, 4],
+         **fair(False, repeats, 1, ("LLMEngine, one mixed batch",
+                                    "LLMEngine, one adapter at a time"))},
+    )]  # fmt: skip
+
+
 def llama_models():
     """A Llama of the GPT's size (4 x 256, vocab 8192, 4 query heads over 2 KV heads, MLP 688),
     in ``transformers`` and in llmlab, the same random weights."""
@@ -425,6 +512,8 @@ def main() -> None:
         hot_rows = hot_path(hf, model, hot_tokens, repeats)
         hot_rows += hot_path(*llama_models(), hot_tokens, repeats, ", Llama (GQA 4/2)")
         hot_rows += structured_rows(hot_tokens if args.smoke else 128, repeats)
+        lora_size = (8, 4) if args.smoke else (32, 64)  # requests, new tokens each
+        hot_rows += lora_rows(llama_models()[1], *lora_size, repeats)
     cont, static, hf_cb = (t.summary(jobs) for t in traces)
     same = {t.name: sum(t.tokens[i] == traces[0].tokens[i] for i in range(len(jobs)))
             for t in traces[1:]}  # fmt: skip
