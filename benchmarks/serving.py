@@ -514,6 +514,9 @@ def main() -> None:
         hot_rows += structured_rows(hot_tokens if args.smoke else 128, repeats)
         lora_size = (8, 4) if args.smoke else (32, 64)  # requests, new tokens each
         hot_rows += lora_rows(llama_models()[1], *lora_size, repeats)
+        from benchmarks.speculative import speculative_rows  # it imports this module
+
+        hot_rows += speculative_rows(args.smoke, min(repeats, 3))
     cont, static, hf_cb = (t.summary(jobs) for t in traces)
     same = {t.name: sum(t.tokens[i] == traces[0].tokens[i] for i in range(len(jobs)))
             for t in traces[1:]}  # fmt: skip

@@ -47,13 +47,17 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def test_serving_a_training_checkpoint_from_the_command_line(checkpoint):
+@pytest.mark.parametrize("speculation", ["none", "int8 self-draft"])
+def test_serving_a_training_checkpoint_from_the_command_line(checkpoint, speculation):
+    """With ``--draft`` (the checkpoint as its own draft, in int8) the answer is the same."""
     from llmlab.train.sample import load_checkpoint
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "llmlab.serving", str(checkpoint), "--port", str(port),
            "--threads", "1", "--served-model-name", "romeo", "--log-level", "warning"]  # fmt: skip
+    if speculation != "none":
+        cmd += ["--draft", str(checkpoint), "--draft-quantize", "int8"]
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
@@ -163,6 +167,14 @@ def test_an_hf_folder_goes_through_models_from_pretrained(tmp_path):
         (["x.ckpt", "--max-num-seqs", "600"], "max_num_batched_tokens=512 must be >= max_num_seqs"),
         (["missing.ckpt"], "neither a training checkpoint file"),
         (["x.ckpt", "--block-size", "0"], "block_size must be a positive integer, got 0"),
+        (
+            ["x.ckpt", "--speculative", "ngram", "--num-speculative-tokens", "0"],
+            "num_speculative_tokens must be a positive integer, got 0",
+        ),
+        (
+            ["x.ckpt", "--speculative", "ngram", "--draft-quantize", "int8"],
+            "draft_quantize='int8' needs speculative='draft'",
+        ),
     ],
 )
 def test_the_cli_refuses_bad_settings_before_serving(argv, message, capsys, tmp_path):
@@ -170,10 +182,19 @@ def test_the_cli_refuses_bad_settings_before_serving(argv, message, capsys, tmp_
     assert message in capsys.readouterr().err
 
 
-def test_the_cli_refuses_a_bad_port():
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--port", "70000"], "--port 70000 is not a TCP port"),
+        (["--speculative", "draft"], "--speculative draft needs --draft MODEL"),
+        (["--speculative", "ngram", "--draft", "d.ckpt"], "--draft with --speculative ngram"),
+    ],
+)
+def test_the_cli_refuses_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as caught:
-        main(["x.ckpt", "--port", "70000"])
+        main(["x.ckpt", *argv])
     assert caught.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,12 @@ import logging
 import sys
 from pathlib import Path
 
-from llmlab.serving.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+from llmlab.serving.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 
 log = logging.getLogger("llmlab.serving")
 
@@ -49,6 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(llmlab.models.quantize; default: as loaded)",
     )
     p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        help="speculative decoding: 'ngram' (prompt lookup) or 'draft' (needs --draft)",
+    )
+    p.add_argument("--draft", help="the draft model (checkpoint or HF folder): --speculative draft")
+    p.add_argument(
+        "--draft-quantize", help="the draft's weights: bf16, int8, int4, ... (as --quantize)"
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts verified per step")
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=8 * 2**20,
@@ -70,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.draft is not None:
+        if args.speculative not in (None, "draft"):
+            p.error(f"--draft with --speculative {args.speculative}: a draft model drafts")
+        args.speculative = "draft"
+    elif args.speculative == "draft":
+        p.error("--speculative draft needs --draft MODEL (the model that proposes tokens)")
     if args.chat_template and not Path(args.chat_template).is_file():
         p.error(f"--chat-template {args.chat_template!r} is not a file")
     args.adapters = {}
@@ -98,6 +119,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         quantize=args.quantize,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_quantize=args.draft_quantize,
     )
     config.validate()
     return config
@@ -123,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         name = args.served_model_name or loaded.name
         if name in args.adapters:
             raise ValueError(f"--lora {name}=...: the name is the base model's")
-        engine = LLMEngine(loaded.model, loaded.tokenizer, config, adapters=args.adapters)
+        draft = load(args.draft, tokenizer=loaded.tokenizer).model if args.draft else None
+        engine = LLMEngine(
+            loaded.model, loaded.tokenizer, config, adapters=args.adapters, draft_model=draft
+        )
         if args.chat_template:
             template, source = Path(args.chat_template).read_text(), args.chat_template
         elif loaded.chat_template:

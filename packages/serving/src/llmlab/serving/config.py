@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass
@@ -43,6 +44,15 @@ class EngineConfig:
     # fault injection for the isolation tests ("stage:marker", llmlab.serving.faults); None
     # reads LLMLAB_SERVING_INJECT_FAULT, which is normally unset: no fault
     inject_fault: str | None = None
+    # speculative decoding (llmlab.serving.speculation): "ngram" (prompt lookup: the tokens
+    # that followed the sequence's last n-gram the last time it occurred) or "draft" (a small
+    # model given to LLMEngine as draft_model); num_speculative_tokens drafts per step are
+    # verified in one forward of the target. None: one token per sequence per step
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1  # the shortest suffix n-gram prompt lookup matches
+    ngram_max: int = 4  # the longest (tried first)
+    draft_quantize: str | None = None  # the draft model's weight scheme (as ``quantize``)
 
     def resolved(self, model_context: int) -> EngineConfig:
         """A copy with ``max_model_len`` and ``num_blocks`` filled in, validated.
@@ -88,16 +98,32 @@ class EngineConfig:
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive(name)
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            positive(name)
+        need(
+            self.speculative is None or self.speculative in SPECULATIVE_METHODS,
+            f"speculative={self.speculative!r}; valid: None or one of {list(SPECULATIVE_METHODS)}",
+        )
+        need(
+            self.ngram_min <= self.ngram_max,
+            f"ngram_min={self.ngram_min} must be <= ngram_max={self.ngram_max}",
+        )
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 positive(name)
-        if self.quantize is not None:
-            from llmlab.models.quantize import parse_scheme
+        for name in ("quantize", "draft_quantize"):
+            if getattr(self, name) is not None:
+                from llmlab.models.quantize import parse_scheme
 
-            try:
-                parse_scheme(self.quantize)
-            except ValueError as err:
-                need(False, str(err))
+                try:
+                    parse_scheme(getattr(self, name))
+                except ValueError as err:  # the message names ``quantize=``: say which
+                    need(False, str(err).replace("quantize=", f"{name}=", 1))
+        need(
+            self.draft_quantize is None or self.speculative == "draft",
+            f"draft_quantize={self.draft_quantize!r} needs speculative='draft' (there is no "
+            f"draft model to quantize with speculative={self.speculative!r})",
+        )
         if self.inject_fault is not None:
             from llmlab.serving.faults import FaultInjection
 

@@ -24,6 +24,14 @@ applied to their rows before any token is chosen, and the chosen token advances 
 sequence whose grammar is complete finishes with ``"stop"``. A grammar that errs (or an injected
 ``grammar`` fault) ends its request alone.
 
+Speculative decoding (``EngineConfig.speculative``, ``llmlab.serving.speculation``): before
+the scheduler runs, each decoding sequence books slots for drafts; the granted ones are filled
+by the proposer (n-gram lookup, or a draft model over its own KV pool) and computed with the
+sequence's pending token in the same forward; after it, the drafts leave the sequences and
+``Speculator.accept`` appends what ``llmlab.serving.verification`` keeps (greedy: the plain
+tokens; sampled: rejection sampling, the target's distribution), one token at a time up to a
+stop, counting only kept tokens as computed.
+
 Isolation: a request is the unit of failure. Ids the tokenizer cannot decode (an embedding
 padded past the vocabulary) are masked before any token is chosen, as HF's ``suppress_tokens``
 does. If choosing a request's token (its logits processors, its sampling, its beam step) or
@@ -67,6 +75,7 @@ from llmlab.serving.request_outputs import (
 from llmlab.serving.sampler import Failure, Rules, next_tokens, stop_reason
 from llmlab.serving.scheduler import Scheduler
 from llmlab.serving.sequence import Request, RequestOptions, Sequence
+from llmlab.serving.speculation import Speculator
 from llmlab.serving.step_grammar import advance_grammar, apply_masks, collect_masks, start_masks
 from llmlab.serving.step_logprobs import (
     record_prompt_logprobs,
@@ -87,8 +96,15 @@ class LLMEngine:
         tokenizer: Any = None,
         config: EngineConfig | None = None,
         adapters: dict[str, AdapterSource] | None = None,  # LoRA: name -> peft folder or state
+        draft_model: Any = None,  # speculative="draft": the model that proposes tokens
     ):
         self.config = (config or EngineConfig()).resolved(model.config.block_size)
+        if (draft_model is not None) != (self.config.speculative == "draft"):
+            raise ValueError(
+                f"speculative={self.config.speculative!r} with "
+                f"{'a' if draft_model is not None else 'no'} draft_model: a draft model is "
+                f"given exactly when speculative='draft'"
+            )
         if self.config.quantize is not None:  # in place: the full-precision weights are freed
             quantize(model, self.config.quantize)
         self.model = model.eval()
@@ -100,6 +116,10 @@ class LLMEngine:
         self.suppressed = undecodable_ids(tokenizer, model.config.vocab_size, self.runner.device)
         self.faults = FaultInjection.from_config(self.config.inject_fault)
         self.grammars = Grammars(tokenizer, model.config.vocab_size, self.suppressed)
+        self.speculator = None
+        if self.config.speculative is not None:
+            self.speculator = Speculator(self.config, model, draft_model, self.suppressed)
+            self.stats.speculator = self.speculator
         self._tracked: dict[str, TrackedRequest] = {}
         self._arrivals = itertools.count()
 
@@ -168,10 +188,14 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running, self._tracked)
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        drafted = self.speculator.propose(out, self._tracked) if self.speculator else {}
         every_row = {i for i, c in enumerate(out.chunks) if wants_prompt_rows(c)}
+        every_row |= {d.chunk for d in drafted.values()}  # drafts are checked at every row
         # the grammar masks are computed while the forward runs
         masked, job, grammar_errors = start_masks(out.chunks, self._tracked, self.grammars)
         try:
@@ -179,15 +203,18 @@ class LLMEngine:
                 fire("forward", self._tracked[chunk.seq.request.request_id].rules.fault)
             logits = self.runner.execute(out.chunks, out.copies, every_row)
         except Exception as err:
+            Speculator.take_back(drafted)
             if job is not None:
                 job.future.exception()  # the masks' thread is done with the matchers
             ids = dict.fromkeys(c.seq.request.request_id for c in out.chunks)
             failed = [self._fail(rid, "forward", err) for rid in ids]
             self.stats.observe_queues(self.scheduler)
             return [f for f in failed if f is not None]
+        Speculator.take_back(drafted)
         self.scheduler.after_forward(out)
         failed: dict[str, RequestOutput | None] = {}
         refused = collect_masks(masked, job, grammar_errors, failed, self._fail)
+        draft_rows = Speculator.rows(out.chunks, every_row, logits, drafted) if drafted else {}
         if every_row:  # prompt log-probabilities; then one row per completing chunk
             logits = record_prompt_logprobs(
                 out.chunks, every_row, logits, failed, self._tracked, self._fail
@@ -199,14 +226,14 @@ class LLMEngine:
         rows: list[int] = []
         grammar_rows: list[int | None] = []  # each sequence's row of `refused`, if it has one
         changed: dict[str, TrackedRequest] = {}
-        beam_tokens = 0
+        other_tokens = 0  # a beam step's, and verified drafts' (with their fix or bonus)
         for row, chunk in enumerate(c for c in out.chunks if c.completes):
             request = chunk.seq.request
             rid = request.request_id
             if rid in failed:
                 continue
             if request.beam is not None:  # the search steps once every beam has its logits
-                beam_tokens += 1
+                other_tokens += 1
                 fault, stage = self._tracked[rid].rules.fault, "logits"
                 try:
                     fire("logits", fault)
@@ -230,6 +257,16 @@ class LLMEngine:
             seqs += family
             rows += [row] * len(family)
             grammar_rows += [masked.get(chunk.seq)] * len(family)  # forks share their first mask
+        if drafted:  # verified: the kept drafts and the target's own token join the sequences
+            for seq in self.speculator.accept(
+                drafted, draft_rows, self._tracked, self.scheduler, failed, self._fail
+            ):
+                other_tokens += seq.num_tokens - drafted[seq].base
+                if seq.request.request_id not in failed:
+                    changed[seq.request.request_id] = self._tracked[seq.request.request_id]
+            keep = [i for i, seq in enumerate(seqs) if seq not in drafted]
+            seqs, rows = [seqs[i] for i in keep], [rows[i] for i in keep]
+            grammar_rows = [grammar_rows[i] for i in keep]
         rules = [self._tracked[s.request.request_id].rules for s in seqs]
         if rows != list(range(logits.shape[0])):  # forks and beams: a gather (a copy)
             logits = logits[rows]
@@ -265,7 +302,7 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             changed[rid] = tracked
-        self.stats.step(out, generated + beam_tokens, self.scheduler)
+        self.stats.step(out, generated + other_tokens, self.scheduler)
         outputs = []
         for rid, tracked in changed.items():
             try:

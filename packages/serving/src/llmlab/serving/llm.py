@@ -47,6 +47,8 @@ class LLM:
     ``llmlab.models.GPT``), or a path that ``llmlab.serving.loading.load`` reads (then its
     tokenizer comes along). Keyword arguments are ``EngineConfig`` fields. ``adapters``: LoRA
     adapters by name (``llmlab.serving.adapters``), picked per call with ``generate(lora=)``.
+    ``draft_model``: a model or path that proposes tokens with ``speculative="draft"``
+    (``llmlab.serving.speculation``).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class LLM:
         tokenizer: Any = None,
         config: EngineConfig | None = None,
         adapters: dict[str, Any] | None = None,
+        draft_model: Any = None,
         **engine_config: Any,
     ) -> None:
         if isinstance(model_or_checkpoint, (str, PathLike)):
@@ -65,7 +68,13 @@ class LLM:
         if config is not None and engine_config:
             raise ValueError("give an EngineConfig or its fields as keywords, not both")
         config = config or EngineConfig(**engine_config)
-        self.engine = LLMEngine(model_or_checkpoint, tokenizer, config, adapters=adapters)
+        if isinstance(draft_model, (str, PathLike)):
+            from llmlab.serving.loading import load
+
+            draft_model = load(draft_model, tokenizer=tokenizer).model
+        self.engine = LLMEngine(
+            model_or_checkpoint, tokenizer, config, adapters=adapters, draft_model=draft_model
+        )
         self.tokenizer = tokenizer
         self._ids = 0
 

@@ -71,6 +71,7 @@ class EngineStats:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     _recent: deque = field(default_factory=deque)  # (time, generated tokens) of recent steps
     _recent_tokens: int = 0  # their sum
+    speculator: Any = None  # the engine's llmlab.serving.speculation.Speculator, if it drafts
 
     def step(self, out: Any, generated: int, scheduler: Any) -> None:
         now = time.perf_counter()
@@ -137,6 +138,20 @@ class EngineStats:
             ("prefix_cache_queries", self.prefix_cache_queries, "Full prompt blocks looked up."),
         ):
             out += metric(f"{name}_total", "counter", help_, [f"{p}_{name}_total {value}"])
+        if self.speculator is not None:
+            spec = self.speculator
+            for name, value, help_ in (
+                ("spec_decode_num_draft_tokens", spec.proposed, "Draft tokens verified."),
+                ("spec_decode_num_accepted_tokens", spec.accepted, "Draft tokens accepted."),
+                ("spec_decode_num_drafts", spec.drafted_steps, "Sequence steps with drafts."),
+            ):
+                out += metric(f"{name}_total", "counter", help_, [f"{p}_{name}_total {value}"])
+            out += metric(
+                "spec_decode_acceptance_rate",
+                "gauge",
+                "Accepted over verified draft tokens since start.",
+                [f"{p}_spec_decode_acceptance_rate {spec.acceptance_rate}"],
+            )
         out += metric(
             "request_success_total",
             "counter",

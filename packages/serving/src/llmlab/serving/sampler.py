@@ -87,20 +87,28 @@ def next_tokens(seqs: list[Sequence], rules: list[Rules], logits: Tensor) -> lis
 
 
 def _one_token(seq: Sequence, r: Rules, logits: Tensor, stage: list[str]) -> int:
+    scores = processed_scores(seq.token_ids, r, logits, stage)
+    if r.sample:
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+    return int(scores.argmax(dim=-1))
+
+
+def processed_scores(token_ids: list[int], r: Rules, logits: Tensor, stage: list[str]) -> Tensor:
+    """The scores a token is chosen from after ``token_ids``: ``logits`` (1, V) through the
+    request's processors, made finite where extreme values left them not. ``stage[0]`` says
+    where a raise came from ("logits", then "sampling"), for the request's error."""
     fire("logits", r.fault)
     scores = logits
     if r.processors:
-        context = torch.tensor([seq.token_ids], device=logits.device)
+        context = torch.tensor([token_ids], device=logits.device)
         scores = r.processors(context, scores)
     stage[0] = "sampling"
     fire("sampling", r.fault)
     top = float(scores.max())  # NaN if any is NaN
     if not -math.inf < top < math.inf:
         scores = _limit(scores, logits)
-    if r.sample:
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
-    return int(scores.argmax(dim=-1))
+    return scores
 
 
 def _limit(scores: Tensor, logits: Tensor) -> Tensor:

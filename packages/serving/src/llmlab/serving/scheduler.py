@@ -37,16 +37,23 @@ from llmlab.serving.sequence import Sequence, Status
 
 @dataclass
 class Chunk:
-    """``num_tokens`` tokens of ``seq`` starting at ``start``, computed in this step."""
+    """``num_tokens`` tokens of ``seq`` starting at ``start``, computed in this step.
+
+    Speculative decoding: ``lookahead`` more slots were booked for draft tokens; the engine
+    appends the ``drafts`` it proposes to the sequence (and to ``num_tokens``) before the
+    forward and takes them back after it, keeping those the target accepts."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    lookahead: int = 0
+    drafts: int = 0
 
     @property
     def completes(self) -> bool:
-        """Whether this chunk reaches the sequence's last token (so a new token is due)."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        """Whether this chunk reaches the sequence's last token (so a new token is due); its
+        drafts aside, which the sequence holds only while the forward runs."""
+        return self.start + self.num_tokens - self.drafts == self.seq.num_tokens
 
 
 @dataclass
@@ -107,7 +114,8 @@ class Scheduler:
                 i += 1
                 continue
             later = len(self.running) - i - 1  # each keeps one token of the budget
-            n = min(seq.num_tokens - seq.num_computed, budget - later)
+            pending = seq.num_tokens - seq.num_computed
+            n = min(pending + seq.lookahead, budget - later)  # drafts only where they fit
             while not self.blocks.allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -115,7 +123,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.chunks.append(Chunk(seq, seq.num_computed, n))
+                out.chunks.append(
+                    Chunk(seq, seq.num_computed, min(n, pending), max(0, n - pending))
+                )
                 budget -= n
                 i += 1
                 continue
@@ -150,6 +160,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and send it back to wait; its tokens are recomputed later."""
         self.blocks.free(seq)
+        seq.draft_computed = 0  # the draft's keys and values went with the blocks
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -163,7 +174,8 @@ class Scheduler:
         return sum(self._seats_needed(s) for s in self.running)
 
     def after_forward(self, out: SchedulerOutput) -> None:
-        """The chunks' keys and values are in the pool now: count them, hash full blocks."""
+        """The chunks' keys and values are in the pool now: count them, hash full blocks.
+        Draft tokens are not counted: the engine counts those the target accepts."""
         for chunk in out.chunks:
-            chunk.seq.num_computed = chunk.start + chunk.num_tokens
+            chunk.seq.num_computed = chunk.start + chunk.num_tokens - chunk.drafts
             self.blocks.register_full_blocks(chunk.seq)

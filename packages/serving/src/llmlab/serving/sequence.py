@@ -96,6 +96,10 @@ class Sequence:
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
     grammar: Any = None  # its llguidance matcher (RequestOptions.grammar), at its accepted tokens
+    # speculative decoding (llmlab.serving.speculation): slots to book beyond the next token
+    # for drafts this step, and how many leading tokens the draft model's KV pool holds
+    lookahead: int = 0
+    draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:
