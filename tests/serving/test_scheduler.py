@@ -141,3 +141,25 @@ def test_engine_config_names_the_numbers_that_disagree():
         config(block_size=0).validate()
     resolved = EngineConfig(kv_cache_tokens=100, block_size=16).resolved(64)
     assert resolved.num_blocks == 7 and resolved.max_model_len == 64
+
+
+def test_draft_slots_come_from_the_budget_and_free_blocks_and_never_preempt():
+    """Speculation's lookahead (``Sequence.lookahead``): granted after every running sequence
+    has its own token, from the budget and the free blocks left; nobody is preempted for
+    drafts and no draft takes a block a sequence's own token needs."""
+    s = Scheduler(config(num_blocks=4, max_num_batched_tokens=12, max_model_len=16))
+    a, b = add(s, 0, 7, 20), add(s, 1, 4, 20)
+    step(s)  # both prompts: blocks 2 + 1, one free; a at 8 tokens (7 computed), b at 5 (4)
+    a.lookahead = b.lookahead = 6
+    out = s.schedule()
+    # b's own token (position 4) takes the free block; a's block 2 is full: no room for drafts;
+    # b's new block has 3 slots left after its token: 3 drafts
+    assert [(c.seq, c.num_tokens, c.lookahead) for c in out.chunks] == [(a, 1, 0), (b, 1, 3)]
+    assert not out.preempted and s.num_preemptions == 0 and s.blocks.num_free == 0
+    s.after_forward(out)
+    for seq in (a, b):
+        seq.token_ids.append(0)
+    b.lookahead = 12
+    s.finish(a, "length")  # two blocks free again: b's 6 tokens + 10 drafts fill all four
+    (chunk,) = s.schedule().chunks
+    assert (chunk.num_tokens, chunk.lookahead) == (1, 10) and len(b.block_table) == 4

@@ -72,7 +72,9 @@ def test_greedy_tokens_are_identical_with_every_proposer(family):
     for name, engine in engines.items():
         assert drive(engine, workload(vocab)) == plain, name
         spec = engine.speculator
-        assert spec.proposed > 0 and 0 < spec.accepted <= spec.proposed, name
+        assert spec.proposed > 0 and spec.accepted <= spec.proposed, name
+        # drafts were kept (the random Llama's text rarely repeats: n-grams seldom match it)
+        assert spec.accepted > 0 or (name, family) == ("ngram", "llama"), name
         assert engine.scheduler.num_preemptions > 0, name  # drafts' slots were preempted too
         assert engine.scheduler.blocks.num_free == engine.config.num_blocks, name
         engine.scheduler.blocks.check([])

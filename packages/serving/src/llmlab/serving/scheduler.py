@@ -8,7 +8,9 @@ One step has a budget of ``max_num_batched_tokens`` tokens and is built in two p
    sequences that are decoding). If the pool has no block for a sequence's tokens, the newest
    running sequence is *preempted*: its blocks are freed and it goes back to the front of the
    waiting queue, to be recomputed later (its tokens are kept; the prefix cache often gives its
-   blocks straight back). If the newest is the sequence itself, the pass stops.
+   blocks straight back). If the newest is the sequence itself, the pass stops. Then the
+   decoding sequences that speculate (``Sequence.lookahead``, ``llmlab.serving.speculation``)
+   get slots for their drafts from what the budget and the free blocks have left.
 2. **Waiting sequences, first come first served**, while the budget, the sequence limit and the
    free blocks allow, and only in a step that preempted nothing: a prompt starts with the
    blocks the prefix cache already holds, then its first chunk (a request that asks for its
@@ -114,8 +116,7 @@ class Scheduler:
                 i += 1
                 continue
             later = len(self.running) - i - 1  # each keeps one token of the budget
-            pending = seq.num_tokens - seq.num_computed
-            n = min(pending + seq.lookahead, budget - later)  # drafts only where they fit
+            n = min(seq.num_tokens - seq.num_computed, budget - later)
             while not self.blocks.allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -123,17 +124,35 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.chunks.append(
-                    Chunk(seq, seq.num_computed, min(n, pending), max(0, n - pending))
-                )
+                out.chunks.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
                 i += 1
                 continue
             break  # the sequence preempted itself: it was the newest
+        budget = self._grant_lookahead(budget, out)
         if not out.preempted:
             budget = self._admit(budget, out)
         out.copies = self.blocks.take_copies()
         return out
+
+    def _grant_lookahead(self, budget: int, out: SchedulerOutput) -> int:
+        """Slots for the drafts of the decoding sequences that asked (``Sequence.lookahead``),
+        oldest first, from what the budget and the free blocks have left once every running
+        sequence has its own tokens: drafts never cost anyone a token or a block."""
+        bs = self.config.block_size
+        for chunk in out.chunks:
+            seq = chunk.seq
+            end = chunk.start + chunk.num_tokens
+            room = (len(seq.block_table) + self.blocks.num_free) * bs - end
+            extra = min(seq.lookahead, budget, room)
+            if (
+                extra > 0
+                and chunk.completes
+                and self.blocks.allocate(seq, end - seq.num_computed + extra)
+            ):
+                chunk.lookahead = extra
+                budget -= extra
+        return budget
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0:
