@@ -108,6 +108,32 @@ def test_a_mixed_batch_decodes_each_request_as_peft_with_its_adapter_alone(peft_
     assert differs >= 5  # the adapters do change the tokens (the test would see a dropped one)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_adapters_speculate_as_they_decode(peft_adapters, method):
+    """Speculative decoding beside adapters: drafts from n-grams, or from the base model in int8
+    (a draft that knows no adapter), are verified by the adapted target: each request still
+    decodes peft's tokens."""
+    draft = copy.deepcopy(llama()) if method == "draft" else None
+    engine = LLMEngine(
+        copy.deepcopy(llama()),
+        config=EngineConfig(
+            block_size=8, num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64,
+            speculative=method, draft_quantize="int8" if draft is not None else None,
+        ),
+        adapters={name: folder for name, (_, folder) in peft_adapters.items()},
+        draft_model=draft,
+    )  # fmt: skip
+    names = [None, "attn", "mlp", "all"]
+    prompts = random_prompts(200, [5, 11, 3, 17], seed=2)
+    requests = [(f"r{i}", p * 2, names[i]) for i, p in enumerate(prompts)]  # repeats: n-grams
+    done = _run(engine, requests, NEW_TOKENS)
+    for rid, prompt, adapter in requests:
+        hf = hf_llama() if adapter is None else peft_adapters[adapter][0]
+        assert done[rid] == hf_greedy(hf, torch.tensor([prompt]), NEW_TOKENS)[0].tolist(), rid
+    assert engine.speculator.proposed > 0
+    assert method == "ngram" or engine.speculator.accepted > 0
+
+
 def test_the_prefix_cache_never_shares_blocks_across_adapters(peft_adapters):
     """The same 24-token prompt under the base, "attn" and again "attn": the second "attn"
     request reuses the first's full blocks, the first "attn" request none of the base's."""

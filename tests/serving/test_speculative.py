@@ -263,6 +263,8 @@ def test_bad_speculative_settings_are_refused_up_front():
         LLMEngine(model, config=EngineConfig(speculative="ngram", draft_quantize="int8"))
     with pytest.raises(ValueError, match=r"draft model: vocab_size=8 differs from the target's"):
         LLMEngine(model, config=EngineConfig(speculative="draft"), draft_model=tiny_gpt(0))
+    with pytest.raises(ValueError, match=r"draft model: it is the target model itself"):
+        LLMEngine(model, config=EngineConfig(speculative="draft"), draft_model=model)
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be a positive integer"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0).validate()
     with pytest.raises(ValueError, match=r"ngram_min=3 must be <= ngram_max=2"):

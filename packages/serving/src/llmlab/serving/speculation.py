@@ -94,6 +94,11 @@ class DraftModel:
     """The draft proposer: a model with its own KV pool over the target's block tables."""
 
     def __init__(self, model: Any, config: EngineConfig, target: Any) -> None:
+        if model is target:
+            raise ValueError(
+                "draft model: it is the target model itself; pass a copy (copy.deepcopy(model)) "
+                "-- with draft_quantize it is converted in place, and as it is it saves nothing"
+            )
         for field in ("vocab_size",):
             mine, theirs = getattr(model.config, field), getattr(target.config, field)
             if mine != theirs:
