@@ -586,3 +586,28 @@ def test_a_bpe_vocabulary_with_an_end_token_follows_the_schemas_too():
         jsonschema.validate(json.loads(seq.text), schema)
         assert eos not in seq.token_ids[:-1]
     assert all_blocks_free(eng)
+
+
+def test_grammar_requests_decode_beside_speculating_ones():
+    """In an engine that speculates, a request under a grammar decodes one token per step (its
+    matcher is never advanced over drafts) and gets exactly the text it gets without
+    speculation, while a plain request beside it speculates."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 999}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+    options = RequestOptions(grammar=json_schema_grammar(schema))
+    prompt = list(b"to be or not to be, to be or not to be")
+    gen = GenerationConfig(max_new_tokens=60)
+    texts = []
+    for method in (None, "ngram"):
+        e = engine(speculative=method)
+        e.add_request("json", prompt, gen, options)
+        e.add_request("free", prompt, gen)
+        done = {}
+        while e.has_unfinished:
+            for out in e.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].text
+        texts.append(done)
+        assert method is None or e.speculator.accepted > 0
+    assert texts[0] == texts[1]
+    assert 0 <= json.loads(texts[1]["json"])["n"] <= 999
