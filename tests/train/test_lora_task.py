@@ -1,7 +1,8 @@
 """``task.lora`` in the app (llmlab.train.adapters): adapters on the folder's model after it is
 read, only they in the optimizer and in the checkpoint, the checkpoint resumed and exported
 (merged for ``transformers``, or as a peft folder for ``PeftModel.from_pretrained``), logits
-within 1e-5 of the trained model (fp32); layouts that do not carry adapters refused."""
+within 1e-5 of the trained model (fp32); layouts that do not carry adapters refused (the ones
+that do: tests/integration/test_lora_layouts.py)."""
 
 from __future__ import annotations
 
@@ -108,8 +109,16 @@ def test_from_a_random_base_the_checkpoint_holds_the_whole_model(tmp_path):
     ("args", "message"),
     [
         (
-            ["strategy=tensor", "trainer.devices=2"],
-            "adapters run under one process or Lightning's DDP",
+            ["strategy=deepspeed", "trainer.devices=2"],
+            "adapters run under one process, Lightning's DDP, or llmlab's N-D strategy",
+        ),
+        (
+            ["strategy=nd", "strategy.context=2", "trainer.devices=2"],
+            r"task.lora with strategy.context=2 is not supported",
+        ),
+        (
+            ["strategy=tensor", "trainer.devices=2", "+task.lora.dropout=0.1"],
+            r"lora.dropout=0.1 with strategy.tensor=2",
         ),
         (["task.lora.r=0"], r"lora\.r must be a positive integer"),
         (["+task.lora.rank=4"], "unexpected keyword argument 'rank'"),

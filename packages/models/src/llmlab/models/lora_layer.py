@@ -46,6 +46,9 @@ class LoRAConfig:
     (``"int8"``, ``"int4"``, ``"int4:g64"``, ...) that :func:`apply_lora` stores the frozen
     base in (every linear layer and embedding) before it wraps the targets; ``None``: the base
     as it is. Not a peft setting: :func:`save_lora` writes the adapters alone.
+    ``init_lora_weights``: peft's switch -- ``True`` starts ``B`` at zero (the adapter changes
+    nothing at first), ``False`` leaves ``B`` random like ``A`` (tests that need ``A``'s gradient
+    from the first step).
     """
 
     r: int = 8
@@ -55,6 +58,7 @@ class LoRAConfig:
     use_rslora: bool = False
     exclude: list[str] = field(default_factory=list)  # names/globs never adapted
     quantize: str | None = None  # QLoRA: the base's scheme (quantized before wrapping)
+    init_lora_weights: bool = True  # peft's: B at zero; False keeps B random
 
     def __post_init__(self) -> None:
         if self.quantize is not None:
@@ -73,6 +77,11 @@ class LoRAConfig:
             if not self.target_modules:
                 raise ValueError("lora.target_modules is empty: name at least one layer")
         self.exclude = [str(e) for e in self.exclude]
+        if not isinstance(self.init_lora_weights, bool):  # peft's "gaussian", "pissa", ...
+            raise ValueError(
+                f"lora.init_lora_weights must be true (B at zero) or false (B random), got "
+                f"{self.init_lora_weights!r}"
+            )
 
     @property
     def scaling(self) -> float:
@@ -94,6 +103,7 @@ class LoRALinear(nn.Module):
         alpha: float,
         dropout: float = 0.0,
         use_rslora: bool = False,
+        init_lora_weights: bool = True,
     ) -> None:
         super().__init__()
         weight = getattr(base_layer, "weight", None)
@@ -104,6 +114,8 @@ class LoRALinear(nn.Module):
         else:  # a quantized base: its sizes; adapters in full precision
             in_features, out_features = base_layer.in_features, base_layer.out_features
             device, dtype = base_layer.data.device, torch.float32
+        if device.type == "meta":  # a base still waiting for its weights (``init_from`` read
+            device = torch.device("cpu")  # after a parallel layout): the adapters are drawn now
         self.in_features, self.out_features = in_features, out_features
         self.r, self.alpha, self.use_rslora = r, alpha, use_rslora
         self.scaling = alpha / (math.sqrt(r) if use_rslora else r)
@@ -114,7 +126,8 @@ class LoRALinear(nn.Module):
         # nn.Linear's own init of A is peft's: kaiming_uniform_(a=sqrt(5)); B starts at zero
         self.lora_A = nn.Linear(in_features, r, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(r, out_features, bias=False, device=device, dtype=dtype)
-        nn.init.zeros_(self.lora_B.weight)
+        if init_lora_weights:
+            nn.init.zeros_(self.lora_B.weight)
         self.merged = False
         self.disabled = False  # :func:`disable_lora`
         self.tied = False  # the base weight is shared with another layer: no merging
@@ -261,7 +274,10 @@ def apply_lora(model: nn.Module, config: LoRAConfig | dict[str, Any]) -> nn.Modu
     shared = _shared_parameters(model)
     for name in names:
         base = model.get_submodule(name)
-        layer = LoRALinear(base, config.r, config.alpha, config.dropout, config.use_rslora)
+        layer = LoRALinear(
+            base, config.r, config.alpha, config.dropout, config.use_rslora,
+            config.init_lora_weights,
+        )  # fmt: skip
         layer.tied = any(id(p) in shared for p in base.parameters(recurse=False))
         layer.train(base.training)
         parent, _, child = name.rpartition(".")

@@ -28,6 +28,12 @@ still pipelines, and a clear error names the missing method when a layout needs 
   expert; ``y``: each row through its expert) by ``wrap(fn)``; returns how many layers changed.
   Expert parallelism keeps a slice of the experts per rank and wraps ``fn`` in its all-to-all
   dispatch and combine (:mod:`llmlab.parallel.expert`).
+* :class:`LowRankAdapted` -- a linear *layer* with low-rank adapters beside it (LoRA:
+  ``base_layer(x) + s · lora_B(lora_A(x))``, found among the model's modules, whatever its
+  class): ``base_layer``, ``lora_A`` and ``lora_B`` are linear modules. Tensor parallelism shards
+  the base by its plan style and the adapter with it (column: ``lora_B`` by output rows; row:
+  ``lora_A`` by input columns); pretrained weights name the base as the layer itself (peft's
+  convention: ``q_proj.base_layer.weight`` is read as ``q_proj.weight``).
 * :class:`HasFlops` -- ``flops_per_token()``: training FLOPs per token of the *whole* model (read
   before any sharding, for MFU).
 * :class:`WeightSource` -- ``read(name, part)``: a tensor of the unsplit model by state-dict key,
@@ -79,6 +85,13 @@ class ExpertParallelizable(Protocol):
     def expert_parameters(self) -> dict[str, nn.Parameter]: ...
 
     def swap_experts(self, wrap: Callable[[ExpertFn], ExpertFn]) -> int: ...
+
+
+@runtime_checkable
+class LowRankAdapted(Protocol):
+    base_layer: nn.Module
+    lora_A: nn.Module
+    lora_B: nn.Module
 
 
 @runtime_checkable

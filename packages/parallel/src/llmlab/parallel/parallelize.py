@@ -269,8 +269,8 @@ def _unique_held_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     seen: set[int] = set()
     out = []
     for module in modules:
-        for p in module.parameters():
-            if id(p) not in seen and not p.is_meta:
+        for p in module.parameters():  # a frozen base (LoRA) is held but neither reduced,
+            if id(p) not in seen and not p.is_meta and p.requires_grad:  # sharded nor stepped
                 seen.add(id(p))
                 out.append(p)
     return out

@@ -8,9 +8,19 @@ optimizer then sees only the adapters (the only parameters that require gradient
 
 Checkpoints hold only what training changes: with ``model.init_from`` the adapters alone (the
 base is the folder, read again on resume, by ``make sample`` and by ``make export``); from a
-random base (no folder to read it back from) the whole model. :func:`strategy_problem` refuses
-the layouts adapters are not wired through yet: Lightning's own single-process and DDP
-strategies leave the model as it is; llmlab's strategies shard, split or re-wrap it.
+random base (no folder to read it back from) the whole model. The adapters-only checkpoint is
+consolidated by name like any N-D checkpoint (full ``lora_A`` / ``lora_B`` tensors), so it resumes
+in another layout and loads into one process; resuming it, the base is not asked for (the task
+checks every adapter is there and loads non-strictly).
+
+Layouts: Lightning's single-process and DDP strategies run the model as it is; llmlab's N-D
+strategy (and its ``tensor``, ``tensor_sp``, ``pipeline`` presets) carries the adapters through
+``parallelize_model`` -- sharded with their base under tensor parallelism
+(:mod:`llmlab.parallel.tensor.sharding`), on the stage that owns the layer under a pipeline,
+sharded with the frozen base by FSDP2 -- and the optimizer, the gradient reduction and the
+whole-model norm see only the adapters (``ParallelModel.params`` holds what trains). Each was
+checked to train like one process (tests/integration/test_lora_layouts.py);
+:func:`strategy_problem` refuses the rest before any process starts.
 
 QLoRA is ``+task.lora={r: 8, alpha: 16, quantize: int4}`` (``int8``, ``int4``, ``int4:g64``,
 ``int4:g128``, ``bf16``): the loaded base is quantized first (every linear layer and embedding,
@@ -56,20 +66,52 @@ def lora_config(spec: Mapping[str, Any] | LoRAConfig | None) -> LoRAConfig | Non
         return LoRAConfig(**dict(spec))
     except TypeError as err:
         raise TypeError(f"task.lora: {err} (fields: r, alpha, dropout, target_modules, "
-                        "use_rslora, exclude, quantize)") from err  # fmt: skip
+                        "use_rslora, exclude, quantize, init_lora_weights)") from err  # fmt: skip
 
 
-def strategy_problem(strategy: Mapping[str, Any]) -> str | None:
-    """Why adapters cannot run under the strategy config ``strategy`` (its ``name`` or
-    ``_target_``), or ``None``."""
+# llmlab's N-D strategy and its presets: adapters are wired through its layouts
+LAYOUT_STRATEGIES = (
+    "llmlab.parallel.strategy.NDParallelStrategy",
+    "llmlab.parallel.presets.TensorParallelStrategy",
+    "llmlab.parallel.presets.PipelineStrategy",
+)
+WORKS = (
+    "adapters run under one process, Lightning's DDP, or llmlab's N-D strategy (strategy=nd, "
+    "tensor, tensor_sp, pipeline) with data, tensor (+ sequence parallel) and pipeline ranks "
+    "and zero=0, or zero_impl=fsdp2 (zero 2 or 3) without a pipeline"
+)
+
+
+def strategy_problem(
+    strategy: Mapping[str, Any], lora: Mapping[str, Any] | LoRAConfig | None = None
+) -> str | None:
+    """Why adapters ``lora`` cannot run under the strategy config ``strategy`` (its ``name`` or
+    ``_target_`` and options), or ``None``: what the layouts were checked to train exactly like
+    one process (tests/integration/test_lora_layouts.py) runs, everything else is refused by
+    name (``WORKS`` says what runs)."""
     which = strategy.get("_target_") or strategy.get("name") or "auto"
     if which in PLAIN_STRATEGIES:
         return None
-    return (
-        f"task.lora with strategy {which}: adapters run under one process or Lightning's DDP "
-        "(strategy=auto or strategy=ddp); tensor-parallel, pipeline, ZeRO and the other llmlab "
-        "layouts do not carry LoRA layers yet (issue 39)"
-    )
+    if which not in LAYOUT_STRATEGIES:
+        return f"task.lora with strategy {which}: {WORKS}"
+    config = lora_config(lora) if lora is not None else None
+    refused = []
+    for key in ("context", "expert"):
+        if (strategy.get(key) or 1) > 1:
+            refused.append(f"strategy.{key}={strategy[key]}")
+    zero, impl = strategy.get("zero") or 0, strategy.get("zero_impl") or "llmlab"
+    if zero and impl != "fsdp2":
+        refused.append(f"strategy.zero={zero} with zero_impl={impl}")
+    if strategy.get("sharded_checkpoints"):
+        refused.append("strategy.sharded_checkpoints=true (its folder would hold the frozen base)")
+    if config is not None and config.quantize is not None:
+        refused.append(f"lora.quantize={config.quantize} (a quantized base is not sharded)")
+    tensor = strategy.get("tensor") or 1
+    if config is not None and config.dropout > 0 and tensor > 1:
+        refused.append(f"lora.dropout={config.dropout} with strategy.tensor={tensor}")
+    if not refused:
+        return None
+    return f"task.lora with {', '.join(refused)} is not supported: {WORKS}"
 
 
 def add_adapters(model: nn.Module, config: LoRAConfig) -> None:
@@ -101,27 +143,29 @@ def add_adapters(model: nn.Module, config: LoRAConfig) -> None:
         )  # fmt: skip
 
 
-def keep_adapters_only(state: dict[str, Tensor], model: nn.Module, prefix: str = "model.") -> None:
-    """Drop from a checkpoint's ``state`` every entry of ``model`` (under ``prefix``) that is
-    not an adapter tensor, in place."""
-    adapters = {prefix + k for k in lora_state_dict(model)}
-    for key in [k for k in state if k.startswith(prefix) and k not in adapters]:
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def keep_adapters_only(state: dict[str, Tensor], prefix: str = "model.") -> None:
+    """Drop from a checkpoint's ``state`` every entry under ``prefix`` that is not an adapter
+    tensor, in place. By name, not by the local model's layers: a layout's consolidated state
+    holds every stage's adapters, a pipeline rank's model only its own."""
+    for key in [k for k in state if k.startswith(prefix) and not k.endswith(ADAPTER_SUFFIXES)]:
         del state[key]
 
 
-def fill_base(state: dict[str, Tensor], model: nn.Module, prefix: str = "model.") -> None:
-    """Complete an adapters-only checkpoint ``state`` with ``model``'s own base tensors (read
-    from its folder), so that Lightning's strict loading checks the adapters' names and shapes
-    and restores them. A checkpoint with any other tensor of the model is left as it is."""
-    adapters = {prefix + k for k in lora_state_dict(model)}
-    ours = {prefix + k: v for k, v in model.state_dict().items()}
-    if set(state) & (set(ours) - adapters):
-        return  # a whole-model checkpoint (a random base)
-    missing = sorted(adapters - set(state))
+def adapters_only(state: Mapping[str, Tensor], model: nn.Module, prefix: str = "model.") -> bool:
+    """Whether ``state`` is an adapters-only checkpoint for ``model`` (then its base is the
+    folder this task read, and loading must not ask for it: the caller loads non-strictly); a
+    checkpoint with any other tensor of the model (a random base's) is not. Raises ``KeyError``
+    when an adapter ``model`` holds is missing: the strict check, kept for the adapters."""
+    ours = {k for k in state if k.startswith(prefix)}
+    if any(not k.endswith(ADAPTER_SUFFIXES) for k in ours):
+        return False  # a whole-model checkpoint (a random base)
+    missing = sorted({prefix + k for k in lora_state_dict(model)} - ours)
     if missing:
         raise KeyError(f"the checkpoint lacks LoRA tensors {missing[:3]} ({len(missing)} in all)")
-    for key, value in ours.items():
-        state.setdefault(key, value)
+    return True
 
 
 def model_from_checkpoint(

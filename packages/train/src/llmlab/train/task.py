@@ -31,7 +31,7 @@ from llmlab.parallel.loss_mean import (
     global_token_mean,
     loss_replicas,
 )
-from llmlab.train.adapters import add_adapters, fill_base, keep_adapters_only, lora_config
+from llmlab.train.adapters import adapters_only, add_adapters, keep_adapters_only, lora_config
 from llmlab.train.routing import BiasUpdate, router_loss
 
 
@@ -178,12 +178,15 @@ class CausalLMTask(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """With adapters on a folder's model, the checkpoint keeps the adapters alone."""
         if self.lora is not None and self.hparams.model.get("init_from"):
-            keep_adapters_only(checkpoint["state_dict"], self.model)
+            keep_adapters_only(checkpoint["state_dict"])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """An adapters-only checkpoint, completed by the base this task read from its folder."""
-        if self.lora is not None and "state_dict" in checkpoint:
-            fill_base(checkpoint["state_dict"], self.model)
+        """An adapters-only checkpoint loads over the base this task read from its folder: every
+        adapter must be there (checked here), the base is not asked for (loaded non-strictly,
+        in any layout: one process, DDP, or the N-D strategy's slices)."""
+        state = checkpoint.get("state_dict")
+        if self.lora is not None and state is not None and adapters_only(state, self.model):
+            self.strict_loading = False
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)

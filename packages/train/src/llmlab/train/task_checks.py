@@ -33,17 +33,18 @@ def check_router_loss(cfg: DictConfig, model: dict[str, Any]) -> None:
 
 
 def check_lora(cfg: DictConfig) -> None:
-    """``task.lora``'s fields, and a strategy that runs the model as it is."""
+    """``task.lora``'s fields, and a layout adapters are wired through
+    (:func:`llmlab.train.adapters.strategy_problem`)."""
     from llmlab.train.adapters import lora_config, strategy_problem
 
     spec = OmegaConf.select(cfg, "task.lora")
     if spec is None:
         return
     try:
-        lora_config(OmegaConf.to_container(spec, resolve=True))
+        lora = lora_config(OmegaConf.to_container(spec, resolve=True))
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from err
-    if problem := strategy_problem(OmegaConf.to_container(cfg.strategy, resolve=True)):
+    if problem := strategy_problem(OmegaConf.to_container(cfg.strategy, resolve=True), lora):
         raise ConfigError(problem)
 
 

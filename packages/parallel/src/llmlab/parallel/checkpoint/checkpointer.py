@@ -159,8 +159,10 @@ class LayoutCheckpointer:
         rank's optimizer. A sharded checkpoint's was loaded with the model."""
         if saved.get("format") == SHARDED_KEY:
             return
-        if saved.get("format") != C.FORMAT:
-            optimizer.load_state_dict(saved)
+        if saved.get("format") != C.FORMAT:  # a plain state: by position, at full shapes
+            optimizer.load_state_dict(
+                C.local_plain_optimizer_state(optimizer, saved, self.groups.tensor)
+            )
         elif self.zero is None:
             C.load_optimizer_state(optimizer, saved, self._param_info(), self.groups.tensor)
         else:

@@ -152,6 +152,40 @@ def _flat_params(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def local_plain_optimizer_state(
+    optimizer: Optimizer, saved: Mapping[str, Any], tensor_group: dist.ProcessGroup | None
+) -> Mapping[str, Any]:
+    """A one-process optimizer state (``torch``'s own: by position) for this rank's optimizer,
+    which steps the same parameters in the same order, some of them tensor-parallel shards:
+    each full-shape state tensor of a shard sliced to this rank's part. Unchanged without
+    tensor parallelism; a different parameter count (a pipeline stage holds fewer) is refused."""
+    n = _size(tensor_group)
+    params = _flat_params(optimizer)
+    positions = [i for group in saved.get("param_groups", []) for i in group["params"]]
+    if n == 1 or not any(shard_dim(p) is not None for p in params):
+        return saved
+    if len(positions) != len(params):
+        raise ValueError(
+            f"a one-process optimizer state of {len(positions)} parameters cannot resume an "
+            f"optimizer of {len(params)} (a pipeline stage's): resume from this layout's own "
+            "checkpoint, or one written by the N-D strategy (by parameter name)"
+        )
+    rank = dist.get_rank(tensor_group)
+    state = {}
+    for pos, p in zip(positions, params, strict=True):
+        dim = shard_dim(p)
+        state[pos] = {
+            key: value.chunk(n, dim=dim)[rank].clone()
+            if dim is not None and isinstance(value, Tensor) and value.shape != p.shape
+            and value.dim() == p.dim()
+            else value
+            for key, value in saved["state"].get(pos, {}).items()
+        }  # fmt: skip
+        if not state[pos]:
+            del state[pos]
+    return {**saved, "state": state}
+
+
 def optimizer_state(
     optimizer: Optimizer,
     info: Mapping[int, tuple[str, int | None]],

@@ -12,6 +12,10 @@ So a rank reads ``sharded bytes of its stage / tensor + replicated bytes of its 
 the data-parallel replicas each read that same slice and the engine keeps 1/data of it (the
 flat ZeRO shard is not a rectangle of the files, so it is not read on its own).
 
+A LoRA layer's base (:class:`~llmlab.parallel.contracts.LowRankAdapted`) is read under the
+layer's own name (``q_proj.base_layer.weight`` from the files' ``q_proj.weight``); its adapters
+are no meta tensors (drawn from the run's seed, not read), so they are left as they are.
+
 Filling keeps every Parameter *object* (``torch.utils.swap_tensors``): the tied-weight groups,
 gradient hooks and optimizers already built around the meta model keep working.
 
@@ -33,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from llmlab.parallel.contracts import HoldsPretrainedWeights, WeightSource
+from llmlab.parallel.contracts import HoldsPretrainedWeights, LowRankAdapted, WeightSource
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
 
 log = logging.getLogger(__name__)
@@ -83,11 +87,13 @@ def load_pretrained(
     rss_before, start, read_before = _peak_rss(), time.perf_counter(), weights.bytes_read
     names: list[str] = []
     kept = 0
+    bases = [f"{n}.base_layer." for n, m in model.named_modules() if isinstance(m, LowRankAdapted)]
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in keep or not tensor.is_meta:
             continue  # another stage's placeholder, or filled under another (tied) name
         dim = getattr(tensor, SHARD_DIM_ATTR, None)
         part = (dim, tensor_rank, tensor_size) if dim is not None and tensor_size > 1 else None
+        name = _source_name(name, bases)
         value = weights.read(name, part)
         if tuple(value.shape) != tuple(tensor.shape):
             raise ValueError(
@@ -111,6 +117,14 @@ def load_pretrained(
         cuda_peak_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
         seconds=time.perf_counter() - start,
     )
+
+
+def _source_name(name: str, bases: Sequence[str]) -> str:
+    """The files' name of a model tensor: a LoRA base's under its layer's name."""
+    for prefix in bases:
+        if name.startswith(prefix):
+            return prefix[: -len("base_layer.")] + name[len(prefix) :]
+    return name
 
 
 def fill(placeholder: Tensor, value: Tensor) -> None:

@@ -17,6 +17,16 @@ dropout, residual adds) live in sequence shards (B, T/tp, d):
   all-reduced over the tensor-parallel group (a gradient hook, so a plain training loop works);
 * dropout draws from the per-rank stream (``TensorParallelRNG``), as it does inside attention.
 
+A planned linear layer that carries low-rank adapters (LoRA, :class:`LowRankAdapted`) keeps its
+wrapper: its base is sharded by the plan's style and the adapter with it, so ``y = W x + s·B A x``
+is computed exactly as in one process. Column-parallel base: ``A`` replicated, ``B`` split by
+output rows (a ``ColumnParallelLinear`` on the rank-``r`` activation: its input mapping sums
+that activation's partial gradients over the group, so ``A``'s is whole); row-parallel base:
+``A`` split by input columns (a
+``RowParallelLinear``: the rank-``r`` partial sum is reduced, ``r`` numbers per token, not the
+layer's width), ``B`` replicated. Under sequence parallelism the replicated half sees a sequence
+shard and joins the gradient all-reduce below, like a norm weight.
+
 Divisibility is checked for the whole plan before any module is touched, with a message that
 names the numbers: the model's own ``tensor_parallel_divisors()`` (heads, KV heads, hidden size,
 vocabulary) and every sharded layer's dimension.
@@ -32,6 +42,7 @@ from torch import nn
 
 from llmlab.parallel.contracts import (
     AttentionSwappable,
+    LowRankAdapted,
     TensorParallelShardable,
     tensor_parallel_problems,
 )
@@ -95,7 +106,7 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
     if isinstance(model, TensorParallelShardable):  # whole heads, KV heads, vocab: by name
         problems += tensor_parallel_problems(model.tensor_parallel_divisors(), tp)
     for name, style in resolved.items():
-        module = model.get_submodule(name)
+        module = _base_of(model.get_submodule(name), name, style)
         if style == "colwise":
             if not isinstance(module, nn.Linear):
                 raise TypeError(
@@ -167,6 +178,10 @@ def parallelize(
         parent, parent_name, child = _parent(model, name)
         if style == "replicate":
             continue
+        if isinstance(module, LowRankAdapted):  # LoRA: the base and its adapter, each sharded
+            gathered = parent_name in region_parents
+            _shard_adapted(module, style, group, sequence_parallel, name, gathered)
+            continue
         full_weight = module.weight
         shared = shards[id(full_weight)][1] if id(full_weight) in shards else None
         if style == "colwise":
@@ -200,6 +215,51 @@ def parallelize(
         _apply_sequence_parallel(model, resolved, entry_modules, group, rng)
     model.tensor_parallel = info
     return model
+
+
+def _base_of(module: nn.Module, name: str, style: str) -> nn.Module:
+    """The linear layer a plan style applies to: the module, or a LoRA layer's base (which
+    must be a float ``nn.Linear``: a quantized base has no weight to slice)."""
+    if not isinstance(module, LowRankAdapted) or style not in ("colwise", "rowwise"):
+        return module
+    if not isinstance(module.base_layer, nn.Linear):
+        raise TypeError(
+            f"{name}: {style!r} shards a LoRA layer's nn.Linear base, got "
+            f"{type(module.base_layer).__name__} (a quantized base is not tensor-parallel)"
+        )
+    return module.base_layer
+
+
+def _shard_adapted(
+    module: nn.Module,
+    style: str,
+    group: Group,
+    sequence_parallel: bool,
+    name: str,
+    input_gathered: bool,
+) -> None:
+    """Shard a LoRA layer in place (module docstring): the base by ``style``, and ``lora_B``
+    (column) or ``lora_A`` (row) with it; the other adapter matrix stays whole."""
+    base, lora_a, lora_b = module.base_layer, module.lora_A, module.lora_B
+    out_features, in_features = base.weight.shape
+    if (lora_b.out_features, lora_a.in_features) != (out_features, in_features):
+        raise ValueError(
+            f"{name}: the LoRA matrices do not fit the base {(out_features, in_features)}"
+        )
+    if style == "colwise":
+        module.base_layer = ColumnParallelLinear(
+            base, group, sequence_parallel=sequence_parallel, name=name,
+            input_gathered=input_gathered,
+        )  # fmt: skip
+        module.lora_B = ColumnParallelLinear(
+            lora_b, group, sequence_parallel=sequence_parallel, name=f"{name}.lora_B",
+            input_gathered=input_gathered,
+        )  # fmt: skip
+    elif style == "rowwise":
+        module.base_layer = RowParallelLinear(base, group, sequence_parallel, name=name)
+        module.lora_A = RowParallelLinear(lora_a, group, sequence_parallel, f"{name}.lora_A")
+    else:
+        raise TypeError(f"{name}: a LoRA layer is sharded 'colwise' or 'rowwise', not {style!r}")
 
 
 def _region_parents(resolved: dict[str, str]) -> set[str]:
