@@ -7,8 +7,9 @@ after ``model.init_from`` is read), so the base's names stay those the folder is
 optimizer then sees only the adapters (the only parameters that require gradients).
 
 Checkpoints hold only what training changes: with ``model.init_from`` the adapters alone (the
-base is the folder, read again on resume, by ``make sample`` and by ``make export``); from a
-random base (no folder to read it back from) the whole model. The adapters-only checkpoint is
+base is the folder, read again on resume, by ``make sample`` and by ``make export``: the task's
+``state_dict()`` itself drops the base, :func:`adapters_only_state`); from a random base (no
+folder to read it back from) the whole model. The adapters-only checkpoint is
 consolidated by name like any N-D checkpoint (full ``lora_A`` / ``lora_B`` tensors), so it resumes
 in another layout and loads into one process; resuming it, the base is not asked for (the task
 checks every adapter is there and loads non-strictly).
@@ -152,6 +153,16 @@ def keep_adapters_only(state: dict[str, Tensor], prefix: str = "model.") -> None
     holds every stage's adapters, a pipeline rank's model only its own."""
     for key in [k for k in state if k.startswith(prefix) and not k.endswith(ADAPTER_SUFFIXES)]:
         del state[key]
+
+
+def adapters_only_state(
+    module: nn.Module, state: dict[str, Tensor], prefix: str, metadata: Any
+) -> None:
+    """A task's state-dict post-hook (``register_state_dict_post_hook``) with adapters on a
+    folder's model: its state -- what every strategy saves, and what the N-D strategy gathers
+    over the tensor and pipeline ranks -- is the adapters alone, so the frozen base is never
+    gathered to be thrown away."""
+    keep_adapters_only(state, prefix + "model.")
 
 
 def adapters_only(state: Mapping[str, Tensor], model: nn.Module, prefix: str = "model.") -> bool:

@@ -31,7 +31,7 @@ from llmlab.parallel.loss_mean import (
     global_token_mean,
     loss_replicas,
 )
-from llmlab.train.adapters import adapters_only, add_adapters, keep_adapters_only, lora_config
+from llmlab.train.adapters import adapters_only, adapters_only_state, add_adapters, lora_config
 from llmlab.train.routing import BiasUpdate, router_loss
 
 
@@ -158,6 +158,8 @@ class CausalLMTask(L.LightningModule):
         self.val_loss = MeanMetric()  # weighted by counted tokens, over batches and ranks
         self.bias_update = BiasUpdate(update_bias_rate) if update_bias_rate else None
         self._bias_step = 0  # the optimizer step the bias last moved after (set at the start)
+        if adapters is not None and model.get("init_from"):  # the base is the folder: the
+            self.register_state_dict_post_hook(adapters_only_state)  # state is the adapters
 
     def take_pretrained_weights(self) -> Any:
         """The init_from weights the meta model still waits for (``None`` once taken): the
@@ -174,11 +176,6 @@ class CausalLMTask(L.LightningModule):
             log_weights_read(load_pretrained(self.model, weights), "whole model")
         if self.lora is not None:  # on the loaded weights, under their own names
             add_adapters(self.model, self.lora)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """With adapters on a folder's model, the checkpoint keeps the adapters alone."""
-        if self.lora is not None and self.hparams.model.get("init_from"):
-            keep_adapters_only(checkpoint["state_dict"])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """An adapters-only checkpoint loads over the base this task read from its folder: every
