@@ -78,8 +78,8 @@ LAYOUT_STRATEGIES = (
 )
 WORKS = (
     "adapters run under one process, Lightning's DDP, or llmlab's N-D strategy (strategy=nd, "
-    "tensor, tensor_sp, pipeline) with data, tensor (+ sequence parallel) and pipeline ranks "
-    "and zero=0, or zero_impl=fsdp2 (zero 2 or 3) without a pipeline"
+    "tensor, tensor_sp, pipeline) with data, tensor (+ sequence parallel) and pipeline ranks, "
+    "ZeRO (zero_impl=llmlab, or fsdp2 without a pipeline) and consolidated checkpoints"
 )
 
 
@@ -100,9 +100,6 @@ def strategy_problem(
     for key in ("context", "expert"):
         if (strategy.get(key) or 1) > 1:
             refused.append(f"strategy.{key}={strategy[key]}")
-    zero, impl = strategy.get("zero") or 0, strategy.get("zero_impl") or "llmlab"
-    if zero and impl != "fsdp2":
-        refused.append(f"strategy.zero={zero} with zero_impl={impl}")
     if strategy.get("sharded_checkpoints"):
         refused.append("strategy.sharded_checkpoints=true (its folder would hold the frozen base)")
     if config is not None and config.quantize is not None:

@@ -100,7 +100,7 @@ def load_pretrained(
                 f"{name}: the checkpoint gives shape {list(value.shape)} for part {part} but this "
                 f"rank's model holds {list(tensor.shape)}"
             )
-        fill(tensor, value.to(tensor.dtype))
+        fill(tensor, value.to(tensor.dtype).contiguous())  # a column slice is strided
         names.append(name)
         kept += tensor.numel() * tensor.element_size()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
