@@ -16,8 +16,9 @@ mis-reduced ``A`` half (the replicated one of each sharded pair) shows at once; 
 makes every step's update depend on the global norm.
 
 The checkpoint holds the adapters alone (the base is the folder), consolidated by name: saved
-under tensor = 2 it resumes under data = 2, and one process's resumes under tensor = 2, both
-continuing the uninterrupted single-process curve within 1e-5.
+under tensor = 2 it resumes under data = 2 and in one process (the N-D strategy on one rank: its
+optimizer state is by name), and Lightning's one-process checkpoint (by position) resumes under
+tensor = 2, each continuing the uninterrupted single-process curve within 1e-5.
 """
 
 from __future__ import annotations
@@ -176,14 +177,20 @@ def _resume(rank: int, world: int, path: str, root: str) -> dict:
     return {"tensor2": tensor, "data2<-tensor2": data, "tensor2<-one": from_one}
 
 
+def _resume_alone(rank: int, world: int, path: str, ckpt: str) -> dict:
+    return _fit(path, ["strategy=nd"], world, ckpt_path=ckpt)
+
+
 def test_adapters_only_checkpoint_resumes_in_another_layout(folder, tmp_path):
     from llmlab.models.lora import lora_state_dict
     from llmlab.train.sample import load_checkpoint
 
     want = _reference(str(folder), save=str(tmp_path / "one.ckpt"))
     got = run_distributed(_resume, 2, str(folder), str(tmp_path))[0]
+    tp_ckpt = str(tmp_path / "tensor2.ckpt")  # and in one process of the N-D strategy
+    got["one<-tensor2"] = run_distributed(_resume_alone, 1, str(folder), tp_ckpt)[0]
     _check("tensor2", got["tensor2"], want)
-    for name in ("data2<-tensor2", "tensor2<-one"):
+    for name in ("data2<-tensor2", "tensor2<-one", "one<-tensor2"):
         close(got[name]["losses"], want["losses"][HALF:], f"{name} resumed loss")
         close(got[name]["norms"], want["norms"][HALF:], f"{name} resumed train/grad_norm")
 
