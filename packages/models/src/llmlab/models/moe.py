@@ -27,8 +27,12 @@ projections over all experts at once with ``torch.nn.functional.grouped_mm``: ex
 reads rows ``[offs[e-1], offs[e])``, one contiguous slice. Where ``grouped_mm`` cannot run (a
 torch without it; rows not 16-byte aligned; CUDA in a dtype other than bf16) the same sorted
 slices go through one matmul per expert (:func:`segment_matmul`): the same layout, a loop
-over slices instead of one kernel. Results go back by scattering each assignment into its
-``(token, slot)`` row and summing the ``k`` slots: deterministic, no atomics.
+over slices instead of one kernel. Results go back by putting each assignment's row in its
+``(token, slot)`` place and weighing and summing the ``k`` slots in one ``(1, k) @ (k, C)``
+product per token: deterministic, no atomics. The gather and that combine are autograd
+functions (:func:`dispatch_rows`, :func:`combine_rows`) whose backward is the same permutation
+the other way plus the sum over slots, not autograd's accumulating scatter for ``x[idx]``
+(on CPU the slowest step of dispatch; ``benchmarks/moe.py`` measures the whole block).
 
 **Capacity** (optional ``capacity_factor`` ``c``): each expert takes at most
 ``C = ceil(c · N · k / E)`` assignments, the first ``C`` in token order; the rest are dropped
@@ -294,8 +298,12 @@ def grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
 
 def segment_matmul(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
     """``x`` (M, in) sorted by expert, ``counts[e]`` rows each; ``weight`` (E, out, in):
-    row block ``e`` times ``weight[e].T`` (the fallback of :func:`grouped_matmul`)."""
-    parts = [blk @ weight[e].t() for e, blk in enumerate(torch.split(x, counts)) if blk.shape[0]]
+    row block ``e`` times ``weight[e].T`` (the fallback of :func:`grouped_matmul`). The
+    experts' weights come from one ``unbind``, whose backward stacks their gradients once;
+    indexing ``weight[e]`` would build a full ``(E, out, in)`` gradient per expert and sum them
+    (~1.4x slower forward + backward on CPU at 8 experts)."""
+    weights = weight.unbind(0)
+    parts = [blk @ weights[e].t() for e, blk in enumerate(torch.split(x, counts)) if blk.shape[0]]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
@@ -353,6 +361,67 @@ class SharedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class _DispatchRows(torch.autograd.Function):
+    """``x[order // k]`` whose backward brings each row's gradient back to its ``(token, slot)``
+    and sums the ``k`` slots, instead of autograd's accumulating scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, order: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(order)
+        ctx.shape = (x.shape[0], k, x.shape[-1])
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (order,) = ctx.saved_tensors
+        N, k, C = ctx.shape
+        # every slot written unless a capacity dropped some: those stay zero
+        slots = grad.new_empty(N * k, C) if order.numel() == N * k else grad.new_zeros(N * k, C)
+        slots.index_copy_(0, order, grad.contiguous())
+        return slots.view(N, k, C).sum(dim=1), None, None
+
+
+def dispatch_rows(x: Tensor, order: Tensor, k: int) -> Tensor:
+    """The token rows of the assignments ``order`` (ids ``token * k + slot``): ``x[order // k]``.
+    Its backward is a permutation into the ``(token, slot)`` layout and a sum over the ``k``
+    slots: deterministic on every device, and on CPU ~10× faster than the accumulating
+    ``index_put`` autograd gives ``x[idx]`` (a token appears ``k`` times in ``idx``)."""
+    return _DispatchRows.apply(x, order, k)
+
+
+class _CombineRows(torch.autograd.Function):
+    """Each row of ``y`` into its ``(token, slot)``, then the weighted sum over the slots."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, weights: Tensor, order: Tensor) -> Tensor:
+        N, k = weights.shape
+        C = y.shape[-1]
+        # one row per (token, slot); a slot a capacity dropped stays zero
+        slots = y.new_empty(N * k, C) if order.numel() == N * k else y.new_zeros(N * k, C)
+        slots.index_copy_(0, order, y)
+        slots = slots.view(N, k, C)
+        ctx.save_for_backward(weights, slots, order)
+        return torch.bmm(weights.unsqueeze(1), slots).squeeze(1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        weights, slots, order = ctx.saved_tensors
+        k = slots.shape[1]
+        grad = grad.contiguous()
+        grad_y = grad.index_select(0, order // k)  # each row: its token's gradient ...
+        grad_y.mul_(weights.reshape(-1)[order].unsqueeze(-1))  # ... times its weight
+        grad_weights = torch.bmm(slots, grad.unsqueeze(-1)).squeeze(-1)  # dropped slots: 0
+        return grad_y, grad_weights, None
+
+
+def combine_rows(y: Tensor, weights: Tensor, order: Tensor) -> Tensor:
+    """Token ``t``'s output ``Σ_j weights[t, j] · y[row of assignment t·k + j]`` from the rows
+    ``y`` of the assignments ``order`` (sorted by expert): a permutation into the ``(token,
+    slot)`` layout and one batched ``(1, k) @ (k, C)`` product per token, which weighs and sums
+    at once; the backward is a gather and the same product, deterministic, no atomics."""
+    return _CombineRows.apply(y, weights, order)
 
 
 # --------------------------------------------------------------------------- the layer
@@ -439,11 +508,8 @@ class MoE(nn.Module):
             rank = torch.arange(order.numel(), device=x.device) - starts[chosen[order]]
             order = order[rank < capacity]
             kept = counts.clamp(max=capacity)
-        y = (self.expert_fn or self.experts.grouped)(x[order // k], kept)
-        y = y * r.weights.reshape(-1)[order, None]
-        slots = x.new_zeros(N * k, x.shape[-1])  # one row per (token, slot); dropped stay 0
-        slots = slots.index_put((order,), y)
-        return slots.view(N, k, -1).sum(dim=1), counts, counts - kept
+        y = (self.expert_fn or self.experts.grouped)(dispatch_rows(x, order, k), kept)
+        return combine_rows(y, r.weights, order), counts, counts - kept
 
     # ------------------------------------------------------------------ balancing
     @torch.no_grad()
