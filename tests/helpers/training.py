@@ -152,3 +152,17 @@ def fit(
     )
     first_master = master[0] if master else None
     return {"losses": losses, "norms": norms, "master_norm": first_master, "trainer": trainer}
+
+
+def save_at_step(step: int, path: str) -> Any:
+    """A callback saving the checkpoint after the last batch of the epoch that ends at
+    ``step``, a point Lightning resumes from exactly (saved after ``fit`` returns, or in
+    ``on_train_epoch_end``, the resumed run replays the first batch: measured)."""
+    import lightning as L
+
+    class Save(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == step:
+                trainer.save_checkpoint(path)
+
+    return Save()

@@ -45,11 +45,11 @@ import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.training import save_at_step
 from tests.integration.composition_cells import (
     CELLS,
     CHEAP,
@@ -130,7 +130,7 @@ def _fit_cell(cell: Cell, root: str, schedule: tuple[int, int]) -> dict:
 
     sharded = cell.checkpoint == "sharded"
     path = os.path.join(root, f"{cell.id}.ckpt")
-    full = train(callbacks=[_save_at_epoch_end(HALF, path)] if sharded else [])
+    full = train(callbacks=[save_at_step(HALF, path)] if sharded else [])
     out = {k: full[k] for k in ("losses", "norms", "master_norm")}
     if sharded:
         resumed = train(ckpt_path=path)
@@ -139,20 +139,6 @@ def _fit_cell(cell: Cell, root: str, schedule: tuple[int, int]) -> dict:
     if cell.interpreted:
         out["triton"] = _triton_evidence()
     return out
-
-
-def _save_at_epoch_end(step: int, path: str) -> Any:
-    """A callback saving the checkpoint after the last batch of the epoch that ends at
-    ``step``, a point Lightning resumes from exactly (saved after ``fit`` returns, or in
-    ``on_train_epoch_end``, the resumed run replays the first batch: measured)."""
-    import lightning as L
-
-    class Save(L.Callback):
-        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            if trainer.global_step == step:
-                trainer.save_checkpoint(path)
-
-    return Save()
 
 
 def _run_jobs(rank: int, world: int, jobs: list[Job], root: str) -> dict[str, dict]:

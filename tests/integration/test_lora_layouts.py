@@ -29,6 +29,7 @@ import torch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_tiny import byte_level_llama_folder
 from tests.helpers.nd import close
+from tests.helpers.training import save_at_step
 
 pytestmark = pytest.mark.distributed
 
@@ -121,9 +122,7 @@ def _layouts(rank: int, world: int, path: str, names: list[str]) -> dict:
 
 
 def _reference(path: str, save: str | None = None) -> dict:
-    from tests.integration.test_composition_matrix import _save_at_epoch_end
-
-    callbacks = [_save_at_epoch_end(HALF, save)] if save else []
+    callbacks = [save_at_step(HALF, save)] if save else []
     return _fit(path, ["strategy=auto"], 1, callbacks=callbacks)
 
 
@@ -168,10 +167,8 @@ def test_lora_trains_like_one_process(folder, world, names):
 
 
 def _resume(rank: int, world: int, path: str, root: str) -> dict:
-    from tests.integration.test_composition_matrix import _save_at_epoch_end
-
     tp_ckpt = f"{root}/tensor2.ckpt"
-    tensor = _fit(path, LAYOUTS["tensor2"], world, callbacks=[_save_at_epoch_end(HALF, tp_ckpt)])
+    tensor = _fit(path, LAYOUTS["tensor2"], world, callbacks=[save_at_step(HALF, tp_ckpt)])
     data = _fit(path, LAYOUTS["data2"], world, ckpt_path=tp_ckpt)
     from_one = _fit(path, LAYOUTS["tensor2"], world, ckpt_path=f"{root}/one.ckpt")
     return {"tensor2": tensor, "data2<-tensor2": data, "tensor2<-one": from_one}
