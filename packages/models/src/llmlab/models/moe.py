@@ -388,7 +388,9 @@ def dispatch_rows(x: Tensor, order: Tensor, k: int) -> Tensor:
     Its backward is a permutation into the ``(token, slot)`` layout and a sum over the ``k``
     slots: deterministic on every device, and on CPU ~10× faster than the accumulating
     ``index_put`` autograd gives ``x[idx]`` (a token appears ``k`` times in ``idx``)."""
-    return _DispatchRows.apply(x, order, k)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _DispatchRows.apply(x, order, k)
+    return x.index_select(0, order // k)  # no graph to build (decoding): no Function overhead
 
 
 class _CombineRows(torch.autograd.Function):
@@ -402,7 +404,8 @@ class _CombineRows(torch.autograd.Function):
         slots = y.new_empty(N * k, C) if order.numel() == N * k else y.new_zeros(N * k, C)
         slots.index_copy_(0, order, y)
         slots = slots.view(N, k, C)
-        ctx.save_for_backward(weights, slots, order)
+        if ctx is not None:
+            ctx.save_for_backward(weights, slots, order)
         return torch.bmm(weights.unsqueeze(1), slots).squeeze(1)
 
     @staticmethod
@@ -421,7 +424,9 @@ def combine_rows(y: Tensor, weights: Tensor, order: Tensor) -> Tensor:
     ``y`` of the assignments ``order`` (sorted by expert): a permutation into the ``(token,
     slot)`` layout and one batched ``(1, k) @ (k, C)`` product per token, which weighs and sums
     at once; the backward is a gather and the same product, deterministic, no atomics."""
-    return _CombineRows.apply(y, weights, order)
+    if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+        return _CombineRows.apply(y, weights, order)
+    return _CombineRows.forward(None, y, weights, order)  # no graph to build: the same product
 
 
 # --------------------------------------------------------------------------- the layer
