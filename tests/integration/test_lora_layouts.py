@@ -1,10 +1,11 @@
 """LoRA under llmlab's layouts trains like one process (issue 39): data = 2, tensor = 2 (with and
-without sequence parallelism), pipeline = 2, FSDP2 and llmlab's ZeRO-3 over data = 2, and on
-four ranks each pair of dimensions (pipeline × tensor, data × tensor with FSDP2 and with ZeRO-3 +
-sequence parallelism, data × pipeline with ZeRO-1), each from the same ``model.init_from`` folder
-(a tiny byte-level Llama: GQA, gated MLP, untied head) with adapters on every linear layer,
-built through the app's own config (``compose_config`` → ``validate_config`` →
-``build_strategy``) and trained in a real ``Trainer`` (``tests.helpers.training.fit``).
+without sequence parallelism), pipeline = 2, context = 2, FSDP2 and llmlab's ZeRO-3 over
+data = 2, and on four ranks pairs of dimensions (pipeline × tensor, context × tensor, data ×
+tensor with FSDP2 and with ZeRO-3 + sequence parallelism, data × pipeline with ZeRO-1), each
+from the same ``model.init_from`` folder (a tiny byte-level Llama: GQA, gated MLP, untied head)
+with adapters on every linear layer, built through the app's own config (``compose_config`` →
+``validate_config`` → ``build_strategy``) and trained in a real ``Trainer``
+(``tests.helpers.training.fit``).
 
 Per step the logged ``train/loss`` and ``train/grad_norm`` and the first step's independently
 computed master-gradient norm must equal the single-process run's within 1e-5 (absolute; the
@@ -46,6 +47,7 @@ LAYOUTS: dict[str, list[str]] = {
     ],
     "fsdp2": ["strategy=nd", "strategy.zero=3", "strategy.zero_impl=fsdp2"],
     "zero3": ["strategy=nd", "strategy.zero=3"],  # llmlab's: the adapters sharded, base whole
+    "context2": ["strategy=nd", "strategy.context=2"],
     # four ranks: each pair of dimensions
     "pipeline2xtensor2": ["strategy=nd", "strategy.pipeline=2", "strategy.tensor=2",
                           "strategy.microbatches=2", "strategy.timeline_every_n_steps=0"],
@@ -53,6 +55,7 @@ LAYOUTS: dict[str, list[str]] = {
                             "strategy.zero_impl=fsdp2"],
     "data2xtensor2-sp-zero3": ["strategy=nd", "strategy.tensor=2", "strategy.zero=3",
                                "strategy.sequence_parallel=true"],
+    "context2xtensor2": ["strategy=nd", "strategy.context=2", "strategy.tensor=2"],
     "data2xpipeline2-zero1": ["strategy=nd", "strategy.pipeline=2", "strategy.zero=1",
                               "strategy.microbatches=2", "strategy.timeline_every_n_steps=0"],
 }  # fmt: skip
@@ -133,6 +136,7 @@ SPLIT = {
     "tensor2-sp": {"q_proj.lora_B": 0, "o_proj.lora_A": 1, "down_proj.lora_A": 1},
     "fsdp2": {"q_proj.lora_A": 0, "q_proj.lora_B": 0, "o_proj.lora_B": 0},
     "pipeline2xtensor2": {"q_proj.lora_B": 0, "o_proj.lora_A": 1},
+    "context2xtensor2": {"q_proj.lora_B": 0, "o_proj.lora_A": 1},
 }
 
 
@@ -151,10 +155,10 @@ def _check(name: str, got: dict, want: dict) -> None:
 @pytest.mark.parametrize(
     ("world", "names"),
     [
-        (2, ["data2", "fsdp2", "zero3"]),
+        (2, ["data2", "fsdp2", "zero3", "context2"]),
         (2, ["tensor2", "tensor2-sp", "pipeline2"]),
         (4, ["pipeline2xtensor2", "data2xtensor2-fsdp2", "data2xtensor2-sp-zero3",
-             "data2xpipeline2-zero1"]),
+             "context2xtensor2", "data2xpipeline2-zero1"]),
     ],
     ids=["dp-fsdp2-zero", "tp-pp", "4-ranks"],
 )  # fmt: skip

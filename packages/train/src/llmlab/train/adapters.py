@@ -18,7 +18,8 @@ Layouts: Lightning's single-process and DDP strategies run the model as it is; l
 strategy (and its ``tensor``, ``tensor_sp``, ``pipeline`` presets) carries the adapters through
 ``parallelize_model`` -- sharded with their base under tensor parallelism
 (:mod:`llmlab.parallel.tensor.sharding`), on the stage that owns the layer under a pipeline,
-sharded with the frozen base by FSDP2 -- and the optimizer, the gradient reduction and the
+sharded with the frozen base by FSDP2, untouched by context parallelism (attention's ring) --
+and the optimizer, the gradient reduction and the
 whole-model norm see only the adapters (``ParallelModel.params`` holds what trains). Each was
 checked to train like one process (tests/integration/test_lora_layouts.py);
 :func:`strategy_problem` refuses the rest before any process starts.
@@ -78,8 +79,9 @@ LAYOUT_STRATEGIES = (
 )
 WORKS = (
     "adapters run under one process, Lightning's DDP, or llmlab's N-D strategy (strategy=nd, "
-    "tensor, tensor_sp, pipeline) with data, tensor (+ sequence parallel) and pipeline ranks, "
-    "ZeRO (zero_impl=llmlab, or fsdp2 without a pipeline) and consolidated checkpoints"
+    "tensor, tensor_sp, pipeline) with data, pipeline, context and tensor (+ sequence "
+    "parallel) ranks, ZeRO (zero_impl=llmlab, or fsdp2 without a pipeline) and consolidated "
+    "checkpoints"
 )
 
 
@@ -97,9 +99,8 @@ def strategy_problem(
         return f"task.lora with strategy {which}: {WORKS}"
     config = lora_config(lora) if lora is not None else None
     refused = []
-    for key in ("context", "expert"):
-        if (strategy.get(key) or 1) > 1:
-            refused.append(f"strategy.{key}={strategy[key]}")
+    if (strategy.get("expert") or 1) > 1:  # LoRA wraps linear layers, not stacked experts
+        refused.append(f"strategy.expert={strategy['expert']}")
     if strategy.get("sharded_checkpoints"):
         refused.append("strategy.sharded_checkpoints=true (its folder would hold the frozen base)")
     if config is not None and config.quantize is not None:
