@@ -72,6 +72,23 @@ def test_grouped_path_equals_the_per_expert_loop_forward_and_every_gradient(name
         assert torch.equal(getattr(grouped.stats, field), getattr(loop.stats, field))
 
 
+def test_grouped_path_under_cpu_autocast_runs_in_the_residual_dtype():
+    """bf16-mixed training on CPU: the combine (an autograd function) keeps the residual's dtype
+    under autocast and its backward runs. Close to the loop, not equal: autocast runs the
+    loop's per-expert matmuls in bf16, and ``grouped_mm`` is not on autocast's list."""
+    grouped, loop = _pair(BASE)
+    x = torch.randn(3, 11, 32, generator=torch.Generator().manual_seed(1))
+    xg, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yg, yl = grouped(xg), loop(xl)
+    assert yg.dtype == yl.dtype == torch.float32
+    torch.testing.assert_close(yg, yl, atol=1e-3, rtol=2e-2)
+    yg.sum().backward()
+    yl.sum().backward()
+    assert xg.grad.dtype == torch.float32
+    torch.testing.assert_close(xg.grad, xl.grad, atol=1e-3, rtol=2e-2)
+
+
 def test_segment_fallback_equals_grouped_mm():
     """The fallback for rows grouped_mm cannot take (and torches without it) computes the same."""
     torch.manual_seed(0)

@@ -404,15 +404,18 @@ class _CombineRows(torch.autograd.Function):
         slots = y.new_empty(N * k, C) if order.numel() == N * k else y.new_zeros(N * k, C)
         slots.index_copy_(0, order, y)
         slots = slots.view(N, k, C)
+        weights = weights.to(y.dtype)
         if ctx is not None:
             ctx.save_for_backward(weights, slots, order)
-        return torch.bmm(weights.unsqueeze(1), slots).squeeze(1)
+        # in y's dtype, as the elementwise weighting it replaces: autocast would make it bf16
+        with torch.autocast(y.device.type, enabled=False):
+            return torch.bmm(weights.unsqueeze(1), slots).squeeze(1)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
         weights, slots, order = ctx.saved_tensors
         k = slots.shape[1]
-        grad = grad.contiguous()
+        grad = grad.to(slots.dtype).contiguous()
         grad_y = grad.index_select(0, order // k)  # each row: its token's gradient ...
         grad_y.mul_(weights.reshape(-1)[order].unsqueeze(-1))  # ... times its weight
         grad_weights = torch.bmm(slots, grad.unsqueeze(-1)).squeeze(-1)  # dropped slots: 0
