@@ -120,6 +120,34 @@ def test_eos_and_pad_ids_lie_in_the_vocabulary(arch, tmp_path, caplog):
             assert set(row[row.index(256) :]) == {256}
 
 
+def test_a_chat_tokenizer_leaves_with_its_own_special_tokens(tmp_path):
+    """A run on the chat example's tokenizer (its ``tokenizer_config.json``: eos ``<|im_end|>``,
+    pad ``<|endoftext|>``, a ChatML template): the export carries the template and those roles,
+    and the ids in ``config.json`` / ``generation_config.json`` follow them, so the exported
+    chat model stops at the end of its turn (the export alone guessed eos = ``<|endoftext|>``
+    from its spelling)."""
+    from llmlab.train.chat import EXAMPLE_DIR
+
+    chat = {"_target_": "llmlab.tokenizer.load", "path": str(EXAMPLE_DIR / "tokenizer.json")}
+    _, ckpt = _trained({**LLAMA, "vocab_size": 384}, tmp_path, "last.ckpt", tokenizer=chat)
+    out = export(ckpt, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"]) == (2, 0)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["eos_token_id"], gen["pad_token_id"]) == (2, 0)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    example = transformers.AutoTokenizer.from_pretrained(EXAMPLE_DIR)
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token, tok.pad_token_id) == (
+        "<|im_end|>", 2, "<|endoftext|>", 0,
+    )  # fmt: skip
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    assert tok.apply_chat_template(messages, tokenize=False) == example.apply_chat_template(
+        messages, tokenize=False
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert hf.generation_config.eos_token_id == 2
+
+
 def test_out_dir_must_be_a_new_or_empty_folder(tmp_path, capsys):
     """An existing file or a folder holding files is refused in one line, before the checkpoint
     is read (the checkpoint here does not even exist); ``--overwrite`` allows the folder."""

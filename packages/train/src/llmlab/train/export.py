@@ -137,7 +137,13 @@ def carry_chat_template(ckpt: Path, out_dir: Path) -> None:
     """The chat template of the folder the run's tokenizer came from (``chat_template.jinja``,
     or ``tokenizer_config.json``'s ``chat_template``) into the export's
     ``tokenizer_config.json``: a chat model trained with ``data=chat`` leaves with the template
-    it was trained on (``AutoTokenizer.apply_chat_template``, a DPO run from the export)."""
+    it was trained on (``AutoTokenizer.apply_chat_template``, a DPO run from the export).
+
+    The special tokens that folder's ``tokenizer_config.json`` names (``eos_token``,
+    ``bos_token``, ``pad_token``, ``unk_token``) come along too, and the ids of ``config.json``
+    and ``generation_config.json`` follow them: a chat model whose turns end with
+    ``<|im_end|>`` must stop there, where the export alone would guess ``<|endoftext|>`` from
+    the token's spelling and decode past the end of its answer."""
     import torch
 
     if ckpt.is_dir():  # sharded: Lightning's state is the checkpoint's "extra"
@@ -153,18 +159,64 @@ def carry_chat_template(ckpt: Path, out_dir: Path) -> None:
     if not path or not target.is_file():
         return
     folder = Path(path) if Path(path).is_dir() else Path(path).parent
-    source = None
+    source_config: dict[str, Any] = {}
+    if (folder / "tokenizer_config.json").is_file():
+        source_config = json.loads((folder / "tokenizer_config.json").read_text("utf-8"))
+    source = source_config.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    elif (folder / "tokenizer_config.json").is_file():
-        source = json.loads((folder / "tokenizer_config.json").read_text("utf-8")).get(
-            "chat_template"
-        )
-    if source is None:
-        return
     config = json.loads(target.read_text("utf-8"))
-    config["chat_template"] = source
+    roles = carried_special_tokens(source_config, out_dir / "tokenizer.json")
+    if source is None and not roles:
+        return
+    if source is not None:
+        config["chat_template"] = source
+    config.update(roles)
     target.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
+    ids = {
+        f"{role}_id": _token_id(out_dir / "tokenizer.json", token) for role, token in roles.items()
+    }
+    for name in ("config.json", "generation_config.json"):
+        file = out_dir / name
+        if file.is_file() and ids:
+            fields = json.loads(file.read_text("utf-8"))
+            fields.update({k: v for k, v in ids.items() if k in SPECIAL_ID_FIELDS})
+            file.write_text(json.dumps(fields, indent=2) + "\n", "utf-8")
+
+
+SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+SPECIAL_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def carried_special_tokens(source_config: dict[str, Any], tokenizer_json: Path) -> dict[str, str]:
+    """``{role: token}`` of the special tokens a source ``tokenizer_config.json`` names (a
+    string or ``{"content": ...}``) that the exported ``tokenizer.json`` holds."""
+    roles = {}
+    for role in SPECIAL_ROLES:
+        value = source_config.get(role)
+        token = value.get("content") if isinstance(value, dict) else value
+        if isinstance(token, str) and _token_id(tokenizer_json, token) is not None:
+            roles[role] = token
+    return roles
+
+
+def _token_id(tokenizer_json: Path, token: str) -> int | None:
+    """The id of ``token`` in an HF ``tokenizer.json`` (its added tokens, then its model's
+    vocabulary), or ``None``."""
+    if not tokenizer_json.is_file():
+        return None
+    data = json.loads(tokenizer_json.read_text("utf-8"))
+    for added in data.get("added_tokens") or []:
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    if isinstance(vocab, list):  # Unigram: [piece, score] in id order
+        for i, entry in enumerate(vocab):
+            if entry and entry[0] == token:
+                return i
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
