@@ -203,3 +203,41 @@ def test_adapters_only_checkpoint_resumes_in_another_layout(folder, tmp_path):
     model, _ = load_checkpoint(str(tmp_path / "tensor2.ckpt"))
     for key, value in lora_state_dict(model).items():
         torch.testing.assert_close(value, one["state_dict"][f"model.{key}"], atol=1e-5, rtol=0)
+
+
+GPT_LORA = {"r": 4, "alpha": 8, "init_lora_weights": False, "target_modules": "all-linear"}
+GPT_LAYOUTS = {"pipeline2": {"pipeline": 2, "microbatches": 2}, "tensor2-sp": {"tensor": 2,
+               "sequence_parallel": True}}  # fmt: skip
+
+
+def _gpt_fit(layout: dict | None, world: int, save: str | None = None) -> dict:
+    from llmlab.parallel.strategy import NDParallelStrategy
+    from tests.helpers.tiny import tiny_gpt_config
+    from tests.helpers.training import fit
+
+    strategy = "auto" if layout is None else NDParallelStrategy(**layout, timeline_every_n_steps=0)
+    model = tiny_gpt_config(n_head=4, dropout=0.0)
+    out = fit(strategy, world, model, steps=3, clip=CLIP, task_kwargs={"lora": GPT_LORA})
+    if save:
+        out["trainer"].save_checkpoint(save)
+    return {k: out[k] for k in ("losses", "norms", "master_norm")}
+
+
+def _gpt_layouts(rank: int, world: int, root: str) -> dict:
+    return {name: _gpt_fit(layout, world, f"{root}/{name}.ckpt") for name, layout in
+            GPT_LAYOUTS.items()}  # fmt: skip
+
+
+def test_lora_on_a_tied_gpt_from_scratch(tmp_path):
+    """The GPT ties its embedding to its LM head (frozen: the tie is summed over the stages only
+    when it trains) and fuses q, k, v in one column-parallel layer; from a random base there is
+    no folder, so the checkpoint holds the whole model, gathered like any other."""
+    want = _gpt_fit(None, 1)
+    got = run_distributed(_gpt_layouts, 2, str(tmp_path))[0]
+    for name in GPT_LAYOUTS:
+        close(got[name]["losses"], want["losses"], f"gpt {name} loss")
+        close(got[name]["norms"], want["norms"], f"gpt {name} train/grad_norm")
+        close([got[name]["master_norm"]], [want["master_norm"]], f"gpt {name} master norm")
+        state = torch.load(tmp_path / f"{name}.ckpt", weights_only=False)["state_dict"]
+        assert state["model.blocks.0.attn.qkv.base_layer.weight"].shape == (96, 32), name
+        assert state["model.blocks.1.attn.qkv.lora_B.weight"].shape == (96, 4), name

@@ -204,7 +204,8 @@ def parallelize_model(
             result.applied["shared_recompute"] = True
         pipelines = [dims.pipeline_ranks(c) for c in map(dims.coords, range(dims.world_size))
                      if c.pipeline == 0]  # fmt: skip
-        result.tied = build_tie_groups(result.stage, pipelines)
+        tied = build_tie_groups(result.stage, pipelines)  # a frozen tie (LoRA) has no gradient
+        result.tied = [(p, group) for p, group in tied if p.requires_grad]
         result.duplicates = list(result.stage.duplicate_copies)
         prune_to_stage(model, result.stage.chunks)
         result.applied["pipeline_stage"] = (pp, result.stage.local_layers)
