@@ -17,9 +17,9 @@ mis-reduced ``A`` half (the replicated one of each sharded pair) shows at once; 
 makes every step's update depend on the global norm.
 
 The checkpoint holds the adapters alone (the base is the folder), consolidated by name: saved
-under tensor = 2 it resumes under data = 2 and in one process (the N-D strategy on one rank: its
-optimizer state is by name), and Lightning's one-process checkpoint (by position) resumes under
-tensor = 2, each continuing the uninterrupted single-process curve within 1e-5.
+under tensor = 2 it resumes under data = 2, under FSDP2 and in one process (the N-D strategy on
+one rank: its optimizer state is by name), and Lightning's one-process checkpoint (by position)
+resumes under tensor = 2, each continuing the uninterrupted single-process curve within 1e-5.
 """
 
 from __future__ import annotations
@@ -174,8 +174,10 @@ def _resume(rank: int, world: int, path: str, root: str) -> dict:
     tp_ckpt = f"{root}/tensor2.ckpt"
     tensor = _fit(path, LAYOUTS["tensor2"], world, callbacks=[save_at_step(HALF, tp_ckpt)])
     data = _fit(path, LAYOUTS["data2"], world, ckpt_path=tp_ckpt)
+    fsdp2 = _fit(path, LAYOUTS["fsdp2"], world, ckpt_path=tp_ckpt)
     from_one = _fit(path, LAYOUTS["tensor2"], world, ckpt_path=f"{root}/one.ckpt")
-    return {"tensor2": tensor, "data2<-tensor2": data, "tensor2<-one": from_one}
+    return {"tensor2": tensor, "data2<-tensor2": data, "fsdp2<-tensor2": fsdp2,
+            "tensor2<-one": from_one}  # fmt: skip
 
 
 def _resume_alone(rank: int, world: int, path: str, ckpt: str) -> dict:
@@ -191,7 +193,7 @@ def test_adapters_only_checkpoint_resumes_in_another_layout(folder, tmp_path):
     tp_ckpt = str(tmp_path / "tensor2.ckpt")  # and in one process of the N-D strategy
     got["one<-tensor2"] = run_distributed(_resume_alone, 1, str(folder), tp_ckpt)[0]
     _check("tensor2", got["tensor2"], want)
-    for name in ("data2<-tensor2", "tensor2<-one", "one<-tensor2"):
+    for name in ("data2<-tensor2", "fsdp2<-tensor2", "tensor2<-one", "one<-tensor2"):
         close(got[name]["losses"], want["losses"][HALF:], f"{name} resumed loss")
         close(got[name]["norms"], want["norms"][HALF:], f"{name} resumed train/grad_norm")
 
