@@ -218,7 +218,7 @@ def measure(case: Case, repeats: int, device: str = "cpu", dtype: torch.dtype = 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), argv)
-    cases, repeats = (SMOKE, 1) if args.smoke else (CASES, 5)
+    cases, repeats = (SMOKE, 1) if args.smoke else (CASES, 9)
     torch.set_num_threads(1)  # shared CPUs (module docstring)
     rows = [r for case in cases for r in measure(case, repeats)]
     notes = (
