@@ -19,7 +19,8 @@ makes every step's update depend on the global norm.
 The checkpoint holds the adapters alone (the base is the folder), consolidated by name: saved
 under tensor = 2 it resumes under data = 2, under FSDP2 and in one process (the N-D strategy on
 one rank: its optimizer state is by name), and Lightning's one-process checkpoint (by position)
-resumes under tensor = 2, each continuing the uninterrupted single-process curve within 1e-5.
+resumes under tensor = 2, as does pipeline = 2's sharded folder (the adapters' shards), each
+continuing the uninterrupted single-process curve within 1e-5.
 """
 
 from __future__ import annotations
@@ -176,8 +177,14 @@ def _resume(rank: int, world: int, path: str, root: str) -> dict:
     data = _fit(path, LAYOUTS["data2"], world, ckpt_path=tp_ckpt)
     fsdp2 = _fit(path, LAYOUTS["fsdp2"], world, ckpt_path=tp_ckpt)
     from_one = _fit(path, LAYOUTS["tensor2"], world, ckpt_path=f"{root}/one.ckpt")
+    # sharded (a DCP folder of the adapters): written by pipeline stages, read by tensor ranks
+    folder = f"{root}/pipeline2-sharded.ckpt"
+    nd = ["strategy=nd", "strategy.sharded_checkpoints=true", "strategy.timeline_every_n_steps=0"]
+    stages = [*nd, "strategy.pipeline=2", "strategy.microbatches=2"]
+    _fit(path, stages, world, callbacks=[save_at_step(HALF, folder)])
+    from_shards = _fit(path, [*nd, "strategy.tensor=2"], world, ckpt_path=folder)
     return {"tensor2": tensor, "data2<-tensor2": data, "fsdp2<-tensor2": fsdp2,
-            "tensor2<-one": from_one}  # fmt: skip
+            "tensor2<-one": from_one, "tensor2<-pipeline2-sharded": from_shards}  # fmt: skip
 
 
 def _resume_alone(rank: int, world: int, path: str, ckpt: str) -> dict:
@@ -193,15 +200,26 @@ def test_adapters_only_checkpoint_resumes_in_another_layout(folder, tmp_path):
     tp_ckpt = str(tmp_path / "tensor2.ckpt")  # and in one process of the N-D strategy
     got["one<-tensor2"] = run_distributed(_resume_alone, 1, str(folder), tp_ckpt)[0]
     _check("tensor2", got["tensor2"], want)
-    for name in ("data2<-tensor2", "fsdp2<-tensor2", "tensor2<-one", "one<-tensor2"):
+    resumed = ["data2<-tensor2", "fsdp2<-tensor2", "tensor2<-one", "one<-tensor2",
+               "tensor2<-pipeline2-sharded"]  # fmt: skip
+    for name in resumed:
         close(got[name]["losses"], want["losses"][HALF:], f"{name} resumed loss")
         close(got[name]["norms"], want["norms"][HALF:], f"{name} resumed train/grad_norm")
 
-    # Both checkpoints: the adapters alone, at full shape, by the unsplit model's names; the
-    # tensor-parallel one loads into a plain model with the one-process run's adapters.
+    # Every checkpoint: the adapters alone, at full shape, by the unsplit model's names (the
+    # sharded folder too); the tensor-parallel one loads into a plain model with the
+    # one-process run's adapters.
     one, tp = (torch.load(tmp_path / f, weights_only=False) for f in ("one.ckpt", "tensor2.ckpt"))
     assert sorted(tp["state_dict"]) == sorted(one["state_dict"])
     assert all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in tp["state_dict"])
+    from llmlab.parallel.checkpoint.files import metadata
+
+    saved = [
+        k
+        for k in metadata(tmp_path / "pipeline2-sharded.ckpt").state_dict_metadata
+        if k.startswith("model.")
+    ]  # fmt: skip  (the DCP folder: its model keys)
+    assert sorted(saved) == sorted(tp["state_dict"])
     model, _ = load_checkpoint(str(tmp_path / "tensor2.ckpt"))
     for key, value in lora_state_dict(model).items():
         torch.testing.assert_close(value, one["state_dict"][f"model.{key}"], atol=1e-5, rtol=0)

@@ -113,8 +113,8 @@ def test_from_a_random_base_the_checkpoint_holds_the_whole_model(tmp_path):
             "adapters run under one process, Lightning's DDP, or llmlab's N-D strategy",
         ),
         (
-            ["strategy=nd", "strategy.sharded_checkpoints=true", "trainer.devices=2"],
-            r"task.lora with strategy.sharded_checkpoints=true \(its folder would hold the frozen",
+            ["strategy=tensor", "trainer.devices=2", "+task.lora.quantize=int8"],
+            r"task.lora with lora.quantize=int8 \(a quantized base is not sharded\)",
         ),
         (
             ["strategy=tensor", "trainer.devices=2", "+task.lora.dropout=0.1"],

@@ -9,10 +9,10 @@ optimizer then sees only the adapters (the only parameters that require gradient
 Checkpoints hold only what training changes: with ``model.init_from`` the adapters alone (the
 base is the folder, read again on resume, by ``make sample`` and by ``make export``: the task's
 ``state_dict()`` itself drops the base, :func:`adapters_only_state`); from a random base (no
-folder to read it back from) the whole model. The adapters-only checkpoint is
-consolidated by name like any N-D checkpoint (full ``lora_A`` / ``lora_B`` tensors), so it resumes
-in another layout and loads into one process; resuming it, the base is not asked for (the task
-checks every adapter is there and loads non-strictly).
+folder to read it back from) the whole model. The adapters-only checkpoint is consolidated by
+name like any N-D checkpoint (full ``lora_A`` / ``lora_B`` tensors; sharded: a folder of their
+shards), so it resumes in another layout and loads into one process; resuming it, the base is
+not asked for (the task checks every adapter is there and loads non-strictly).
 
 Layouts: Lightning's single-process and DDP strategies run the model as it is; llmlab's N-D
 strategy (and its ``tensor``, ``tensor_sp``, ``pipeline`` presets) carries the adapters through
@@ -80,8 +80,7 @@ LAYOUT_STRATEGIES = (
 WORKS = (
     "adapters run under one process, Lightning's DDP, or llmlab's N-D strategy (strategy=nd, "
     "tensor, tensor_sp, pipeline) with data, pipeline, context and tensor (+ sequence "
-    "parallel) ranks, ZeRO (zero_impl=llmlab, or fsdp2 without a pipeline) and consolidated "
-    "checkpoints"
+    "parallel) ranks and ZeRO (zero_impl=llmlab, or fsdp2 without a pipeline)"
 )
 
 
@@ -101,8 +100,6 @@ def strategy_problem(
     refused = []
     if (strategy.get("expert") or 1) > 1:  # LoRA wraps linear layers, not stacked experts
         refused.append(f"strategy.expert={strategy['expert']}")
-    if strategy.get("sharded_checkpoints"):
-        refused.append("strategy.sharded_checkpoints=true (its folder would hold the frozen base)")
     if config is not None and config.quantize is not None:
         refused.append(f"lora.quantize={config.quantize} (a quantized base is not sharded)")
     tensor = strategy.get("tensor") or 1
@@ -169,8 +166,8 @@ def adapters_only(state: Mapping[str, Tensor], model: nn.Module, prefix: str = "
     checkpoint with any other tensor of the model (a random base's) is not. Raises ``KeyError``
     when an adapter ``model`` holds is missing: the strict check, kept for the adapters."""
     ours = {k for k in state if k.startswith(prefix)}
-    if any(not k.endswith(ADAPTER_SUFFIXES) for k in ours):
-        return False  # a whole-model checkpoint (a random base)
+    if not ours or any(not k.endswith(ADAPTER_SUFFIXES) for k in ours):
+        return False  # a sharded checkpoint (its folder is read by name), or a whole model's
     missing = sorted({prefix + k for k in lora_state_dict(model)} - ours)
     if missing:
         raise KeyError(f"the checkpoint lacks LoRA tensors {missing[:3]} ({len(missing)} in all)")

@@ -293,6 +293,9 @@ class LayoutCheckpointer:
         coords, dims = self.groups.coords, self.groups.dims
         # context ranks hold equal weights: with the data replicas they share the writing
         coords = coords._replace(data=coords.data * dims.context + coords.context)
+        prefix = f"{self.model_attribute}."  # the model's tensors the module's state keeps
+        names = [k[len(prefix) :] for k in self.module.state_dict(keep_vars=True)
+                 if k.startswith(prefix)]  # fmt: skip
         return LayoutState(
             getattr(self.module, self.model_attribute),
             coords,
@@ -302,4 +305,5 @@ class LayoutCheckpointer:
             zero=self.zero,
             masters=masters,
             layout=self.layout,
+            names=names,
         )

@@ -99,6 +99,8 @@ class LayoutState:
         masters: ``id(model parameter) -> fp32 master`` of a precision plugin (no ZeRO).
         layout: recorded in the checkpoint's meta, for people reading it.
         group: every rank that holds a part of the model (default: the world).
+        names: the model's state-dict names written and read (default: every one); a LoRA run
+            on a folder's model keeps its adapters alone (what its module's state holds).
     """
 
     def __init__(
@@ -112,8 +114,10 @@ class LayoutState:
         masters: Mapping[int, Tensor] | None = None,
         layout: Mapping[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
+        names: Iterable[str] | None = None,
     ) -> None:
         self.model = model
+        self.names = None if names is None else set(names)
         self.data_rank, self.tensor_rank = coords.data, coords.tensor
         self.tensor_size = tensor_size
         self.data_size = data_size
@@ -135,7 +139,7 @@ class LayoutState:
         aliases: dict[str, str] = {}
         spread = _Spread(self.data_rank, self.tensor_rank)
         for name, t in self.model.state_dict(keep_vars=True).items():
-            if t.is_meta:
+            if t.is_meta or (self.names is not None and name not in self.names):
                 continue
             if id(t) in seen:
                 aliases[name] = seen[id(t)]
