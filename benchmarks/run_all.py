@@ -41,7 +41,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 NOT_BENCHMARKS = {"__init__", "common", "run_all", "speculative", "zero_workload"}
 # benchmarks at the sizes users run (a 1B model decoding at a few tokens/s) need more than the
 # default per-benchmark timeout: seconds each may take
-LONG_RUNNING = {"decode": 2400}
+LONG_RUNNING = {"decode": 2400, "finetune": 1800}
 
 
 @dataclass

@@ -82,7 +82,7 @@ def test_smoke_runs_leave_the_committed_results_alone(smoke_runs: dict) -> None:
 # ---------------------------------------------------------------- fair rows (issue 41)
 # Benchmarks whose every row records how it was timed (benchmarks.common.fair / untimed): both
 # sides cold or both warm, the same number of timed and warm-up runs, the engines compared.
-FAIR_BENCHMARKS = ("tokenizer", "data", "serving", "moe")
+FAIR_BENCHMARKS = ("tokenizer", "data", "serving", "moe", "finetune")
 
 
 @pytest.mark.parametrize("name", FAIR_BENCHMARKS)
