@@ -3,10 +3,14 @@
 The oracle is a ``PreTrainedTokenizerFast`` built offline around a tiny ``tokenizers`` model
 with the same template and special tokens; templates cover ChatML (Qwen's shape), a Llama-2
 style one that checks role alternation with ``raise_exception`` and uses ``bos_token`` /
-``eos_token``, and one using ``tojson``, ``loop.last`` and ``{% break %}``.
+``eos_token``, one using ``tojson``, ``loop.last`` and ``{% break %}``, and the chat example's,
+whose ``{% generation %}`` blocks mark the assistant's tokens.
 """
 
 from __future__ import annotations
+
+import json
+from importlib.resources import files
 
 import pytest
 from tokenizers import Tokenizer, models
@@ -31,6 +35,10 @@ TOJSON = (
     "{% for m in messages %}{{ m | tojson }}{% if loop.last %}{% break %}{% endif %}\n"
     "{% endfor %}{% if add_generation_prompt %}\n>>>{% endif %}"
 )
+# the chat example's template (llmlab.train's examples/chat): transformers' {% generation %}
+# marks the assistant's tokens for training masks; a prompt renders its body as it is
+GENERATION = (json.loads((files("llmlab.train") / "examples" / "chat" / "tokenizer_config.json")
+                         .read_text())["chat_template"])  # fmt: skip
 MESSAGES = [
     {"role": "user", "content": "Hello <b>there</b> — é 🙂"},
     {"role": "assistant", "content": " Hi! "},
@@ -44,8 +52,8 @@ def hf_tokenizer(template: str) -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", chat_template=template)  # fmt: skip
 
 
-@pytest.mark.parametrize("template", [CHATML, LLAMA2, TOJSON, PLAIN_TEMPLATE],
-                         ids=["chatml", "llama2", "tojson", "plain"])  # fmt: skip
+@pytest.mark.parametrize("template", [CHATML, LLAMA2, TOJSON, PLAIN_TEMPLATE, GENERATION],
+                         ids=["chatml", "llama2", "tojson", "plain", "generation"])  # fmt: skip
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_renders_as_transformers_does(template, generation_prompt):
     ours = ChatTemplate(template, bos_token="<s>", eos_token="</s>")

@@ -24,6 +24,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 PLAIN_TEMPLATE = (
@@ -47,10 +48,25 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)  # fmt: skip
 
 
+class GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' marker of the assistant's
+    tokens (for training masks, ``return_assistant_tokens_mask``); rendering a prompt, its body
+    is rendered as it is, as ``apply_chat_template`` renders it without the mask."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, GenerationTag],
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
