@@ -87,13 +87,16 @@ def load_pretrained(
     rss_before, start, read_before = _peak_rss(), time.perf_counter(), weights.bytes_read
     names: list[str] = []
     kept = 0
-    bases = [f"{n}.base_layer." for n, m in model.named_modules() if isinstance(m, LowRankAdapted)]
+    bases = {id(t) for m in model.modules() if isinstance(m, LowRankAdapted)
+             for t in m.base_layer.state_dict(keep_vars=True).values()}  # fmt: skip
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in keep or not tensor.is_meta:
             continue  # another stage's placeholder, or filled under another (tied) name
         dim = getattr(tensor, SHARD_DIM_ATTR, None)
         part = (dim, tensor_rank, tensor_size) if dim is not None and tensor_size > 1 else None
-        name = _source_name(name, bases)
+        if id(tensor) in bases:  # ``<layer>.base_layer.<tensor>`` is ``<layer>.<tensor>``
+            head, _, tail = name.rpartition(".base_layer.")
+            name = f"{head}.{tail}"
         value = weights.read(name, part)
         if tuple(value.shape) != tuple(tensor.shape):
             raise ValueError(
@@ -117,14 +120,6 @@ def load_pretrained(
         cuda_peak_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
         seconds=time.perf_counter() - start,
     )
-
-
-def _source_name(name: str, bases: Sequence[str]) -> str:
-    """The files' name of a model tensor: a LoRA base's under its layer's name."""
-    for prefix in bases:
-        if name.startswith(prefix):
-            return prefix[: -len("base_layer.")] + name[len(prefix) :]
-    return name
 
 
 def fill(placeholder: Tensor, value: Tensor) -> None:
