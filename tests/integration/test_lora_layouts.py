@@ -2,7 +2,8 @@
 with sequence parallelism, with activation checkpointing), pipeline = 2, context = 2, FSDP2 and
 llmlab's ZeRO-3 over data = 2, and on four ranks pairs of dimensions (pipeline × tensor,
 context × tensor, data × tensor with FSDP2 and with ZeRO-3 + sequence parallelism, data ×
-pipeline with ZeRO-1). Each starts from the same ``model.init_from`` folder (a tiny byte-level
+pipeline with ZeRO-1; ``slow``: eight ranks, data × pipeline × tensor and data × context ×
+tensor + SP). Each starts from the same ``model.init_from`` folder (a tiny byte-level
 Llama: GQA, gated MLP, untied head) with adapters on every linear layer, is built through the
 app's own config (``compose_config`` → ``validate_config`` → ``build_strategy`` /
 ``build_precision``) and trains in a real ``Trainer`` (``tests.helpers.training.fit``).
@@ -58,6 +59,12 @@ LAYOUTS: dict[str, list[str]] = {
     "data2xtensor2-sp-zero3": ["strategy=nd", "strategy.tensor=2", "strategy.zero=3",
                                "strategy.sequence_parallel=true"],
     "context2xtensor2": ["strategy=nd", "strategy.context=2", "strategy.tensor=2"],
+    # eight ranks (slow): data × pipeline × tensor, data × context × tensor + SP
+    "data2xpipeline2xtensor2": ["strategy=nd", "strategy.data=2", "strategy.pipeline=2",
+                                "strategy.tensor=2", "strategy.microbatches=2",
+                                "strategy.timeline_every_n_steps=0"],
+    "data2xcontext2xtensor2-sp": ["strategy=nd", "strategy.data=2", "strategy.context=2",
+                                  "strategy.tensor=2", "strategy.sequence_parallel=true"],
     "data2xpipeline2-zero1": ["strategy=nd", "strategy.pipeline=2", "strategy.zero=1",
                               "strategy.microbatches=2", "strategy.timeline_every_n_steps=0"],
 }  # fmt: skip
@@ -147,6 +154,7 @@ SPLIT = {
     "fsdp2": {"q_proj.lora_A": 0, "q_proj.lora_B": 0, "o_proj.lora_B": 0},
     "pipeline2xtensor2": {"q_proj.lora_B": 0, "o_proj.lora_A": 1},
     "context2xtensor2": {"q_proj.lora_B": 0, "o_proj.lora_A": 1},
+    "data2xpipeline2xtensor2": {"q_proj.lora_B": 0, "o_proj.lora_A": 1},
 }
 
 
@@ -169,8 +177,10 @@ def _check(name: str, got: dict, want: dict) -> None:
         (2, ["tensor2", "tensor2-sp", "tensor2-ac", "pipeline2"]),
         (4, ["pipeline2xtensor2", "data2xtensor2-fsdp2", "data2xtensor2-sp-zero3",
              "context2xtensor2", "data2xpipeline2-zero1"]),
+        pytest.param(8, ["data2xpipeline2xtensor2", "data2xcontext2xtensor2-sp"],
+                     marks=pytest.mark.slow),
     ],
-    ids=["dp-fsdp2-zero", "tp-pp", "4-ranks"],
+    ids=["dp-fsdp2-zero", "tp-pp", "4-ranks", "8-ranks"],
 )  # fmt: skip
 def test_lora_trains_like_one_process(folder, world, names):
     want = _reference(str(folder))
