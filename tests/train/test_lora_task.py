@@ -114,7 +114,7 @@ def test_from_a_random_base_the_checkpoint_holds_the_whole_model(tmp_path):
         ),
         (
             ["strategy=tensor", "trainer.devices=2", "+task.lora.quantize=int8"],
-            r"task.lora with lora.quantize=int8 \(a quantized base is not sharded\)",
+            r"task.lora with lora.quantize=int8 \(QLoRA quantizes the whole base in one",
         ),
         (
             ["strategy=tensor", "trainer.devices=2", "+task.lora.dropout=0.1"],

@@ -2,9 +2,11 @@
 e.g. ``make train EXP=llama_finetune ARGS='model.init_from=DIR +task.lora={r: 8, alpha: 16}'``
 (a key of ``CausalLMTask`` only, hence the ``+``: other tasks take no adapters).
 
-The task applies the adapters once the model holds its weights (``CausalLMTask.configure_model``,
-after ``model.init_from`` is read), so the base's names stay those the folder is read by; the
-optimizer then sees only the adapters (the only parameters that require gradients).
+The task applies the adapters in ``CausalLMTask.configure_model``: after ``model.init_from`` is
+read in one process or DDP; under llmlab's N-D strategy before it (the base is still ``meta``
+there, its ranks' parts read by ``parallelize_model``, the base under its layer's name), the
+adapters drawn on the CPU from the run's seed either way, so every layout starts from the same
+ones. The optimizer then sees only the adapters (the only parameters that require gradients).
 
 Checkpoints hold only what training changes: with ``model.init_from`` the adapters alone (the
 base is the folder, read again on resume, by ``make sample`` and by ``make export``: the task's
@@ -16,13 +18,13 @@ not asked for (the task checks every adapter is there and loads non-strictly).
 
 Layouts: Lightning's single-process and DDP strategies run the model as it is; llmlab's N-D
 strategy (and its ``tensor``, ``tensor_sp``, ``pipeline`` presets) carries the adapters through
-``parallelize_model`` -- sharded with their base under tensor parallelism
+``parallelize_model``: sharded with their base under tensor parallelism
 (:mod:`llmlab.parallel.tensor.sharding`), on the stage that owns the layer under a pipeline,
-sharded with the frozen base by FSDP2, untouched by context parallelism (attention's ring) --
-and the optimizer, the gradient reduction and the
-whole-model norm see only the adapters (``ParallelModel.params`` holds what trains). Each was
-checked to train like one process (tests/integration/test_lora_layouts.py);
-:func:`strategy_problem` refuses the rest before any process starts.
+sharded by ZeRO (FSDP2: with the frozen base), untouched by context parallelism; the optimizer,
+the gradient reduction and the whole-model norm see only the adapters (``ParallelModel.params``
+holds what trains). Each was checked to train like one process
+(tests/integration/test_lora_layouts.py); :func:`strategy_problem` refuses the rest (expert
+ranks, QLoRA, adapter dropout with tensor ranks, other strategies) before any process starts.
 
 QLoRA is ``+task.lora={r: 8, alpha: 16, quantize: int4}`` (``int8``, ``int4``, ``int4:g64``,
 ``int4:g128``, ``bf16``): the loaded base is quantized first (every linear layer and embedding,
@@ -101,10 +103,16 @@ def strategy_problem(
     if (strategy.get("expert") or 1) > 1:  # LoRA wraps linear layers, not stacked experts
         refused.append(f"strategy.expert={strategy['expert']}")
     if config is not None and config.quantize is not None:
-        refused.append(f"lora.quantize={config.quantize} (a quantized base is not sharded)")
+        refused.append(
+            f"lora.quantize={config.quantize} (QLoRA quantizes the whole base in one process; "
+            "the N-D strategy reads a float base rank by rank)"
+        )
     tensor = strategy.get("tensor") or 1
     if config is not None and config.dropout > 0 and tensor > 1:
-        refused.append(f"lora.dropout={config.dropout} with strategy.tensor={tensor}")
+        refused.append(
+            f"lora.dropout={config.dropout} with strategy.tensor={tensor} (the adapters' input "
+            "is replicated or sequence-split there: its dropout stream is not verified)"
+        )
     if not refused:
         return None
     return f"task.lora with {', '.join(refused)} is not supported: {WORKS}"
