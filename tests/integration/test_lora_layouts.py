@@ -19,8 +19,9 @@ makes every step's update depend on the global norm.
 
 The checkpoint holds the adapters alone (the base is the folder), consolidated by name: saved
 under tensor = 2 it resumes under data = 2, under FSDP2 and in one process (the N-D strategy on
-one rank: its optimizer state is by name), and Lightning's one-process checkpoint (by position)
-resumes under tensor = 2, as does pipeline = 2's sharded folder (the adapters' shards), each
+one rank, and Lightning's own: its optimizer state by name lists the parameters in the order one
+process's optimizer holds them), and Lightning's one-process checkpoint (by position) resumes
+under tensor = 2, as does pipeline = 2's sharded folder (the adapters' shards), each
 continuing the uninterrupted single-process curve within 1e-5.
 """
 
@@ -218,9 +219,10 @@ def test_adapters_only_checkpoint_resumes_in_another_layout(folder, tmp_path):
     got = run_distributed(_resume, 2, str(folder), str(tmp_path))[0]
     tp_ckpt = str(tmp_path / "tensor2.ckpt")  # and in one process of the N-D strategy
     got["one<-tensor2"] = run_distributed(_resume_alone, 1, str(folder), tp_ckpt)[0]
+    got["auto<-tensor2"] = _fit(str(folder), ["strategy=auto"], 1, ckpt_path=tp_ckpt)
     _check("tensor2", got["tensor2"], want)
     resumed = ["data2<-tensor2", "fsdp2<-tensor2", "tensor2<-one", "one<-tensor2",
-               "tensor2<-pipeline2-sharded"]  # fmt: skip
+               "auto<-tensor2", "tensor2<-pipeline2-sharded"]  # fmt: skip
     for name in resumed:
         close(got[name]["losses"], want["losses"][HALF:], f"{name} resumed loss")
         close(got[name]["norms"], want["norms"][HALF:], f"{name} resumed train/grad_norm")
