@@ -158,7 +158,8 @@ def local_plain_optimizer_state(
     """A one-process optimizer state (``torch``'s own: by position) for this rank's optimizer,
     which steps the same parameters in the same order, some of them tensor-parallel shards:
     each full-shape state tensor of a shard sliced to this rank's part. Unchanged without
-    tensor parallelism; a different parameter count (a pipeline stage holds fewer) is refused."""
+    tensor shards; with them, a different parameter count (a pipeline stage holds fewer) is
+    refused (torch would pair the states with the wrong parameters)."""
     n = _size(tensor_group)
     params = _flat_params(optimizer)
     positions = [i for group in saved.get("param_groups", []) for i in group["params"]]

@@ -22,10 +22,10 @@ wrapper: its base is sharded by the plan's style and the adapter with it, so ``y
 is computed exactly as in one process. Column-parallel base: ``A`` replicated, ``B`` split by
 output rows (a ``ColumnParallelLinear`` on the rank-``r`` activation: its input mapping sums
 that activation's partial gradients over the group, so ``A``'s is whole); row-parallel base:
-``A`` split by input columns (a
-``RowParallelLinear``: the rank-``r`` partial sum is reduced, ``r`` numbers per token, not the
-layer's width), ``B`` replicated. Under sequence parallelism the replicated half sees a sequence
-shard and joins the gradient all-reduce below, like a norm weight.
+``A`` split by input columns (a ``RowParallelLinear``: the rank-``r`` partial sum is reduced,
+``r`` numbers per token, not the layer's width), ``B`` replicated. Under sequence parallelism
+the replicated half sees a sequence shard and joins the gradient all-reduce below, like a norm
+weight. A vocab-parallel layer (the LM head) with adapters is refused.
 
 Divisibility is checked for the whole plan before any module is touched, with a message that
 names the numbers: the model's own ``tensor_parallel_divisors()`` (heads, KV heads, hidden size,
@@ -220,8 +220,13 @@ def parallelize(
 def _base_of(module: nn.Module, name: str, style: str) -> nn.Module:
     """The linear layer a plan style applies to: the module, or a LoRA layer's base (which
     must be a float ``nn.Linear``: a quantized base has no weight to slice)."""
-    if not isinstance(module, LowRankAdapted) or style not in ("colwise", "rowwise"):
+    if not isinstance(module, LowRankAdapted) or style == "replicate":
         return module
+    if style == "vocab":
+        raise TypeError(
+            f"{name}: LoRA on a vocab-parallel layer (the LM head, the embedding) is not "
+            "tensor-parallel; leave it out of lora.target_modules (the presets do)"
+        )
     if not isinstance(module.base_layer, nn.Linear):
         raise TypeError(
             f"{name}: {style!r} shards a LoRA layer's nn.Linear base, got "
