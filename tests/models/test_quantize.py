@@ -15,6 +15,7 @@ from llmlab.models import GPT, GPTConfig, Llama, LlamaConfig, QuantizedLinear, q
 from llmlab.models.quantize import (
     QuantizedEmbedding,
     Scheme,
+    dequantize,
     pack,
     parse_scheme,
     unpack,
@@ -126,6 +127,25 @@ def test_weights_shrink_and_tied_weights_stay_tied():
     model = quantize(copy.deepcopy(fp32), "int8")
     assert isinstance(model.embed.tokens, QuantizedEmbedding)
     assert model.embed.tokens.data is model.head.lm_head.data
+
+
+@pytest.mark.parametrize("build", [_gpt, _llama])
+def test_int4_keeps_the_output_layer_in_int8(build):
+    """Under int4 the LM head, and the embedding tied to it, are int8 (llama.cpp keeps its
+    output tensor at more bits); every other layer is int4, and the product stays exact."""
+    model = build()
+    x = torch.randint(0, 256, (1, 12))
+    quantized = quantize(copy.deepcopy(model), "int4:g64")
+    head = quantized.head.lm_head
+    assert str(head.scheme) == "int8"
+    embedding = getattr(quantized.embed, "tokens", None) or quantized.embed.wte
+    assert embedding.data is head.data  # still one table
+    rest = [m for n, m in quantized.named_modules() if isinstance(m, QuantizedLinear)
+            and not n.endswith("lm_head")]  # fmt: skip
+    assert rest and all(str(m.scheme) == "int4:g64" for m in rest)
+    with torch.no_grad():
+        float_twin = dequantize(copy.deepcopy(quantized))
+        assert _rel(quantized(x).double(), float_twin(x).double()) < REL
 
 
 def test_bad_schemes_and_layers_are_refused_by_name():
