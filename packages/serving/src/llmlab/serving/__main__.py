@@ -177,6 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     for lora, path in args.adapters.items():
         log.info("LoRA adapter %r (rank %d) from %s", lora, engine.adapters.ranks[lora], path)
+    if c.speculative == "ngram":
+        log.info("speculative decoding: n-gram drafts, %d per step", c.num_speculative_tokens)
+    elif c.speculative == "draft":
+        log.info(
+            "speculative decoding: %d drafts per step from %s (%s, weights %.1f MiB, its own KV "
+            "pool %.1f MiB)",
+            c.num_speculative_tokens,
+            args.draft,
+            c.draft_quantize or "as loaded",
+            weight_bytes(draft) / 2**20,
+            engine.speculator.draft.runner.pool.nbytes / 2**20,
+        )
     state = ServerState(
         engine, name, chat, loaded.eos_token_ids, max_body_bytes=args.max_body_bytes
     )
