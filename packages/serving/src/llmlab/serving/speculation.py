@@ -99,13 +99,12 @@ class DraftModel:
                 "draft model: it is the target model itself; pass a copy (copy.deepcopy(model)) "
                 "-- with draft_quantize it is converted in place, and as it is it saves nothing"
             )
-        for field in ("vocab_size",):
-            mine, theirs = getattr(model.config, field), getattr(target.config, field)
-            if mine != theirs:
-                raise ValueError(
-                    f"draft model: {field}={mine} differs from the target's {theirs}; a draft "
-                    f"must share the target's tokenizer and vocabulary"
-                )
+        mine, theirs = model.config.vocab_size, target.config.vocab_size
+        if mine != theirs:
+            raise ValueError(
+                f"draft model: vocab_size={mine} differs from the target's {theirs}; a draft "
+                f"must share the target's tokenizer and vocabulary"
+            )
         if model.config.block_size < config.max_model_len:
             raise ValueError(
                 f"draft model: its context of {model.config.block_size} tokens is shorter than "
