@@ -10,13 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from llmlab.models.moe import (
-    MoE,
-    MoEConfig,
-    grouped_matmul,
-    load_balancing_loss,
-    segment_matmul,
-)
+from llmlab.models.moe import MoE, MoEConfig, load_balancing_loss
+from llmlab.models.moe_dispatch import grouped_matmul, segment_matmul
 
 transformers = pytest.importorskip("transformers")
 
