@@ -154,6 +154,27 @@ def fit(
     return {"losses": losses, "norms": norms, "master_norm": first_master, "trainer": trainer}
 
 
+def fit_config(cfg: Any, run: Any, devices: int, **kwargs: Any) -> dict[str, Any]:
+    """:func:`fit` of a composed, validated app config (``run``: ``validate_config``'s answer):
+    its strategy, precision and memory options built and handed over as ``llmlab.train.app``
+    builds them; ``kwargs`` go to :func:`fit`."""
+    from omegaconf import OmegaConf
+
+    from llmlab.train.app import build_precision, build_strategy, hand_model_transforms
+
+    strategy = build_strategy(cfg, run.transforms)
+    precision, plugins = build_precision(cfg)
+    return fit(
+        strategy,
+        devices,
+        OmegaConf.to_container(cfg.model, resolve=True),
+        plugins=plugins,
+        precision=precision,
+        prepare=lambda s, task: hand_model_transforms(cfg, s, task, run.transforms),
+        **kwargs,
+    )
+
+
 def save_at_step(step: int, path: str) -> Any:
     """A callback saving the checkpoint after the last batch of the epoch that ends at
     ``step``, a point Lightning resumes from exactly (saved after ``fit`` returns, or in

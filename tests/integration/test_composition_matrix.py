@@ -99,14 +99,8 @@ def _fit_cell(cell: Cell, root: str, schedule: tuple[int, int]) -> dict:
     from omegaconf import OmegaConf
 
     from llmlab.parallel.checkpoint import is_sharded
-    from llmlab.train.app import (
-        build_precision,
-        build_strategy,
-        compose_config,
-        hand_model_transforms,
-        validate_config,
-    )
-    from tests.helpers.training import fit
+    from llmlab.train.app import compose_config, validate_config
+    from tests.helpers.training import fit_config
 
     cfg = compose_config(cell.overrides())
     OmegaConf.set_struct(cfg, False)
@@ -114,19 +108,7 @@ def _fit_cell(cell: Cell, root: str, schedule: tuple[int, int]) -> dict:
     steps, batches = schedule
 
     def train(**kwargs) -> dict:
-        strategy = build_strategy(cfg, run.transforms)
-        precision, plugins = build_precision(cfg)
-        return fit(
-            strategy,
-            cell.devices,
-            OmegaConf.to_container(cfg.model, resolve=True),
-            steps=steps,
-            batches=batches,
-            plugins=plugins,
-            precision=precision,
-            prepare=lambda s, task: hand_model_transforms(cfg, s, task, run.transforms),
-            **kwargs,
-        )
+        return fit_config(cfg, run, cell.devices, steps=steps, batches=batches, **kwargs)
 
     sharded = cell.checkpoint == "sharded"
     path = os.path.join(root, f"{cell.id}.ckpt")

@@ -50,30 +50,13 @@ def _overrides(devices: int, strategy: list[str], extra: tuple[str, ...] = ()) -
 def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> dict:
     from omegaconf import OmegaConf
 
-    from llmlab.train.app import (
-        build_precision,
-        build_strategy,
-        compose_config,
-        hand_model_transforms,
-        validate_config,
-    )
-    from tests.helpers.training import fit
+    from llmlab.train.app import compose_config, validate_config
+    from tests.helpers.training import fit_config
 
     cfg = compose_config(overrides)
     OmegaConf.set_struct(cfg, False)
     run = validate_config(cfg)
-    strategy = build_strategy(cfg, run.transforms)
-    precision, plugins = build_precision(cfg)
-    out = fit(
-        strategy,
-        devices,
-        OmegaConf.to_container(cfg.model, resolve=True),
-        steps=steps,
-        plugins=plugins,
-        precision=precision,
-        prepare=lambda s, task: hand_model_transforms(cfg, s, task, run.transforms),
-        **kwargs,
-    )
+    out = fit_config(cfg, run, devices, steps=steps, **kwargs)
     result = {k: out[k] for k in ("losses", "norms", "master_norm")}
     metrics = out["trainer"].callback_metrics
     result["moe"] = {k: float(v) for k, v in metrics.items() if k.startswith("moe/")}
@@ -83,6 +66,7 @@ def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> di
         for m in out["trainer"].lightning_module.model.moe_layers().values()
         if m.router.bias is not None
     ]
+    strategy = out["trainer"].strategy  # the one fit_config built
     parallel = getattr(strategy, "parallel", None)
     if parallel is not None:
         layers = out["trainer"].lightning_module.model.moe_layers().values()

@@ -95,25 +95,12 @@ def _fit(path: str, layout: list[str], devices: int, **kwargs) -> dict:
     """One run of ``layout`` on this process's world (``fit`` of the matrix helpers)."""
     from omegaconf import OmegaConf
 
-    from llmlab.train.app import build_precision, build_strategy, hand_model_transforms
-    from tests.helpers.training import fit
+    from tests.helpers.training import fit_config
 
     cfg, run = _config(path, layout, devices)
-    strategy = build_strategy(cfg, run.transforms)
-    precision, plugins = build_precision(cfg)
-    out = fit(
-        strategy,
-        devices,
-        OmegaConf.to_container(cfg.model, resolve=True),
-        precision=precision,
-        plugins=plugins,
-        steps=STEPS,
-        batches=HALF,
-        clip=CLIP,
-        prepare=lambda s, task: hand_model_transforms(cfg, s, task, run.transforms),
-        task_kwargs={"lora": OmegaConf.to_container(cfg.task.lora, resolve=True)},
-        **kwargs,
-    )
+    lora = OmegaConf.to_container(cfg.task.lora, resolve=True)
+    out = fit_config(cfg, run, devices, steps=STEPS, batches=HALF, clip=CLIP,
+                     task_kwargs={"lora": lora}, **kwargs)  # fmt: skip
     return {**{k: out[k] for k in ("losses", "norms", "master_norm")}, **_held(out["trainer"])}
 
 
