@@ -88,7 +88,41 @@ class LoRAConfig:
         return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
 
-class LoRALinear(nn.Module):
+def adapter_geometry(base_layer: nn.Module) -> tuple[int, int, torch.device, torch.dtype]:
+    """``(in_features, out_features, device, dtype)`` of the adapters of ``base_layer``: its
+    sizes (a float weight's shape, or a quantized layer's own), its device, and its weight's
+    dtype where that is a float (full precision over a quantized base). A base still waiting
+    for its weights (on ``meta``: ``init_from`` read after a parallel layout) gets CPU
+    adapters: they are drawn now."""
+    weight = getattr(base_layer, "weight", None)
+    if isinstance(weight, Tensor):
+        out_features, in_features = weight.shape
+        device = weight.device
+        dtype = weight.dtype if weight.is_floating_point() else torch.float32
+    else:  # a quantized base: its sizes; adapters in full precision
+        in_features, out_features = base_layer.in_features, base_layer.out_features
+        device, dtype = base_layer.data.device, torch.float32
+    if device.type == "meta":
+        device = torch.device("cpu")
+    return in_features, out_features, device, dtype
+
+
+class BaseLayerProxy:
+    """``weight`` and ``bias`` read through to ``self.base_layer`` (code that reads a linear
+    layer's weight, e.g. a width check, sees the base's)."""
+
+    base_layer: nn.Module
+
+    @property
+    def weight(self) -> Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.base_layer.bias
+
+
+class LoRALinear(BaseLayerProxy, nn.Module):
     """``base_layer(x) + s · lora_B(lora_A(dropout(x)))`` (module docstring); the base frozen.
 
     ``weight`` and ``bias`` read through to a float base's (so code that reads a linear layer's
@@ -106,16 +140,7 @@ class LoRALinear(nn.Module):
         init_lora_weights: bool = True,
     ) -> None:
         super().__init__()
-        weight = getattr(base_layer, "weight", None)
-        if isinstance(weight, Tensor):
-            out_features, in_features = weight.shape
-            device = weight.device
-            dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        else:  # a quantized base: its sizes; adapters in full precision
-            in_features, out_features = base_layer.in_features, base_layer.out_features
-            device, dtype = base_layer.data.device, torch.float32
-        if device.type == "meta":  # a base still waiting for its weights (``init_from`` read
-            device = torch.device("cpu")  # after a parallel layout): the adapters are drawn now
+        in_features, out_features, device, dtype = adapter_geometry(base_layer)
         self.in_features, self.out_features = in_features, out_features
         self.r, self.alpha, self.use_rslora = r, alpha, use_rslora
         self.scaling = alpha / (math.sqrt(r) if use_rslora else r)
@@ -131,14 +156,6 @@ class LoRALinear(nn.Module):
         self.merged = False
         self.disabled = False  # :func:`disable_lora`
         self.tied = False  # the base weight is shared with another layer: no merging
-
-    @property
-    def weight(self) -> Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self.base_layer.bias
 
     def delta_weight(self) -> Tensor:
         """``s · B A`` (out, in): what merging adds to the base weight."""

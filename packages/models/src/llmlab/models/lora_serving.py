@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from llmlab.models.lora_layer import LoRAConfig, _is_linear
+from llmlab.models.lora_layer import BaseLayerProxy, LoRAConfig, _is_linear, adapter_geometry
 
 BASE_SLOT = -1  # a token served by the base alone
 
@@ -80,7 +80,7 @@ def adapter_batch(batch: AdapterBatch | None) -> Iterator[None]:
         _BATCH.reset(token)
 
 
-class MultiLoRALinear(nn.Module):
+class MultiLoRALinear(BaseLayerProxy, nn.Module):
     """``base_layer(x)`` plus, per token, its slot's ``s · B A x`` (module docstring).
 
     ``lora_A``: ``(slots, max_rank, in)``; ``lora_B``: ``(slots, max_rank, out)`` (``Bᵀ``, so a
@@ -90,13 +90,7 @@ class MultiLoRALinear(nn.Module):
 
     def __init__(self, base_layer: nn.Module, num_slots: int, max_rank: int) -> None:
         super().__init__()
-        weight = getattr(base_layer, "weight", None)
-        if isinstance(weight, Tensor) and weight.is_floating_point():
-            out_features, in_features = weight.shape
-            device, dtype = weight.device, weight.dtype
-        else:  # a quantized base: its sizes; adapters in full precision
-            in_features, out_features = base_layer.in_features, base_layer.out_features
-            device, dtype = base_layer.data.device, torch.float32
+        in_features, out_features, device, dtype = adapter_geometry(base_layer)
         self.in_features, self.out_features = in_features, out_features
         self.base_layer = base_layer
         self.max_rank = max_rank
@@ -105,14 +99,6 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer("lora_B", torch.zeros(num_slots, max_rank, out_features, **slots))
         self.ranks = [0] * num_slots
         self.scalings = [0.0] * num_slots
-
-    @property
-    def weight(self) -> Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self.base_layer.bias
 
     @torch.no_grad()
     def set_slot(self, slot: int, a: Tensor, b: Tensor, scaling: float) -> None:
