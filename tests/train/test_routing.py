@@ -93,16 +93,6 @@ def test_the_task_differentiates_the_aux_loss_and_logs_it_apart():
     torch.testing.assert_close(loss.detach(), ce.detach() + 0.02 * aux)
 
 
-def test_routing_losses_with_a_pipeline_are_refused():
-    from llmlab.train.app import ConfigError, compose_config, validate_config
-
-    overrides = ["model=llama", "+model.num_experts=4", "+model.num_experts_per_tok=2",
-                 "+model.router_aux_loss_coef=0.02", "strategy=pipeline",
-                 "trainer.devices=2"]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"router_aux_loss_coef=0\.02 with a pipeline of 2"):
-        validate_config(compose_config(overrides))
-
-
 def test_the_bias_update_moves_after_each_optimizer_step_by_the_steps_loads():
     """γ · sign(mean - load) from the counts of every micro-batch of the step, once per step;
     a model without selection biases is refused by name."""
@@ -130,11 +120,19 @@ def test_the_bias_update_moves_after_each_optimizer_step_by_the_steps_loads():
         update.apply(softmax, LossReplicas())
 
 
-def test_the_bias_update_with_a_pipeline_is_refused():
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["+model.num_experts_per_tok=2", "+model.router_aux_loss_coef=0.02"],
+         r"router_aux_loss_coef=0\.02 with a pipeline of 2"),
+        (["+model.router_scoring=sigmoid", "+task.update_bias_rate=0.001"],
+         r"task\.update_bias_rate=0\.001 with a pipeline of 2"),
+    ],
+    ids=["routing losses", "bias update"],
+)  # fmt: skip
+def test_routing_terms_with_a_pipeline_are_refused(overrides, message):
     from llmlab.train.app import ConfigError, compose_config, validate_config
 
-    overrides = ["model=llama", "+model.num_experts=4", "+model.router_scoring=sigmoid",
-                 "+task.update_bias_rate=0.001", "strategy=pipeline",
-                 "trainer.devices=2"]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"task\.update_bias_rate=0\.001 with a pipeline of 2"):
-        validate_config(compose_config(overrides))
+    base = ["model=llama", "+model.num_experts=4", "strategy=pipeline", "trainer.devices=2"]
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose_config([*base, *overrides]))
