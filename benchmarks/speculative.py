@@ -17,14 +17,14 @@ outputs are checked token-identical before anything is timed.
 Each row carries its acceptance rate. ``benchmarks.serving`` reports these rows (``make bench``);
 ``python -m benchmarks.speculative`` runs them alone (``--smoke``: tiny sizes, seconds).
 
-What bounds the gain (measured on the 2-core CPU host, one thread, GPT-2 124M, k=4,
-acceptance 0.98): a round of ``k`` draft steps and one verification yields ``1 + accepted``
-tokens (4.9 here) and costs ``k * c + v`` target steps, with ``c`` the draft step's cost (0.51:
-the int8 engine decodes at 1.97x the fp32 one, though it reads a quarter of the bytes) and ``v``
-the verification's (about 1.7: on one CPU thread a 5-row product is no longer free next to a
-1-row one). 4.9 / (4 * 0.51 + 1.7) = 1.3 at best; measured 1.14-1.19. Where the weights' bytes
-alone set the step time (a GPU at batch 1), ``c`` approaches 0.25-0.3 and ``v`` 1, and the same
-acceptance gives 2-2.5x.
+What bounds the gain (2-core CPU host, one thread, GPT-2 124M): a round of ``k`` draft steps and
+one verification yields ``1 + accepted`` tokens (nearly ``k + 1`` at this acceptance) and costs
+``k * c + v`` target steps, with ``c`` the draft step's cost (about half: the int8 engine decodes
+at about 1.9x the fp32 one though it reads a quarter of the bytes; the SUMMARY row "the draft's
+step") and ``v`` the verification's (about 1.7 on one CPU thread, where a 5-row product is no
+longer free next to a 1-row one). Where the weights' bytes alone set the step time (a GPU at
+batch 1), ``c`` approaches the byte ratio and ``v`` 1, and the same acceptance is worth more;
+not measured here (no GPU).
 """
 
 from __future__ import annotations

@@ -295,3 +295,21 @@ def test_a_speculating_server_answers_as_a_plain_one():
         assert streamed == answers[method]
     assert answers["ngram"] == answers[None]
     assert "llmlab_spec_decode_num_accepted_tokens_total" in metrics
+
+
+@pytest.mark.parametrize(
+    "options", [{"quantize": "int8"}, {"kv_cache_dtype": "bfloat16"}], ids=["int8", "bf16 kv"]
+)
+def test_speculation_beside_fewer_bytes_decodes_as_the_same_engine_without_it(options):
+    """A quantized target, or a bf16 KV pool (the draft's pool too): drafts change nothing but
+    the number of forwards."""
+    model = gpt_pair()[1]
+    vocab = model.config.vocab_size
+    plain = LLMEngine(copy.deepcopy(model), config=EngineConfig(**SMALL, **options))
+    spec = LLMEngine(
+        copy.deepcopy(model),
+        config=EngineConfig(**SMALL, **options, speculative="draft", draft_quantize="int8"),
+        draft_model=copy.deepcopy(model),
+    )
+    assert drive(spec, workload(vocab)) == drive(plain, workload(vocab))
+    assert spec.speculator.accepted > 0
