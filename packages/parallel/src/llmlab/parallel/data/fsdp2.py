@@ -21,7 +21,11 @@ each weight. ``fully_shard`` over the ``data`` dimension of a data × tensor ``D
 from the layout's own process groups) shards those slices across the data ranks of one tensor
 coordinate -- exactly the replicas ZeRO shards -- while the tensor collectives keep running on
 the tensor group. The ``DTensor`` parameters carry the slice's shard dim, so the whole-model norm
-and the checkpoints place them as before.
+and the checkpoints place them as before. A replicated parameter whose gradient on each tensor
+rank is a part of a sum (sequence parallelism's norms; one inside an attention module, such as a
+q/k norm) had that sum done by a gradient hook on the parameter, which ``fully_shard`` replaces:
+:meth:`FSDP2Engine.sum_partial_gradients` all-reduces their gradient shards over the tensor
+group instead, once the reduce-scatter is done (the two sums commute).
 
 Not expressible here (refused up front by :func:`fsdp2_refusal`): a pipeline (FSDP2's backward
 hooks reduce once per backward, the schedule runs several), fp32 master weights of an fp16/bf16
@@ -48,7 +52,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmlab.parallel.data.zero_memory import model_state_stats, optimizer_state_bytes
 from llmlab.parallel.mesh import ProcessGroups
 from llmlab.parallel.precision.plugins import WholeModelMixedPrecision, WholeModelPrecision
-from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
+from llmlab.parallel.tensor import primitives as C
+from llmlab.parallel.tensor.layers import (
+    REGION_PARTIAL_ATTR,
+    SEQUENCE_PARALLEL_ATTR,
+    SHARD_DIM_ATTR,
+)
 from llmlab.parallel.transforms import ModelTransforms
 
 IMPLS = ("llmlab", "fsdp2")
@@ -165,6 +174,7 @@ class FSDP2Engine:
         stage: int,
         mesh: DeviceMesh,
         blocks: Sequence[nn.Module] | None = None,
+        tensor_group: dist.ProcessGroup | None = None,
     ) -> None:
         problem = fsdp2_refusal(stage)
         if problem:
@@ -180,6 +190,7 @@ class FSDP2Engine:
             blocks = list(get()) if callable(get) else []
         shard_dims = {n: getattr(p, SHARD_DIM_ATTR) for n, p in module.named_parameters()
                       if hasattr(p, SHARD_DIM_ATTR)}  # fmt: skip
+        partial = {n for n, p in module.named_parameters() if _partial(p)}
         reshard = RESHARD_AFTER_FORWARD[stage]
         self.units: list[FSDPModule] = [
             fully_shard(b, mesh=mesh, reshard_after_forward=reshard) for b in blocks
@@ -193,13 +204,20 @@ class FSDP2Engine:
         for name, p in self._named:  # the tensor-parallel slice's dim survives the swap
             if name in shard_dims:
                 setattr(p, SHARD_DIM_ATTR, shard_dims[name])
+        self.tensor_group = tensor_group
+        self._partial = [p for n, p in self._named if n in partial]
         self.counter = CollectiveBytes(self.group)
         self.optimizers: list[Optimizer] = []
         self._peak = 0
 
     @classmethod
     def for_held(
-        cls, model: nn.Module, stage: int, mesh: DeviceMesh, held: Sequence[nn.Parameter]
+        cls,
+        model: nn.Module,
+        stage: int,
+        mesh: DeviceMesh,
+        held: Sequence[nn.Parameter],
+        tensor_group: dist.ProcessGroup | None = None,
     ) -> FSDP2Engine:
         """FSDP2 for a (tensor-parallel) model whose every parameter this rank holds; its
         units are the repeated blocks. ``held`` must be all of them (no pipeline stage)."""
@@ -207,7 +225,7 @@ class FSDP2Engine:
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
         if missing:
             raise ValueError(f"FSDP2 shards whole modules; this rank lacks {missing[:4]}")
-        return cls(model, stage, mesh)
+        return cls(model, stage, mesh, tensor_group=tensor_group)
 
     # ================================================================ the optimizer
     def rewire(self, optimizer: Optimizer) -> None:
@@ -243,6 +261,17 @@ class FSDP2Engine:
             root.set_requires_gradient_sync(True)
             if keep:
                 root.set_reshard_after_backward(True)
+
+    def sum_partial_gradients(self) -> None:
+        """All-reduce over the tensor group the gradient shards of the replicated parameters
+        whose gradient is a part of a sum on each tensor rank (module docstring); once per
+        optimizer step, after the backward's reduce-scatter."""
+        grads = [p.grad.to_local() for p in self._partial if p.grad is not None]
+        if grads and self.tensor_group is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            total = C.all_reduce(flat, self.tensor_group, "fsdp2.partial_grad")
+            for g, part in zip(grads, total.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
 
     @contextmanager
     def counting(self) -> Generator[None, None, None]:
@@ -298,6 +327,11 @@ class FSDP2Engine:
     def close(self) -> None:
         """Leave every unit sharded (the shards are what a checkpoint after fit reads)."""
         self.refresh_params()
+
+
+def _partial(p: Tensor) -> bool:
+    """A replicated parameter whose gradient tensor parallelism sums over its group."""
+    return getattr(p, SEQUENCE_PARALLEL_ATTR, False) or getattr(p, REGION_PARTIAL_ATTR, False)
 
 
 def _rows_per_rank(p: Tensor, world: int) -> int:

@@ -76,4 +76,5 @@ def build_data_sharding(
     )
     if problem:
         raise ValueError(problem)
-    return FSDP2Engine.for_held(model, stage, data_mesh(groups, device_type), held)
+    mesh = data_mesh(groups, device_type)
+    return FSDP2Engine.for_held(model, stage, mesh, held, tensor_group=groups.tensor)

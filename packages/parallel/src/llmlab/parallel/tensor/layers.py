@@ -39,6 +39,10 @@ from llmlab.parallel.tensor.primitives import Group
 SHARD_DIM_ATTR = "tp_shard_dim"
 # Replicated parameters whose gradient is partial (they see only a sequence shard).
 SEQUENCE_PARALLEL_ATTR = "tp_sequence_parallel"
+# Replicated parameters inside a tensor-parallel region, whose gradient is partial without
+# sequence parallelism too: they feed only this rank's heads (a q/k norm, latent attention's
+# down-projections).
+REGION_PARTIAL_ATTR = "tp_region_partial"
 
 
 def shard_parameter(full: Tensor, dim: int, group: Group, what: str) -> nn.Parameter:
@@ -73,11 +77,12 @@ class ColumnParallelLinear(nn.Linear):
         sequence_parallel: bool = False,
         weight: nn.Parameter | None = None,
         name: str = "ColumnParallelLinear",
-        input_gathered: bool = False,
+        input_in_region: bool = False,
     ) -> None:
-        """``input_gathered``: under sequence parallelism, the input was already all-gathered
-        upstream (e.g. once for a whole attention module, whose code reads the sequence length
-        from its input), so the layer takes it as is."""
+        """``input_in_region``: the input already entered the tensor-parallel region upstream,
+        once for a whole module (an attention module, whose code reads the sequence length from
+        its input and may compute replicated pieces from it): all-gathered under sequence
+        parallelism, else copied with its gradient all-reduced. The layer takes it as is."""
         nn.Module.__init__(self)
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True is incompatible with sequence_parallel=True")
@@ -86,7 +91,7 @@ class ColumnParallelLinear(nn.Linear):
         self.out_features = full.out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        self.input_gathered = input_gathered and sequence_parallel
+        self.input_in_region = input_in_region
         what = f"{name}: out_features"
         self.weight = weight if weight is not None else shard_parameter(full.weight, 0, group, what)
         self.bias = None if full.bias is None else shard_parameter(full.bias, 0, group, what)
@@ -96,8 +101,8 @@ class ColumnParallelLinear(nn.Linear):
         return F.linear(x, weight, bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.input_gathered:
-            pass  # gathered upstream; that gather's backward reduce-scatters the partial grads
+        if self.input_in_region:
+            pass  # entered upstream; that entry's backward sums the partial gradients
         elif self.sequence_parallel:
             x = gather_from_sequence_region(x, self.group)
         else:

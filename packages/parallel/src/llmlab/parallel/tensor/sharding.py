@@ -48,13 +48,18 @@ from llmlab.parallel.contracts import (
 )
 from llmlab.parallel.tensor import primitives as C
 from llmlab.parallel.tensor.layers import (
+    REGION_PARTIAL_ATTR,
     SEQUENCE_PARALLEL_ATTR,
     SHARD_DIM_ATTR,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from llmlab.parallel.tensor.mappings import gather_from_sequence_region, scatter_to_sequence_region
+from llmlab.parallel.tensor.mappings import (
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    scatter_to_sequence_region,
+)
 from llmlab.parallel.tensor.primitives import Group
 from llmlab.parallel.tensor.random import ForkedRNG, TensorParallelRNG, forked
 
@@ -166,9 +171,8 @@ def parallelize(
     info = TensorParallelInfo(group, tp, rank, sequence_parallel, dict(plan), rng, resolved)
 
     # Parents holding both a column- and a row-parallel child enclose a whole tensor-parallel
-    # region (attention, MLP). Under SP their input is gathered once, at the parent's entry, so
-    # code inside that reads the sequence length from its input sees the full sequence.
-    region_parents = _region_parents(resolved) if sequence_parallel else set()
+    # region (attention, MLP): their input enters it once, at the parent's entry (module doc).
+    region_parents = _region_parents(resolved)
     # id(full weight) -> (full weight, its shard), so ties survive; holding the full weight keeps
     # its id from being reused while the loop runs.
     shards: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
@@ -179,8 +183,8 @@ def parallelize(
         if style == "replicate":
             continue
         if isinstance(module, LowRankAdapted):  # LoRA: the base and its adapter, each sharded
-            gathered = parent_name in region_parents
-            _shard_adapted(module, style, group, sequence_parallel, name, gathered)
+            entered = parent_name in region_parents
+            _shard_adapted(module, style, group, sequence_parallel, name, entered)
             continue
         full_weight = module.weight
         shared = shards[id(full_weight)][1] if id(full_weight) in shards else None
@@ -191,7 +195,7 @@ def parallelize(
                 sequence_parallel=sequence_parallel,
                 weight=shared,
                 name=name,
-                input_gathered=parent_name in region_parents,
+                input_in_region=parent_name in region_parents,
             )
         elif style == "rowwise":
             new = RowParallelLinear(module, group, sequence_parallel=sequence_parallel, name=name)
@@ -209,10 +213,12 @@ def parallelize(
 
     for parent_name in region_parents:
         parent = model.get_submodule(parent_name) if parent_name else model
-        parent.register_forward_pre_hook(_gather_first_input(group))
+        parent.register_forward_pre_hook(_enter_region(group, sequence_parallel))
     _fork_attention_dropout(model, rng)
     if sequence_parallel:
         _apply_sequence_parallel(model, resolved, entry_modules, group, rng)
+    else:
+        _reduce_region_partials(model, resolved, region_parents, group)
     model.tensor_parallel = info
     return model
 
@@ -241,7 +247,7 @@ def _shard_adapted(
     group: Group,
     sequence_parallel: bool,
     name: str,
-    input_gathered: bool,
+    input_in_region: bool,
 ) -> None:
     """Shard a LoRA layer in place (module docstring): the base by ``style``, and ``lora_B``
     (column) or ``lora_A`` (row) with it; the other adapter matrix stays whole."""
@@ -254,11 +260,11 @@ def _shard_adapted(
     if style == "colwise":
         module.base_layer = ColumnParallelLinear(
             base, group, sequence_parallel=sequence_parallel, name=name,
-            input_gathered=input_gathered,
+            input_in_region=input_in_region,
         )  # fmt: skip
         module.lora_B = ColumnParallelLinear(
             lora_b, group, sequence_parallel=sequence_parallel, name=f"{name}.lora_B",
-            input_gathered=input_gathered,
+            input_in_region=input_in_region,
         )  # fmt: skip
     elif style == "rowwise":
         module.base_layer = RowParallelLinear(base, group, sequence_parallel, name=name)
@@ -274,11 +280,40 @@ def _region_parents(resolved: dict[str, str]) -> set[str]:
     return {p for p, styles in styles_by_parent.items() if {"colwise", "rowwise"} <= styles}
 
 
-def _gather_first_input(group: Group):
+def _enter_region(group: Group, sequence_parallel: bool):
+    """The region's entry: its input all-gathered along the sequence (SP) or copied, the
+    backward summing every rank's partial gradient of it."""
+    enter = gather_from_sequence_region if sequence_parallel else copy_to_tensor_region
+
     def hook(_module: nn.Module, args: tuple) -> tuple:
-        return (gather_from_sequence_region(args[0], group), *args[1:])
+        return (enter(args[0], group), *args[1:])
 
     return hook
+
+
+def _reduce_region_partials(
+    model: nn.Module, resolved: dict[str, str], region_parents: set[str], group: Group
+) -> None:
+    """Without SP: a replicated parameter inside a region, before its row-parallel layer,
+    feeds only this rank's heads (a q/k norm; latent attention's down-projections and their
+    norms), so its gradient is this rank's part of the sum: all-reduced over the group, like a
+    norm weight under SP. What the row-parallel layers hold (their bias, a LoRA ``B`` beside
+    them) sees the summed output and is whole already."""
+    after_sum = {
+        id(p)
+        for name, style in resolved.items()
+        if style == "rowwise"
+        for p in model.get_submodule(name).parameters()
+    }
+    for parent_name in region_parents:
+        parent = model.get_submodule(parent_name) if parent_name else model
+        for p in parent.parameters():
+            if hasattr(p, SHARD_DIM_ATTR) or id(p) in after_sum or not p.requires_grad:
+                continue
+            if getattr(p, REGION_PARTIAL_ATTR, False):
+                continue  # shared by two regions: one hook
+            setattr(p, REGION_PARTIAL_ATTR, True)
+            p.register_hook(lambda g: C.all_reduce(g, group, "tensor_region.grad"))
 
 
 def _fork_attention_dropout(model: nn.Module, rng: TensorParallelRNG) -> None:
