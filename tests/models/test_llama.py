@@ -168,7 +168,7 @@ def test_contracts_and_the_plan_match_the_modules():
     names = dict(model.named_modules())
     import fnmatch
 
-    for pattern in Llama.tensor_parallel_plan():
+    for pattern in model.tensor_parallel_plan():
         assert any(fnmatch.fnmatchcase(n, pattern) for n in names), pattern
     assert model.tensor_parallel_divisors()["n_kv_head"] == 2
     assert model.repeated_blocks() == list(model.blocks)

@@ -198,31 +198,55 @@ class Llama(nn.Module):
         return len(self.blocks)
 
     def tensor_parallel_divisors(self) -> dict[str, int]:
-        """Sizes a tensor-parallel degree must divide: whole query and KV heads, the MLP width,
-        the hidden size and the vocabulary."""
+        """Sizes a tensor-parallel degree must divide: whole query heads (and KV heads, except
+        under latent attention, whose one latent every rank keeps whole), the width of every
+        MLP the plan shards, the hidden size and the vocabulary."""
         c = self.config
-        return {
-            "n_head": c.n_head,
-            "n_kv_head": c.n_kv_head,
-            "n_embd": c.n_embd,
-            "intermediate_size": c.intermediate_size,
-            "vocab_size": c.vocab_size,
-        }
+        sizes = {"n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size}
+        if not c.latent_attention:
+            sizes["n_kv_head"] = c.n_kv_head
+        if any(not c.is_moe_layer(i) for i in range(c.n_layer)):
+            sizes["intermediate_size"] = c.intermediate_size
+        if c.num_experts and c.shared_expert_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size
+        return sizes
 
-    @staticmethod
-    def tensor_parallel_plan() -> dict[str, str]:
-        """Which modules to shard and how (Megatron-LM's layout; see llmlab.parallel.tensor)."""
-        return {
-            "embed.tokens": "vocab",
-            "blocks.*.attn.q_proj": "colwise",  # by query heads
-            "blocks.*.attn.k_proj": "colwise",  # by KV heads
-            "blocks.*.attn.v_proj": "colwise",
-            "blocks.*.attn.o_proj": "rowwise",
-            "blocks.*.mlp.gate_proj": "colwise",
-            "blocks.*.mlp.up_proj": "colwise",
-            "blocks.*.mlp.down_proj": "rowwise",
-            "head.lm_head": "vocab",
-        }
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Which modules to shard and how (Megatron-LM's layout; see llmlab.parallel.tensor).
+
+        Attention by heads: GQA's q by query heads, k and v by KV heads, o row-wise; latent
+        attention's query projection and ``kv_b_proj`` (the latent's per-head up-projection)
+        by heads, ``o_proj`` row-wise, while the down-projections to the latent
+        (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms stay whole on every rank. A dense
+        MLP (and a MoE layer's shared experts): gate and up column-wise, down row-wise. A MoE
+        layer's router and routed experts are not named: they are replicated over the tensor
+        group (Megatron-Core's ``expert_tensor_parallel_size=1``), and expert parallelism, not
+        tensor parallelism, splits the experts."""
+        c = self.config
+        plan = {"embed.tokens": "vocab"}
+        if c.latent_attention:
+            q = "q_proj" if c.q_lora_rank is None else "q_b_proj"
+            plan |= {f"blocks.*.attn.{q}": "colwise", "blocks.*.attn.kv_b_proj": "colwise"}
+        else:
+            plan |= {
+                "blocks.*.attn.q_proj": "colwise",  # by query heads
+                "blocks.*.attn.k_proj": "colwise",  # by KV heads
+                "blocks.*.attn.v_proj": "colwise",
+            }
+        plan["blocks.*.attn.o_proj"] = "rowwise"
+        mlps = []
+        if any(not c.is_moe_layer(i) for i in range(c.n_layer)):
+            mlps.append("blocks.*.mlp")
+        if c.num_experts and c.shared_expert_intermediate_size:
+            mlps.append("blocks.*.mlp.shared_expert")
+        for mlp in mlps:
+            plan |= {
+                f"{mlp}.gate_proj": "colwise",
+                f"{mlp}.up_proj": "colwise",
+                f"{mlp}.down_proj": "rowwise",
+            }
+        plan["head.lm_head"] = "vocab"
+        return plan
 
     # -------------------------------------------------------------------- experts
     def moe_layers(self) -> dict[int, MoE]:
@@ -232,8 +256,10 @@ class Llama(nn.Module):
     def router_stats(self) -> dict[int, MoEStats]:
         """Each MoE layer's statistics from the last forward: tokens per expert, dropped
         assignments, router probabilities (``.summary()`` gives max/mean load, aux and z-loss
-        as numbers)."""
-        stats = {i: m.stats for i, m in self.moe_layers().items()}
+        as numbers). Only the layers held here: a pipeline stage's (the others' are freed,
+        left on the ``meta`` device)."""
+        held = {i: m for i, m in self.moe_layers().items() if not m.router.weight.is_meta}
+        stats = {i: m.stats for i, m in held.items()}
         missing = [i for i, s in stats.items() if s is None]
         if missing:
             raise ValueError(f"router_stats: MoE layers {missing} have not run a forward yet")

@@ -371,13 +371,14 @@ class MoE(nn.Module):
             out, counts, dropped = self._loop(flat, routing)
         else:
             out, counts, dropped = self._grouped(flat, routing)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
+        out = out.reshape(shape)
+        if self.shared_expert is not None:  # on (B, T, C): tensor parallelism splits T (SP)
+            shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         self.stats = MoEStats(routing.probs, routing.indices, routing.logits, counts, dropped)
-        return out.reshape(shape)
+        return out
 
     def _loop(self, x: Tensor, r: Routing) -> tuple[Tensor, Tensor, Tensor]:
         """The reference: per expert, its assignments in token order (the first ``C`` with a

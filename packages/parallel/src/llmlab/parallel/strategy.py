@@ -178,8 +178,10 @@ class NDParallelStrategy(DDPStrategy):
     @property
     def loss_replicas(self) -> LossReplicas:
         """The data × context ranks: each holds different tokens of the global batch, and
-        gradients are averaged over them (:mod:`llmlab.parallel.loss_mean`)."""
-        return LossReplicas(self.groups.replica, self.dims.replicas)
+        gradients are averaged over them (:mod:`llmlab.parallel.loss_mean`); with sequence
+        parallelism, the tensor ranks' row shards besides."""
+        shards = self.groups.tensor if self.dims.sequence_parallel else None
+        return LossReplicas(self.groups.replica, self.dims.replicas, shards)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -380,7 +382,11 @@ class NDParallelStrategy(DDPStrategy):
         pipeline)."""
         assert self._reducer is not None
         if self.zero_engine is not None and self.pipeline_step is None:
-            return  # ZeRO reduce-scattered during backward (its end-of-backward callback)
+            # ZeRO reduce-scattered during backward (its end-of-backward callback); FSDP2 lost
+            # tensor parallelism's partial-gradient hooks with the parameters it replaced
+            if isinstance(self.zero_engine, FSDP2Engine):
+                self.zero_engine.sum_partial_gradients()
+            return
         self._reducer()
         if self.zero_engine is not None:
             self.zero_engine.reduce_gradients()
