@@ -114,3 +114,22 @@ def hf_greedy(hf: Any, prompt: torch.Tensor, n: int) -> torch.Tensor:
     mask = torch.ones_like(prompt)
     out = hf.generate(prompt, attention_mask=mask, max_new_tokens=n, do_sample=False)
     return out[:, prompt.shape[1] :]
+
+
+def engine_greedy(model: Any, prompts: list[list[int]], n: int, **config: Any) -> tuple[Any, Any]:
+    """The serving engine's ``n`` greedy tokens for each of ``prompts``, batched together in a
+    small paged pool (4-token blocks: every prompt spans several, and the requests share the
+    pool), with ``config`` overriding the ``EngineConfig``; returns ``(tokens, engine)``."""
+    from llmlab.decoding import GenerationConfig
+    from llmlab.serving import EngineConfig, LLMEngine
+
+    settings = dict(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64) | config
+    engine = LLMEngine(model, config=EngineConfig(**settings))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GenerationConfig(max_new_tokens=n))
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[str(i)] for i in range(len(prompts))], engine

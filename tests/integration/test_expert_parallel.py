@@ -1,7 +1,8 @@
-"""Training with expert parallelism equals one process (issue 38, Done-when 3, first layouts).
+"""Training with expert parallelism equals one process (issue 38, Done-when 3).
 
 A tiny Mixtral-style Llama (4 experts, top-2, every layer a mixture of experts; the matrix's
-32-wide Llama otherwise) trains 3 steps through the app's own config path (``compose_config`` →
+32-wide Llama otherwise; a DeepSeek-shaped one for latent attention, a dense first layer and a
+shared expert) trains 3 steps through the app's own config path (``compose_config`` →
 ``validate_config`` → ``build_strategy`` → ``hand_model_transforms``), exactly as a composition
 matrix cell does, with ``strategy=nd`` and ``strategy.expert=2``, and is compared with the
 single-process run: the logged loss (the global token mean) within 1e-5 and the logged and the
@@ -21,6 +22,7 @@ import re
 
 import pytest
 
+from llmlab.parallel.mesh import ParallelDims
 from tests.helpers.distributed import run_distributed
 from tests.integration.composition_cells import MODELS
 
@@ -32,15 +34,39 @@ MOE = [
 ]
 STEPS = 3
 REL = 1e-5  # fp32: the loss and both norms (the reductions sum in another order)
-LAYOUTS = {  # name -> (devices, strategy overrides)
-    "dp2-ep2": (2, ["strategy=nd", "strategy.data=2", "strategy.expert=2"]),
-    "cp2-ep2": (2, ["strategy=nd", "strategy.context=2", "strategy.expert=2"]),
-    "dp4-ep2": (4, ["strategy=nd", "strategy.data=4", "strategy.expert=2"]),
-    "dp2-cp2-ep4": (
-        4,
-        ["strategy=nd", "strategy.data=2", "strategy.context=2", "strategy.expert=4"],
-    ),
+ND, DP2, TP2, PP2 = "strategy=nd", "strategy.data=2", "strategy.tensor=2", "strategy.pipeline=2"
+SP = "strategy.sequence_parallel=true"
+LAYOUTS = {  # name -> (devices, strategy overrides, the expert degree last)
+    "dp2-ep2": (2, [ND, DP2, "strategy.expert=2"]),
+    "cp2-ep2": (2, [ND, "strategy.context=2", "strategy.expert=2"]),
+    "dp4-ep2": (4, [ND, "strategy.data=4", "strategy.expert=2"]),
+    "dp2-cp2-ep4": (4, [ND, DP2, "strategy.context=2", "strategy.expert=4"]),
+    "dp2-tp2-ep2": (4, [ND, DP2, TP2, "strategy.expert=2"]),
+    "dp2-tp2sp-ep2": (4, [ND, DP2, TP2, SP, "strategy.expert=2"]),
+    "dp2-pp2-ep2": (4, [ND, DP2, PP2, "strategy.expert=2"]),
+    "dp2-pp2-tp2-ep2": (8, [ND, DP2, PP2, TP2, "strategy.expert=2"]),
 }
+# DeepSeek-V3's shape: latent attention (q bottleneck), a dense first layer, sigmoid routing and
+# a shared expert beside the routed ones (sharded by tensor parallelism like a dense MLP)
+DEEPSEEK = (
+    "model.n_kv_head=4", "+model.kv_lora_rank=16", "+model.q_lora_rank=24",
+    "+model.qk_nope_head_dim=8", "+model.qk_rope_head_dim=8", "+model.v_head_dim=8",
+    "+model.rope_interleave=true", "+model.moe_layers=[1]", "+model.router_scoring=sigmoid",
+    "+model.shared_expert_intermediate_size=32",
+)  # fmt: skip
+
+
+def _rows_per_rank(strategy: list[str]) -> int:
+    """The rows one rank's MoE layer routed in the step's last forward: the 8 × 16 tokens over
+    data × context, over the tensor ranks' sequence shards under sequence parallelism, and
+    over a pipeline's micro-batches (4 by default: the statistics are the last one's)."""
+    degree = {o.split("=")[0]: int(o.split("=")[1]) for o in strategy if o[-1].isdigit()}
+    split = degree.get("strategy.data", 1) * degree.get("strategy.context", 1)
+    if SP in strategy:
+        split *= degree["strategy.tensor"]
+    if PP2 in strategy:
+        split *= ParallelDims(pipeline=2).microbatches
+    return 8 * 16 // split
 
 
 def _overrides(devices: int, strategy: list[str], extra: tuple[str, ...] = ()) -> list[str]:
@@ -64,7 +90,7 @@ def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> di
     result["biases"] = [
         m.router.bias.tolist()
         for m in out["trainer"].lightning_module.model.moe_layers().values()
-        if m.router.bias is not None
+        if m.router.bias is not None and not m.router.bias.is_meta  # another stage's: freed
     ]
     strategy = out["trainer"].strategy  # the one fit_config built
     parallel = getattr(strategy, "parallel", None)
@@ -95,9 +121,11 @@ def one_process() -> dict:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_training_equals_one_process(layout: str, one_process: dict) -> None:
     """Experts split over 2 ranks of data (or context; or of data 4: two copies of each
-    expert), or over all 4 ranks of data 2 × context 2 (one expert each): every rank's loss,
-    logged norm and first-step gradient norm equal one process's; each rank holds its slice of
-    the 4 experts of both MoE layers and sent rows through the all-to-all."""
+    expert), over all 4 ranks of data 2 × context 2 (one expert each), and over data 2 beside
+    tensor (± sequence) and pipeline parallelism, up to data 2 × pipeline 2 × tensor 2 ×
+    expert 2 on 8 ranks: every rank's loss, logged norm and first-step gradient norm equal one
+    process's; each rank holds its slice of the 4 experts of both MoE layers and sent rows
+    through the all-to-all (a pipeline stage: of its own layer)."""
     devices, strategy = LAYOUTS[layout]
     results = run_distributed(_rank_fit, devices, _overrides(devices, strategy), timeout=900)
     for r in results:
@@ -105,23 +133,44 @@ def test_expert_parallel_training_equals_one_process(layout: str, one_process: d
         _close(r["norms"], one_process["norms"], f"{layout} train/grad_norm")
         _close([r["master_norm"]] * STEPS, [one_process["master_norm"]] * STEPS, f"{layout} master")
         held = 4 // int(strategy[-1].split("=")[1])  # experts per rank
-        assert r["experts_held"] == [(held, 32, 32)] * 2 and r["applied"] == 2, r
-        assert r["ep_bytes"] > 0, r
-    _check_expert_load(results[0]["moe"], devices)
+        layers = 1 if PP2 in strategy else 2  # a stage keeps its own block
+        assert r["experts_held"][-layers:] == [(held, 32, 32)] * layers, r
+        assert r["applied"] == 2 and r["ep_bytes"] > 0, r
+    _check_expert_load(results[0]["moe"], _rows_per_rank(strategy))
 
 
-def _check_expert_load(moe: dict, replicas: int) -> None:
-    """Rank zero's expert load of both MoE layers: its 8·16/replicas tokens × top-2 over 4
-    experts, nothing dropped (no capacity), a finite aux loss."""
-    for i in (0, 1):
-        load = {k.split("/")[-1]: v for k, v in moe.items() if k.startswith(f"moe/layer{i}/")}
-        assert load["mean_load"] == 8 * 16 * 2 / 4 / replicas, moe
+def _check_expert_load(moe: dict, rows: int) -> None:
+    """Rank zero's expert load of its MoE layers: its ``rows`` tokens × top-2 over 4 experts,
+    nothing dropped (no capacity), a finite aux loss."""
+    layers = {k.split("/")[1] for k in moe if k.startswith("moe/layer")}
+    assert layers, moe
+    for layer in layers:
+        load = {k.split("/")[-1]: v for k, v in moe.items() if k.startswith(f"moe/{layer}/")}
+        assert load["mean_load"] == rows * 2 / 4, moe
         assert load["max_load"] >= load["mean_load"] and load["dropped"] == 0, moe
         assert math.isfinite(load["aux_loss"]) and load["aux_loss"] > 0, moe
 
 
 def test_one_process_logs_the_expert_load(one_process: dict) -> None:
-    _check_expert_load(one_process["moe"], 1)
+    _check_expert_load(one_process["moe"], 8 * 16)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["dp2-tp2sp-ep2", "dp2-pp2-tp2-ep2"])
+def test_a_deepseek_shaped_model_trains_exactly_on_every_axis(layout: str) -> None:
+    """Latent attention sharded by heads (its down-projections replicated inside the region,
+    their gradients summed), a dense first layer, a shared expert sharded like a dense MLP and
+    the routed experts split by expert parallelism: one process's loss and norms at every
+    step with sequence parallelism, and on all four axes at once."""
+    one = _fit(_overrides(1, ["strategy=auto"], DEEPSEEK), 1)
+    devices, strategy = LAYOUTS[layout]
+    results = run_distributed(
+        _rank_fit, devices, _overrides(devices, strategy, DEEPSEEK), timeout=900
+    )
+    for r in results:
+        _close(r["losses"], one["losses"], f"deepseek {layout} loss")
+        _close(r["norms"], one["norms"], f"deepseek {layout} train/grad_norm")
+        assert r["applied"] == 1, r  # one MoE layer
 
 
 # The routing losses on, weighted far above Mixtral's 0.02 so that their gradients move the
@@ -139,19 +188,29 @@ def one_process_routing() -> dict:
     return one
 
 
+ROUTING_LAYOUTS = {
+    "ddp2": (2, ["strategy=ddp"]),
+    "dp2-ep2": LAYOUTS["dp2-ep2"],
+    "dp2-tp2sp-ep2": LAYOUTS["dp2-tp2sp-ep2"],
+}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", [["strategy=ddp"], LAYOUTS["dp2-ep2"][1]],
-                         ids=["ddp2", "dp2-ep2"])  # fmt: skip
+@pytest.mark.parametrize("layout", list(ROUTING_LAYOUTS))
 def test_routing_losses_under_data_parallelism_equal_one_process(
-    strategy: list[str], one_process_routing: dict
+    layout: str, one_process_routing: dict
 ) -> None:
     """With the load-balancing and z losses in the differentiated loss, Lightning's DDP on 2
-    ranks and data 2 × expert 2 give one process's loss, gradient norms (every step) and last
-    aux / z losses: the counts and router probabilities are pooled over both data ranks before
-    the product (``llmlab.train.routing``); without the pooling the loss is off by 1e-3 at the
-    second step."""
+    ranks, data 2 × expert 2 and data 2 × tensor 2 (sequence parallel) × expert 2 give one
+    process's loss, gradient norms (every step) and last aux / z losses: the counts and router
+    probabilities are pooled over both data ranks (and both tensor ranks' sequence shards)
+    before the product (``llmlab.train.routing``); without the pooling the loss is off by 1e-3
+    at the second step (by 4e-4, and the third step's norm by 128 %, without the tensor ranks'
+    shards)."""
     one = one_process_routing
-    results = run_distributed(_rank_fit, 2, _overrides(2, strategy, ROUTING), timeout=900)
+    devices, strategy = ROUTING_LAYOUTS[layout]
+    overrides = _overrides(devices, strategy, ROUTING)
+    results = run_distributed(_rank_fit, devices, overrides, timeout=900)
     for r in results:
         _close(r["losses"], one["losses"], "routing loss: train/loss")
         _close(r["norms"], one["norms"], "routing loss: train/grad_norm")
@@ -169,15 +228,18 @@ def _rank_fit_bias(rank: int, world: int, overrides: list[str]) -> dict:
 
 
 @pytest.mark.distributed
-def test_the_bias_update_under_expert_parallelism_equals_one_process() -> None:
+@pytest.mark.parametrize("layout", ["dp2-ep2", "dp2-tp2sp-ep2"])
+def test_the_bias_update_under_expert_parallelism_equals_one_process(layout: str) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing (γ 0.01 after each step): with data 2 ×
-    expert 2 every rank's biases after 3 steps are one process's (the loads are summed over
-    both data ranks; a rank moving by its own tokens' loads would differ), and so are the
-    losses and norms that the moved biases route."""
+    expert 2 (and tensor 2 with sequence parallelism) every rank's biases after 3 steps are one
+    process's (the loads are summed over both data ranks and both sequence shards; a rank
+    moving by its own tokens' loads would differ), and so are the losses and norms that the
+    moved biases route."""
     one = _fit(_overrides(1, ["strategy=auto"], SIGMOID), 1, task_kwargs=BIAS_RATE)
     assert len(one["biases"]) == 2 and any(b != 0 for b in one["biases"][0])
-    strategy = LAYOUTS["dp2-ep2"][1]
-    results = run_distributed(_rank_fit_bias, 2, _overrides(2, strategy, SIGMOID), timeout=900)
+    devices, strategy = LAYOUTS[layout]
+    overrides = _overrides(devices, strategy, SIGMOID)
+    results = run_distributed(_rank_fit_bias, devices, overrides, timeout=900)
     for r in results:
         assert r["biases"] == one["biases"]  # sums of integers, then ±γ: exact
         _close(r["losses"], one["losses"], "bias update: train/loss")
@@ -185,8 +247,6 @@ def test_the_bias_update_under_expert_parallelism_equals_one_process() -> None:
 
 
 REFUSED = {  # an option expert > 1 does not compose with yet -> what the message says
-    ("strategy.pipeline=2",): "strategy.expert=2 with strategy.pipeline=2 is refused",
-    ("strategy.tensor=2",): "strategy.expert=2 with strategy.tensor=2 is refused",
     ("strategy.zero=1",): "strategy.expert=2 with strategy.zero=1 is refused",
     ("strategy.zero=3", "strategy.zero_impl=fsdp2"): "with strategy.zero=3 is refused",
     ("compile=true",): "strategy.expert=2 with compile=True is refused",
@@ -230,29 +290,34 @@ def _save_at(step: int, path: str):
     return Save()
 
 
-def _rank_checkpoint(rank: int, world: int, root: str) -> dict:
-    """data 2 × expert 2 trains 4 steps, saving after 2; the checkpoint resumes in the same
-    layout and in data 2 × expert 1 (every expert on every rank)."""
+def _rank_checkpoint(rank: int, world: int, root: str, layout: str) -> dict:
+    """``layout`` trains 4 steps, saving after 2; the checkpoint resumes in the same layout and
+    with every expert (and every tensor shard) on every rank: data × expert 1."""
     path = f"{root}/ep2.ckpt"
-    ep2 = _overrides(2, LAYOUTS["dp2-ep2"][1])
-    dp2 = _overrides(2, ["strategy=nd", "strategy.data=2"])
-    full = _fit(ep2, 2, RESUME_STEPS, batches=HALF, callbacks=[_save_at(HALF, path)])
-    same = _fit(ep2, 2, RESUME_STEPS, batches=HALF, ckpt_path=path)
-    dense = _fit(dp2, 2, RESUME_STEPS, batches=HALF, ckpt_path=path)
+    split = _overrides(world, LAYOUTS[layout][1])
+    plain = _overrides(world, ["strategy=nd", f"strategy.data={world}"])
+    full = _fit(split, world, RESUME_STEPS, batches=HALF, callbacks=[_save_at(HALF, path)])
+    same = _fit(split, world, RESUME_STEPS, batches=HALF, ckpt_path=path)
+    dense = _fit(plain, world, RESUME_STEPS, batches=HALF, ckpt_path=path)
     return {"full": full["losses"], "same": same["losses"], "dense": dense["losses"]}
 
 
 @pytest.mark.distributed
-def test_an_expert_parallel_checkpoint_is_the_unsplit_model_and_resumes_in_expert_1(tmp_path):
-    """The consolidated checkpoint of data 2 × expert 2 holds every expert at full shape (a
-    plain ``Llama`` loads it strictly, and its weights are one process's after 2 steps within
-    1e-3 of each tensor's largest); resumed in the same layout and in expert=1 it continues
-    the uninterrupted curve, which is one process's."""
+@pytest.mark.parametrize("layout", ["dp2-ep2", "dp2-tp2-ep2"])
+def test_an_expert_parallel_checkpoint_is_the_unsplit_model_and_resumes_in_expert_1(
+    layout: str, tmp_path
+) -> None:
+    """The consolidated checkpoint of data 2 × expert 2 (and of data 2 × tensor 2 × expert 2:
+    expert slices gathered over the expert group, tensor shards over the tensor group) holds
+    every expert at full shape (a plain ``Llama`` loads it strictly, and its weights are one
+    process's after 2 steps within 1e-3 of each tensor's largest); resumed in the same layout
+    and in expert=1 it continues the uninterrupted curve, which is one process's."""
     import torch
 
     from llmlab.models import build_model
 
-    results = run_distributed(_rank_checkpoint, 2, str(tmp_path), timeout=900)
+    devices = LAYOUTS[layout][0]
+    results = run_distributed(_rank_checkpoint, devices, str(tmp_path), layout, timeout=900)
     path = tmp_path / "ep2.ckpt"
     one = _fit(_overrides(1, ["strategy=auto"]), 1, RESUME_STEPS, batches=HALF,
                callbacks=[_save_at(HALF, str(tmp_path / "one.ckpt"))])  # fmt: skip

@@ -407,3 +407,22 @@ def test_latent_fields_without_latent_attention_are_refused():
         Llama(LlamaConfig(v_head_dim=16))
     with pytest.raises(ValueError, match="does not combine with n_kv_head"):
         Llama(LlamaConfig(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
+
+
+@pytest.mark.parametrize("name", ["v3-yarn-qlora-moe", "no-renorm-one-group-biases"])
+def test_the_serving_engine_decodes_like_transformers_from_one_latent_copy(name, folders):
+    """Three prompts batched through the paged engine: each request's greedy tokens are HF
+    ``generate``'s on that prompt alone, and the pool keeps each layer's compressed latent
+    (``kv_lora_rank + qk_rope_head_dim`` per token) once: its values are its keys."""
+    from tests.helpers.hf_tiny import engine_greedy
+
+    hf, folder = folders[name]
+    ids = _ids(5, batch=3, length=9)
+    prompts = [ids[0, :9].tolist(), ids[1, :5].tolist(), ids[2, :7].tolist()]
+    got, engine = engine_greedy(from_pretrained(folder).eval(), prompts, 10)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(hf, torch.tensor([prompt]), 10)[0].tolist()
+    pool = engine.runner.pool
+    assert all(v is k for k, v in zip(pool.keys, pool.values, strict=True))
+    assert pool.keys[0].shape == (64, 4, 1, 16 + 8)
+    assert pool.nbytes == 3 * 64 * 4 * 24 * 4  # layers × blocks × block × (r + d_r) × fp32

@@ -224,3 +224,17 @@ def test_refused_moe_fields(folders, tmp_path):
     (tmp_path / "jitter" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"router_jitter_noise=0\.1 is not supported"):
         from_pretrained(tmp_path / "jitter")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe-shared"])
+def test_the_serving_engine_decodes_like_transformers(name, folders):
+    """Three prompts batched through the paged engine (continuous batching, 4-token blocks):
+    each request's greedy tokens are HF ``generate``'s on that prompt alone."""
+    from tests.helpers.hf_tiny import engine_greedy
+
+    hf, folder = folders[name]
+    prompts = _ids(4, batch=3, length=9)
+    prompts = [prompts[0, :9].tolist(), prompts[1, :5].tolist(), prompts[2, :7].tolist()]
+    got, _ = engine_greedy(from_pretrained(folder).eval(), prompts, 10)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(hf, torch.tensor([prompt]), 10)[0].tolist()

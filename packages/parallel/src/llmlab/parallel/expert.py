@@ -23,6 +23,16 @@ is computed by the same expert weights as in one process, in the same order when
 group's ranks hold consecutive parts of the batch (the data sampler's split), so the result
 equals the unsplit layer's.
 
+With the other dimensions. The expert groups are drawn per (pipeline stage, tensor rank): a
+stage's MoE layers exchange rows with the same stage of the other replicas, which run the same
+schedule, so their all-to-alls meet in the same order, micro-batch by micro-batch. The routed
+experts and the router are replicated over the tensor group (the models' tensor-parallel plans
+leave them out, Megatron-Core's ``expert_tensor_parallel_size=1``): without sequence parallelism
+every tensor rank dispatches the same rows (exact, the work repeated); with it each tensor rank
+routes its own sequence shard, and the experts' gradients are summed over the tensor group like a
+norm weight's. Expert parallelism is applied before tensor parallelism, so that the sequence-
+parallel gradient hooks land on the slices.
+
 Gradients. Expert ``e``'s weights on a rank receive the gradient of every row routed to ``e``
 from the whole expert group (the backward all-to-all brings it). The ranks with the same expert
 index in the other expert groups hold a copy of the same experts (``data × context / ep`` of
@@ -56,10 +66,6 @@ from llmlab.parallel.contracts import ExpertFn, ExpertParallelizable
 EXPERT_ATTR = "ep_slice"  # (index, count): the parameter holds experts slice ``index`` of ``count``
 
 EXPERT_REFUSALS = {  # what expert > 1 does not compose with yet, and why
-    "strategy.pipeline": "a pipeline stage's MoE layers would run their all-to-alls inside the "
-    "schedule's interleaved micro-batches; never checked against one process",
-    "strategy.tensor": "the tensor-parallel plan names no expert weight, so every tensor rank "
-    "would dispatch the same rows; not implemented",
     "strategy.zero": "ZeRO and FSDP2 shard one flat gradient over data × context, while expert "
     "weights reduce over the ranks holding the same experts; not implemented",
     "compile": "compiled blocks around the all-to-all (data-dependent split sizes) were never "

@@ -36,10 +36,15 @@ IGNORE_INDEX = -100  # a target that is not counted (torch's cross-entropy defau
 @dataclass(frozen=True)
 class LossReplicas:
     """The ranks holding different tokens of one global batch whose gradients are averaged:
-    ``group`` (``None``: the default group) of ``size`` ranks; ``size == 1``: this rank alone."""
+    ``group`` (``None``: the default group) of ``size`` ranks; ``size == 1``: this rank alone.
+    ``row_shards``: under sequence parallelism, the tensor group, whose ranks each hold other
+    rows of the same sequences between the tensor-parallel regions and *sum* the gradients of
+    the weights replicated there (``None``: no such split). The token-mean loss never sees it
+    (the head gathers the sequence first); a pooled sum over rows (:func:`replica_sum`) does."""
 
     group: Any = None
     size: int = 1
+    row_shards: Any = None
 
 
 @runtime_checkable
@@ -96,14 +101,18 @@ def global_token_mean(local_mean: Tensor, count: Tensor, replicas: LossReplicas)
 
 
 class _ReplicaSum(torch.autograd.Function):
-    """Value: ``Σ_r x_r`` over the replicas. Gradient: ``size`` times the incoming one, so the
-    strategy's mean over the replicas gives each ``x_r`` the gradient one process would."""
+    """Value: ``Σ_r x_r`` over the replicas (and the row shards). Gradient: ``size`` times the
+    incoming one, so the strategy's mean over the replicas gives each ``x_r`` the gradient one
+    process would; the row shards pass it on unchanged (their gradients are summed)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, replicas: LossReplicas) -> Tensor:
         ctx.size = replicas.size
         total = x.detach().clone()
-        dist.all_reduce(total, group=replicas.group)
+        if replicas.size > 1:
+            dist.all_reduce(total, group=replicas.group)
+        if replicas.row_shards is not None:
+            dist.all_reduce(total, group=replicas.row_shards)
         return total
 
     @staticmethod
@@ -117,8 +126,10 @@ def replica_sum(x: Tensor, replicas: LossReplicas) -> Tensor:
     router probabilities over every token): with every replica computing ``f(Σ_r x_r)``, the
     value is one process's and, after the strategy averages the gradients over the ``size``
     replicas, so is the gradient (each rank's ``x_r`` receives ``size · f'``, as in
-    :func:`global_token_mean`). One rank: ``x`` itself. Counts without a gradient go through
-    the same call (their backward is never taken)."""
-    if replicas.size == 1:
+    :func:`global_token_mean`). Under sequence parallelism the sum also runs over the row
+    shards, whose ``x`` each receive ``size · f'`` too: sequence parallelism sums their
+    gradients. One rank: ``x`` itself. Counts without a gradient go through the same call
+    (their backward is never taken)."""
+    if replicas.size == 1 and replicas.row_shards is None:
         return x
     return _ReplicaSum.apply(x, replicas)

@@ -9,7 +9,7 @@ and this module as the one place that decides which group reduces, gathers or no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from llmlab.parallel.checkpoint.checkpointer import LayoutCheckpointer
@@ -32,7 +32,7 @@ def build_step_mechanisms(strategy: Any) -> StepMechanisms:
     """The mechanisms of ``strategy`` (an ``NDParallelStrategy`` after its setup): gradients
     averaged over data × context (none with ZeRO, which reduce-scatters itself), expert
     gradients over the ranks holding the same experts; the checkpoint gathering tensor shards
-    (or expert slices, tensor = 1 with expert > 1) over their group; the norm over every group
+    over the tensor group and expert slices over the expert group; the norm over every group
     that holds different pieces."""
     groups, dims, zero, parallel = (
         strategy.groups,
@@ -50,9 +50,6 @@ def build_step_mechanisms(strategy: Any) -> StepMechanisms:
     masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
     held = masters.masters if zero is None and masters is not None else ()  # zero=0's fp32
     memory = ReplicatedMemory(parallel.params, strategy.optimizers, held) if zero is None else zero
-    shards = groups
-    if dims.expert > 1:
-        shards = replace(groups, tensor=groups.expert, tensor_ranks=groups.expert_ranks)
     layout = {
         **dims.sizes(),
         "zero": strategy.zero,
@@ -62,7 +59,7 @@ def build_step_mechanisms(strategy: Any) -> StepMechanisms:
     checkpointer = LayoutCheckpointer(
         strategy.lightning_module,
         strategy.model_attribute,
-        shards,
+        groups,
         parallel.duplicates,
         zero,
         masters,

@@ -35,13 +35,12 @@ ZERO_WITH_PIPELINE = (
 def check_expert(
     dims: ParallelDims, zero: int, transforms: ModelTransforms, sharded_checkpoints: bool = False
 ) -> None:
-    """What ``expert > 1`` was checked with: data × context, fp32, no ZeRO, compile or
-    activation checkpointing (:data:`llmlab.parallel.expert.EXPERT_REFUSALS` says why)."""
+    """What ``expert > 1`` was checked with: data × context beside pipeline and tensor (± SP),
+    fp32, no ZeRO, compile, activation checkpointing or sharded checkpoints
+    (:data:`llmlab.parallel.expert.EXPERT_REFUSALS` says why)."""
     if dims.expert == 1:
         return
     for what, value, bad in (
-        ("strategy.pipeline", dims.pipeline, dims.pipeline > 1),
-        ("strategy.tensor", dims.tensor, dims.tensor > 1),
         ("strategy.zero", zero, zero > 0),
         ("compile", True, transforms.compile),
         ("activation_checkpointing", transforms.activation_checkpointing,

@@ -4,10 +4,10 @@ torchtitan's ``parallelize_llama`` is the example: the model is written for one 
 transformation is applied from outside, here, in one stated order. Strategies call this function;
 tasks and the app never transform a model.
 
-    1. tensor parallelism      shard the layers the model's ``tensor_parallel_plan()`` names
-    2. sequence parallelism    norms / dropout / residual adds on sequence shards (part of 1)
-    2b. context parallelism    ring attention over the context group, global position ids
-    2c. expert parallelism     this rank's slice of each MoE layer's experts, all-to-all around it
+    1. expert parallelism      this rank's slice of each MoE layer's experts, all-to-all around it
+    2. tensor parallelism      shard the layers the model's ``tensor_parallel_plan()`` names
+    2b. sequence parallelism   norms / dropout / residual adds on sequence shards (part of 2)
+    2c. context parallelism    ring attention over the context group, global position ids
     3. memory                  recompute attention, activation checkpointing of repeated blocks
     4. pipeline stage split    keep this stage's ``pipeline_layers()``, free the rest
        pretrained weights      a ``meta`` model is filled: this stage's layers, this TP slice
@@ -15,10 +15,13 @@ tasks and the app never transform a model.
     6. compile                 each repeated block compiled in place (``compile=true``)
     7. data parallel / ZeRO    the strategy's gradient reducer, built from ``ParallelModel.params``
 
-Why this order: sharding swaps ``nn.Linear`` modules, so it comes before anything that wraps
-blocks (a checkpoint wrapper would hide them); the pipeline cut comes after both so that every
-stage holds already-sharded, already-wrapped layers and a tied weight stays one object; precision
-converts only what this rank keeps, so fp32 master weights are the shards the optimizer holds.
+Why this order: the expert slices come first, so that the gradient hooks sequence parallelism
+puts on every replicated parameter (a MoE layer's router and routed experts are replicated over
+the tensor group) land on the slices this rank keeps; sharding swaps ``nn.Linear`` modules, so
+it comes before anything that wraps blocks (a checkpoint wrapper would hide them); the pipeline
+cut comes after both so that every stage holds already-sharded, already-wrapped layers and a
+tied weight stays one object; precision converts only what this rank keeps, so fp32 master
+weights are the shards the optimizer holds.
 Pretrained weights (``weights``) are read after the cut and before precision: only what this rank
 keeps is read (:mod:`llmlab.parallel.checkpoint.pretrained`), and the masters are made from them.
 
@@ -142,7 +145,18 @@ def parallelize_model(
         check_layout(dims, model=model, global_batch=global_batch)
     result = ParallelModel(model, dims, transforms, params=[])
 
-    # 1-2. tensor (and sequence) parallelism: Megatron layers from the model's own plan
+    # 1. expert parallelism: a slice of every MoE layer's experts, tokens sent by all-to-all.
+    # First, so that what later steps attach to parameters (sequence parallelism's gradient
+    # hooks) lands on the slices this rank keeps, not on the full stacks it replaces.
+    if dims.expert > 1:
+        assert groups is not None, "expert parallelism needs process groups"
+        if weights is not None:
+            raise ValueError(expert_refusal("model.init_from", "<a folder>", dims.expert))
+        index = dims.expert_coords(groups.rank)[1]
+        result.expert = ExpertParallel(groups.expert, dims.expert, index)
+        result.applied["expert_parallel"] = result.expert.apply(model)  # raises: no MoE layer
+
+    # 2. tensor (and sequence) parallelism: Megatron layers from the model's own plan
     if dims.tensor > 1:
         shardable = require(model, TensorParallelShardable, "tensor parallelism")
         assert groups is not None, "tensor parallelism needs process groups"
@@ -156,21 +170,12 @@ def parallelize_model(
         result.loss_fn = VocabParallelCrossEntropy(groups.tensor)
         result.applied["tensor_parallel"] = dims.tensor
 
-    # 2b. context parallelism: ring attention; the strategy splits its steps (``split_batch``)
+    # 2c. context parallelism: ring attention; the strategy splits its steps (``split_batch``)
     if dims.context > 1:
         assert groups is not None, "context parallelism needs process groups"
         check_context(dims.context, transforms)
         result.context = ContextParallel(groups.context)
         result.applied["context_parallel"] = result.context.apply(model, active=False)
-
-    # 2c. expert parallelism: a slice of every MoE layer's experts, tokens sent by all-to-all
-    if dims.expert > 1:
-        assert groups is not None, "expert parallelism needs process groups"
-        if weights is not None:
-            raise ValueError(expert_refusal("model.init_from", "<a folder>", dims.expert))
-        index = dims.expert_coords(groups.rank)[1]
-        result.expert = ExpertParallel(groups.expert, dims.expert, index)
-        result.applied["expert_parallel"] = result.expert.apply(model)  # raises: no MoE layer
 
     # 3. memory: trade compute for activation memory
     if transforms.recompute_attention is not None:

@@ -18,9 +18,11 @@ vLLM's forward context, are the pattern). Speed comes from what every model gets
 per weight (``EngineConfig.quantize``, ``llmlab.models.quantize``) and the kernels.
 
 The pool is one pair of tensors per layer, ``(num_blocks, block_size, H_kv, D)``, zeroed at
-start so a masked slot never holds NaN. Its shapes come from a probe: one single-token forward
-whose attention context records each layer's ``k`` heads, head dim, dtype and sliding window
-(the device is the model's).
+start so a masked slot never holds NaN; one tensor where the layer hands the same tensor as its
+keys and values (latent attention's compressed latent, DeepSeek-V3: the pool keeps it once).
+Its shapes come from a probe: one single-token forward whose attention context records each
+layer's ``k`` heads, head dim, dtype, sliding window and whether ``v is k`` (the device is the
+model's).
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ from llmlab.serving.scheduler import Chunk
 
 
 class KVPool:
-    """Per-layer key and value blocks, shared by every sequence through block tables."""
+    """Per-layer key and value blocks, shared by every sequence through block tables.
+
+    ``shapes``: ``(KV heads, head dim, values are keys)`` per layer; where the values are the
+    keys (a compressed latent attended as both), ``values[i] is keys[i]``: one tensor."""
 
     def __init__(
         self,
-        shapes: list[tuple[int, int]],
+        shapes: list[tuple[int, int, bool]],
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -53,19 +58,27 @@ class KVPool:
     ) -> None:
         self.block_size = block_size
         self.keys = [
-            torch.zeros(num_blocks, block_size, h, d, dtype=dtype, device=device) for h, d in shapes
+            torch.zeros(num_blocks, block_size, h, d, dtype=dtype, device=device)
+            for h, d, _ in shapes
         ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [
+            k if shared else torch.zeros_like(k)
+            for k, (*_, shared) in zip(self.keys, shapes, strict=True)
+        ]
+
+    def tensors(self) -> list[Tensor]:
+        """Every distinct pool tensor (a layer whose values are its keys counts once)."""
+        return [*self.keys, *(v for k, v in zip(self.keys, self.values, strict=True) if v is not k)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` receives block ``src``'s keys and values, every layer."""
         src = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
         dst = torch.tensor([d for _, d in copies], device=self.keys[0].device)
-        for t in (*self.keys, *self.values):
+        for t in self.tensors():
             t.index_copy_(0, dst, t.index_select(0, src))
 
 
@@ -92,9 +105,15 @@ class PagedAttention:
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         heads, dim, dtype = keys.shape[2], keys.shape[3], keys.dtype
         keys.view(-1, heads, dim).index_copy_(0, self.slot_mapping, k[0].transpose(0, 1).to(dtype))
-        values.view(-1, heads, dim).index_copy_(
-            0, self.slot_mapping, v[0].transpose(0, 1).to(dtype)
-        )
+        if values is keys and v is not k:
+            raise ValueError(
+                f"layer {layer_idx} handed the same tensor as keys and values when the pool was "
+                "probed (one buffer kept) but different ones now"
+            )
+        if values is not keys:
+            values.view(-1, heads, dim).index_copy_(
+                0, self.slot_mapping, v[0].transpose(0, 1).to(dtype)
+            )
         out = paged_attention(
             q[0].transpose(0, 1).to(dtype), keys, values, self.layout, backend=self.backend
         )
@@ -109,7 +128,7 @@ class _Probe:
     dim, dtype, window) and attends plainly (one token sees itself)."""
 
     def __init__(self) -> None:
-        self.layers: list[tuple[int, int, torch.dtype, int | None]] = []
+        self.layers: list[tuple[int, int, bool, torch.dtype, int | None]] = []
 
     def begin(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Any) -> Tensor:
         return positions
@@ -122,7 +141,7 @@ class _Probe:
                 f"attention layers must attend in order; layer {layer_idx} came "
                 f"after {len(self.layers)} layers"
             )
-        self.layers.append((k.shape[1], k.shape[3], k.dtype, window))
+        self.layers.append((k.shape[1], k.shape[3], v is k, k.dtype, window))
         return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # softmax over one key
 
     def end(self, num_tokens: int) -> None:
@@ -167,14 +186,14 @@ class ModelRunner:
         self.pool = KVPool(shapes, config.num_blocks, config.block_size, dtype, self.device)
 
     @torch.inference_mode()
-    def _probe_shapes(self) -> tuple[list[tuple[int, int]], torch.dtype]:
+    def _probe_shapes(self) -> tuple[list[tuple[int, int, bool]], torch.dtype]:
         one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         probe = _Probe()
         self.model(one, positions=one, attention=probe, logits_to_keep=one[0])
         name = type(self.model).__name__
         if not probe.layers:
             raise TypeError(f"{name}'s forward called no attention layer through its context")
-        dtypes = {layer[2] for layer in probe.layers}
+        dtypes = {layer[3] for layer in probe.layers}
         if len(dtypes) != 1:
             raise TypeError(
                 f"{name}'s attention layers disagree on the KV dtype: {sorted(map(str, dtypes))}"
@@ -187,7 +206,7 @@ class ModelRunner:
                 f"{min(short.values())} tokens, which paged attention does not apply; serve with "
                 f"max_model_len <= {min(short.values())}"
             )
-        return [(h, d) for h, d, *_ in probe.layers], dtypes.pop()
+        return [(h, d, shared) for h, d, shared, *_ in probe.layers], dtypes.pop()
 
     # --------------------------------------------------------------------------- a step
     def prepare(

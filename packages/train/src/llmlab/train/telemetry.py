@@ -167,13 +167,13 @@ class RoutesTokens(Protocol):
 
 
 def expert_load_metrics(model: Any) -> dict[str, float]:
-    """``moe/layer{i}/<stat>`` of every MoE layer that ran (empty for a dense model, or where a
-    pipeline stage holds no MoE layer)."""
+    """``moe/layer{i}/<stat>`` of every MoE layer this rank holds (a pipeline stage: its own;
+    empty for a dense model, or a stage without an MoE layer)."""
     if not isinstance(model, RoutesTokens):
         return {}
     try:
         stats = model.router_stats()
-    except ValueError:  # a layer has not run here (another pipeline stage holds it)
+    except ValueError:  # a layer held here has not run a forward yet
         return {}
     return {
         f"moe/layer{i}/{name}": value

@@ -97,7 +97,7 @@ class LayoutCheckpointer:
             full = (fsdp2_full_params if fsdp2 else zero_full_params)(self.zero)
             value = {id(p): full[n] for n, p in self.zero.named_params()}
             named = {k: (value.get(id(t), t), dim) for k, (t, dim) in named.items()}
-        return C.gather_full(named, self.groups.tensor, self.groups.pipeline)
+        return C.gather_full(named, self.groups.tensor, self.groups.pipeline, self.groups.expert)
 
     def load_model_state(
         self, checkpoint: Mapping[str, Any], optimizers: Sequence[Optimizer], strict: bool = True
@@ -115,7 +115,9 @@ class LayoutCheckpointer:
 
     def _load_full_model_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
         named = C.named_state(self.module)
-        slices = C.local_slices(checkpoint["state_dict"], named, self.groups.tensor, strict=strict)
+        slices = C.local_slices(
+            checkpoint["state_dict"], named, self.groups.tensor, strict, self.groups.expert
+        )
         if self.zero is not None:
             name_of = {id(p): n for n, p in self.zero.named_params()}
             ours = {k for k in slices if id(named[k][0]) in name_of}
@@ -134,7 +136,11 @@ class LayoutCheckpointer:
             return {"format": SHARDED_KEY}
         if self.zero is None:
             return C.optimizer_state(
-                optimizer, self._param_info(), self.groups.tensor, self.groups.pipeline
+                optimizer,
+                self._param_info(),
+                self.groups.tensor,
+                self.groups.pipeline,
+                self.groups.expert,
             )
         info = self._param_info()
         by_name = dict(self.zero.named_params())
@@ -151,7 +157,7 @@ class LayoutCheckpointer:
             )
         ]  # fmt: skip
         return C.named_optimizer_state(
-            tensors, scalars, groups, self.groups.tensor, self.groups.pipeline
+            tensors, scalars, groups, self.groups.tensor, self.groups.pipeline, self.groups.expert
         )
 
     def load_optimizer_state(self, optimizer: Optimizer, saved: Mapping[str, Any]) -> None:
@@ -161,10 +167,14 @@ class LayoutCheckpointer:
             return
         if saved.get("format") != C.FORMAT:  # a plain state: by position, at full shapes
             optimizer.load_state_dict(
-                C.local_plain_optimizer_state(optimizer, saved, self.groups.tensor)
+                C.local_plain_optimizer_state(
+                    optimizer, saved, self.groups.tensor, self.groups.expert
+                )
             )
         elif self.zero is None:
-            C.load_optimizer_state(optimizer, saved, self._param_info(), self.groups.tensor)
+            C.load_optimizer_state(
+                optimizer, saved, self._param_info(), self.groups.tensor, self.groups.expert
+            )
         else:
             self._load_zero_optimizer_state(optimizer, saved)
 
@@ -184,7 +194,7 @@ class LayoutCheckpointer:
                 if isinstance(value, Tensor) and value.dim() == p.dim() and value.dim() > 0:
                     named[f"{name}\0{key}"] = (p, dim)  # the shape of this rank's tensor
                     full[f"{name}\0{key}"] = value
-        slices = C.local_slices(full, named, self.groups.tensor)
+        slices = C.local_slices(full, named, self.groups.tensor, expert_group=self.groups.expert)
         state = {
             ename: {
                 key: slices.get(f"{info[id(p)][0]}\0{key}", value)
@@ -235,7 +245,9 @@ class LayoutCheckpointer:
         rest = {k: v for k, v in local.items() if k != "masters"}
         if "masters" not in local or self.sharded or self.masters is None:
             return rest
-        full = C.gather_full(self._masters_named(), self.groups.tensor, self.groups.pipeline)
+        full = C.gather_full(
+            self._masters_named(), self.groups.tensor, self.groups.pipeline, self.groups.expert
+        )
         return {**rest, "masters_by_name": full}
 
     def load_precision_state(self, saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -243,7 +255,9 @@ class LayoutCheckpointer:
         if "masters_by_name" not in saved:
             return dict(saved)
         named = self._masters_named()
-        slices = C.local_slices(saved["masters_by_name"], named, self.groups.tensor)
+        slices = C.local_slices(
+            saved["masters_by_name"], named, self.groups.tensor, expert_group=self.groups.expert
+        )
         rest = {k: v for k, v in saved.items() if k != "masters_by_name"}
         return {**rest, "masters": [slices[name] for name in named]}
 

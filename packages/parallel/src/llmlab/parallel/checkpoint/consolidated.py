@@ -5,7 +5,8 @@ model's state-dict key, at its full shape. So it loads into a plain ``GPT`` for 
 any other layout to resume (docs/architecture.md#where-state-lives). Two primitives do all of it:
 
 * :func:`gather_full` -- this rank's tensors (``name -> (tensor, tensor-parallel shard dim)``)
-  all-gathered along their shard dimension over the tensor group, then merged over the pipeline
+  all-gathered along their shard dimension over the tensor group (an expert slice, whose dim is
+  an :class:`ExpertDim`, over the expert group), then merged over the pipeline
   group (each stage contributes the layers it holds; storage-less ``meta`` placeholders of other
   stages' layers are skipped). Data-parallel replicas hold equal values and are not consulted.
 * :func:`local_slices` -- the inverse: from full tensors, this rank's shard of each tensor it
@@ -38,12 +39,24 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
+class ExpertDim(int):
+    """The split dimension of an expert slice (0: the stacked experts), told apart from a
+    tensor-parallel shard's because it is split over the expert group. Expert slices are
+    replicated over the tensor group, so no tensor is split both ways."""
+
+
 def shard_dim(t: Tensor) -> int | None:
-    """The dimension ``t`` is split along over the checkpointer's shard group: a tensor-parallel
-    shard's, or 0 for an expert slice (expert parallelism, whose checkpoints gather over the
-    expert group: tensor parallelism is refused with it, so no tensor has both)."""
+    """The dimension ``t`` is split along: a tensor-parallel shard's, an :class:`ExpertDim`
+    for an expert slice (expert parallelism), ``None`` for a whole tensor."""
     dim = getattr(t, SHARD_DIM_ATTR, None)
-    return 0 if dim is None and hasattr(t, EXPERT_ATTR) else dim
+    return ExpertDim(0) if dim is None and hasattr(t, EXPERT_ATTR) else dim
+
+
+def split_group(
+    dim: int | None, tensor_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
+    """The group a tensor split along ``dim`` is split over."""
+    return expert_group if isinstance(dim, ExpertDim) else tensor_group
 
 
 def named_state(module: nn.Module) -> dict[str, tuple[Tensor, int | None]]:
@@ -66,11 +79,12 @@ def gather_full(
     named: Named,
     tensor_group: dist.ProcessGroup | None,
     pipeline_group: dist.ProcessGroup | None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Tensor]:
     """Full tensors (on the CPU) of every name held anywhere in the pipeline; a collective over
-    both groups (every rank of a stage calls it with the same names in the same order)."""
+    the groups (every rank of a stage calls it with the same names in the same order)."""
     local = {
-        name: _gather_along(t, dim, tensor_group).cpu()
+        name: _gather_along(t, dim, split_group(dim, tensor_group, expert_group)).cpu()
         for name, (t, dim) in named.items()
         if not t.is_meta
     }
@@ -89,6 +103,7 @@ def local_slices(
     named: Named,
     tensor_group: dist.ProcessGroup | None,
     strict: bool = True,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Tensor]:
     """This rank's slice of each full tensor it holds (``meta`` placeholders are skipped)."""
     held = {name: (t, dim) for name, (t, dim) in named.items() if not t.is_meta}
@@ -97,20 +112,21 @@ def local_slices(
         raise KeyError(
             f"the checkpoint lacks {len(missing)} tensors this rank holds: {missing[:5]}"
         )
-    n = _size(tensor_group)
-    rank = dist.get_rank(tensor_group) if n > 1 else 0
     out = {}
     for name, (t, dim) in held.items():
         if name not in full:
             continue
         value = full[name]
+        group = split_group(dim, tensor_group, expert_group)
+        n = _size(group)
         if dim is not None and n > 1:
             if value.shape[dim] % n:
+                what = "expert-parallel" if isinstance(dim, ExpertDim) else "tensor-parallel"
                 raise ValueError(
                     f"{name}: size {value.shape[dim]} along dim {dim} is not divisible by the "
-                    f"tensor-parallel size {n}"
+                    f"{what} size {n}"
                 )
-            value = value.chunk(n, dim=dim)[rank]
+            value = value.chunk(n, dim=dim)[dist.get_rank(group)]
         if value.shape != t.shape:
             raise ValueError(
                 f"{name}: checkpoint slice of shape {tuple(value.shape)} does not fit this "
@@ -153,17 +169,21 @@ def _flat_params(optimizer: Optimizer) -> list[Tensor]:
 
 
 def local_plain_optimizer_state(
-    optimizer: Optimizer, saved: Mapping[str, Any], tensor_group: dist.ProcessGroup | None
+    optimizer: Optimizer,
+    saved: Mapping[str, Any],
+    tensor_group: dist.ProcessGroup | None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> Mapping[str, Any]:
     """A one-process optimizer state (``torch``'s own: by position) for this rank's optimizer,
-    which steps the same parameters in the same order, some of them tensor-parallel shards:
-    each full-shape state tensor of a shard sliced to this rank's part. Unchanged without
-    tensor shards; with them, a different parameter count (a pipeline stage holds fewer) is
-    refused (torch would pair the states with the wrong parameters)."""
-    n = _size(tensor_group)
+    which steps the same parameters in the same order, some of them tensor-parallel shards or
+    expert slices: each full-shape state tensor of a split parameter sliced to this rank's
+    part. Unchanged without split parameters; with them, a different parameter count (a
+    pipeline stage holds fewer) is refused (torch would pair the states with the wrong
+    parameters)."""
     params = _flat_params(optimizer)
     positions = [i for group in saved.get("param_groups", []) for i in group["params"]]
-    if n == 1 or not any(shard_dim(p) is not None for p in params):
+    splits = [split_group(shard_dim(p), tensor_group, expert_group) for p in params]
+    if not any(shard_dim(p) is not None and _size(g) > 1 for p, g in zip(params, splits)):
         return saved
     if len(positions) != len(params):
         raise ValueError(
@@ -171,10 +191,10 @@ def local_plain_optimizer_state(
             f"optimizer of {len(params)} (a pipeline stage's): resume from this layout's own "
             "checkpoint, or one written by the N-D strategy (by parameter name)"
         )
-    rank = dist.get_rank(tensor_group)
     state = {}
-    for pos, p in zip(positions, params, strict=True):
-        dim = shard_dim(p)
+    for pos, p, group in zip(positions, params, splits, strict=True):
+        dim, n = shard_dim(p), _size(group)
+        rank = dist.get_rank(group) if n > 1 else 0
         state[pos] = {
             key: value.chunk(n, dim=dim)[rank].clone()
             if dim is not None and isinstance(value, Tensor) and value.shape != p.shape
@@ -192,6 +212,7 @@ def optimizer_state(
     info: Mapping[int, tuple[str, int | None]],
     tensor_group: dist.ProcessGroup | None,
     pipeline_group: dist.ProcessGroup | None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name and at full shape (a collective).
 
@@ -208,7 +229,9 @@ def optimizer_state(
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
         for g in packed["param_groups"]
     ]
-    return named_optimizer_state(tensors, scalars, groups, tensor_group, pipeline_group)
+    return named_optimizer_state(
+        tensors, scalars, groups, tensor_group, pipeline_group, expert_group
+    )
 
 
 def split_state(
@@ -236,11 +259,12 @@ def named_optimizer_state(
     groups: list[dict[str, Any]],
     tensor_group: dist.ProcessGroup | None,
     pipeline_group: dist.ProcessGroup | None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """The consolidated optimizer state from this rank's pieces, already keyed by name:
     ``tensors`` (``"name\0key" -> (tensor, shard dim)``), ``scalars`` (name -> key -> value) and
     the param ``groups`` with parameter names (a collective over both groups)."""
-    full = gather_full(tensors, tensor_group, pipeline_group)
+    full = gather_full(tensors, tensor_group, pipeline_group, expert_group)
     if _size(pipeline_group) > 1:
         parts: list[Any] = [None] * _size(pipeline_group)
         dist.all_gather_object(parts, (scalars, groups), group=pipeline_group)
@@ -262,6 +286,7 @@ def load_optimizer_state(
     saved: Mapping[str, Any],
     info: Mapping[int, tuple[str, int | None]],
     tensor_group: dist.ProcessGroup | None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Load a name-keyed full optimizer state into this rank's (sharded, partial) optimizer."""
     if len(saved["param_groups"]) != len(optimizer.param_groups):
@@ -282,7 +307,7 @@ def load_optimizer_state(
         for key, value in entry.items()
         if isinstance(value, Tensor)
     }
-    slices = local_slices(full, tensors, tensor_group, strict=True)
+    slices = local_slices(full, tensors, tensor_group, strict=True, expert_group=expert_group)
     state: dict[int, dict[str, Any]] = {}
     for i, p in enumerate(params):
         name, _ = info[id(p)]
