@@ -311,7 +311,8 @@ def test_an_expert_parallel_checkpoint_is_the_unsplit_model_and_resumes_in_exper
     expert slices gathered over the expert group, tensor shards over the tensor group) holds
     every expert at full shape (a plain ``Llama`` loads it strictly, and its weights are one
     process's after 2 steps within 1e-3 of each tensor's largest); resumed in the same layout
-    and in expert=1 it continues the uninterrupted curve, which is one process's."""
+    and in expert=1 it continues the uninterrupted curve, which is one process's; exported
+    to an HF folder, transformers loads it as a Mixtral with the same logits."""
     import torch
 
     from llmlab.models import build_model
@@ -346,3 +347,14 @@ def test_an_expert_parallel_checkpoint_is_the_unsplit_model_and_resumes_in_exper
     model = build_model(cfg)
     model.load_state_dict({k[len(prefix) :]: v for k, v in state.items()}, strict=True)
     assert model.moe_layers()[0].experts.gate_proj.shape[0] == 4
+    # ... and exports to an HF folder that transformers loads with the same logits (Mixtral)
+    from transformers import AutoModelForCausalLM
+
+    from llmlab.models import save_pretrained
+
+    folder = save_pretrained(model.eval(), tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-5, rtol=0)
