@@ -48,8 +48,8 @@ unconstrained, at batch 1 and 8, greedy. The model is the one above widened to G
 vocabulary (50,257 ids, GPT-2's own tokenizer: a mask is computed over every id, so the vocabulary
 sets its cost) with the same 4x256 body: a small forward, so the mask's share is larger than at
 GPT-2 124M. The schema (an array of free strings) never closes by itself, so both sides decode
-the same number of tokens; CPU time of the whole process, so the mask thread's work counts in
-full (no credit for overlapping the forward); best of interleaved rounds. Target: <= 15 % cost
+the same number of tokens; CPU time of the whole process (the masks are computed in the step,
+with nothing on a CPU to overlap them with); best of interleaved rounds. Target: <= 15 % cost
 (ratio >= 0.85).
 
 LoRA adapters served side by side (issue 39): 32 requests spread evenly over three adapters

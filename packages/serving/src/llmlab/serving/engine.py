@@ -19,9 +19,10 @@ with ``prompt_only`` ends when its prompt is computed, with no token generated.
 
 Structured output (``RequestOptions.grammar``, ``llmlab.serving.structured``): each sequence
 of such a request carries an llguidance matcher. The masks of this step's grammar sequences are
-computed in a worker thread while the forward runs (they depend only on accepted tokens),
-applied to their rows before any token is chosen, and the chosen token advances the matcher; a
-sequence whose grammar is complete finishes with ``"stop"``. A grammar that errs (or an injected
+computed once the forward is called and before its logits are read (they depend only on
+accepted tokens; an accelerator runs the forward meanwhile), applied to their rows before any
+token is chosen, and the chosen token advances the matcher; a sequence whose grammar is
+complete finishes with ``"stop"``. A grammar that errs (or an injected
 ``grammar`` fault) ends its request alone.
 
 Speculative decoding (``EngineConfig.speculative``, ``llmlab.serving.speculation``): before
@@ -76,7 +77,12 @@ from llmlab.serving.sampler import Failure, Rules, next_tokens, stop_reason
 from llmlab.serving.scheduler import Scheduler
 from llmlab.serving.sequence import Request, RequestOptions, Sequence
 from llmlab.serving.speculation import Speculator
-from llmlab.serving.step_grammar import advance_grammar, apply_masks, collect_masks, start_masks
+from llmlab.serving.step_grammar import (
+    advance_grammar,
+    apply_masks,
+    compute_masks,
+    masked_sequences,
+)
 from llmlab.serving.step_logprobs import (
     record_prompt_logprobs,
     record_token_logprobs,
@@ -196,16 +202,13 @@ class LLMEngine:
         drafted = self.speculator.propose(out, self._tracked) if self.speculator else {}
         every_row = {i for i, c in enumerate(out.chunks) if wants_prompt_rows(c)}
         every_row |= {d.chunk for d in drafted.values()}  # drafts are checked at every row
-        # the grammar masks are computed while the forward runs
-        masked, job, grammar_errors = start_masks(out.chunks, self._tracked, self.grammars)
+        masked, grammar_errors = masked_sequences(out.chunks, self._tracked)
         try:
             for chunk in out.chunks:
                 fire("forward", self._tracked[chunk.seq.request.request_id].rules.fault)
             logits = self.runner.execute(out.chunks, out.copies, every_row)
         except Exception as err:
             Speculator.take_back(drafted)
-            if job is not None:
-                job.future.exception()  # the masks' thread is done with the matchers
             ids = dict.fromkeys(c.seq.request.request_id for c in out.chunks)
             failed = [self._fail(rid, "forward", err) for rid in ids]
             self.stats.observe_queues(self.scheduler)
@@ -213,7 +216,8 @@ class LLMEngine:
         Speculator.take_back(drafted)
         self.scheduler.after_forward(out)
         failed: dict[str, RequestOutput | None] = {}
-        refused = collect_masks(masked, job, grammar_errors, failed, self._fail)
+        # the grammar masks, before the logits are read: an accelerator runs the forward meanwhile
+        refused = compute_masks(masked, grammar_errors, self.grammars, failed, self._fail)
         draft_rows = Speculator.rows(out.chunks, every_row, logits, drafted) if drafted else {}
         if every_row:  # prompt log-probabilities; then one row per completing chunk
             logits = record_prompt_logprobs(

@@ -1,7 +1,7 @@
 """A step's structured output: the next-token masks of the sequences that follow a grammar,
-computed in a worker thread while the forward runs, applied to their rows before any token is
-chosen, and each grammar advanced by its chosen token. A grammar that errs fails its request
-alone (through ``fail``, the engine's)."""
+computed once the forward has been called (an accelerator runs it meanwhile), applied to their
+rows before any token is chosen, and each grammar advanced by its chosen token. A grammar that
+errs fails its request alone (through ``fail``, the engine's)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,16 @@ from llmlab.serving.faults import fire
 from llmlab.serving.request_outputs import RequestOutput, TrackedRequest
 from llmlab.serving.scheduler import Chunk
 from llmlab.serving.sequence import Sequence
-from llmlab.serving.structured import Grammars, MaskJob
+from llmlab.serving.structured import Grammars
 
 Fail = Callable[[str, str, BaseException], "RequestOutput | None"]
 
 
-def start_masks(
-    chunks: list[Chunk], tracked: dict[str, TrackedRequest], grammars: Grammars
-) -> tuple[dict[Sequence, int], MaskJob | None, dict[str, Exception]]:
-    """Start computing the next-token masks of the sequences this step samples that follow
-    a grammar (in a worker thread, while the forward runs): ``(sequence -> its row, the
-    job, requests whose grammar stage failed already)``."""
+def masked_sequences(
+    chunks: list[Chunk], tracked: dict[str, TrackedRequest]
+) -> tuple[dict[Sequence, int], dict[str, Exception]]:
+    """The sequences this step samples that follow a grammar, each with its row of the masks
+    (``sequence -> row``), and the requests whose grammar stage failed already."""
     masked: dict[Sequence, int] = {}
     errors: dict[str, Exception] = {}
     for chunk in chunks:
@@ -38,27 +37,25 @@ def start_masks(
             errors[rid] = err
             continue
         masked[seq] = len(masked)
-    if not masked:
-        return masked, None, errors
-    return masked, grammars.start([s.grammar for s in masked]), errors
+    return masked, errors
 
 
-def collect_masks(
+def compute_masks(
     masked: dict[Sequence, int],
-    job: MaskJob | None,
     errors: dict[str, Exception],
+    grammars: Grammars,
     failed: dict,
     fail: Fail,
 ) -> Any:
-    """The masks ``start_masks`` computed ((rows, vocab) booleans, True where a token is
+    """The masks of the ``masked`` sequences ((rows, vocab) booleans, True where a token is
     refused; None if none); a request whose grammar failed ends here (the others' masks
     stand)."""
     for rid, err in errors.items():
         failed[rid] = fail(rid, "grammar", err)
-    if job is None:
+    if not masked:
         return None
     try:
-        refused = job.result()
+        refused = grammars.masks([seq.grammar for seq in masked])
     except Exception as err:
         for seq in masked:
             rid = seq.request.request_id

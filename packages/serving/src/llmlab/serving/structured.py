@@ -12,13 +12,15 @@ Why llguidance (not xgrammar): it installs as one wheel with no dependencies (xg
 bytes (so llmlab's own tokenizers, byte-level or BPE, work without an HF tokenizer object), and
 computes a mask lazily per step in tens of microseconds with no per-schema compilation (xgrammar
 precompiles each grammar against the vocabulary: milliseconds to seconds per new schema, which
-every request with a fresh schema would pay before its first token). Its mask fill drops the
-GIL, which is what lets the engine compute masks while the forward runs.
+every request with a fresh schema would pay before its first token).
 
 Off the critical path: the mask for a sequence's next token depends only on the tokens it has
-already accepted, so the engine starts :meth:`Grammars.start` (the batch's masks, in a worker
-thread that holds no GIL while llguidance works) before the step's forward and collects them
-after it (:meth:`MaskJob.result`). Whitespace is bounded: every JSON grammar here is compiled
+already accepted, so the engine computes the step's masks (:meth:`Grammars.masks`) right after
+it has called the forward and before it reads the logits: on an accelerator the forward's
+kernels are queued by then and run while the CPU computes the masks. On a CPU there is nothing
+to overlap with, and a worker thread beside the forward measured worse than none (process CPU
+time per token at batch 1: +3.5 ms of forward slowed by the thread against a 0.2 ms mask).
+Whitespace is bounded: every JSON grammar here is compiled
 with ``whitespace_flexible: false`` (compact ``,`` and ``:`` separators, no spaces, no newlines),
 so a schema whose strings, arrays and numbers are bounded closes within a bounded number of
 tokens.
@@ -28,8 +30,6 @@ from __future__ import annotations
 
 import json
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import llguidance  # not llguidance.torch: it torch.compiles at import (seconds, and inductor)
@@ -132,12 +132,11 @@ class Grammars:
         self.vocab_size = vocab_size
         self.banned = set(banned.tolist()) if banned is not None else set()
         self._tokenizers: dict[tuple[int, ...], Any] = {}
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the server checks requests in its own threads
 
     def lltokenizer(self, eos: list[int]) -> Any:
         key = tuple(sorted(eos))
-        with self._lock:  # the server checks requests in its own threads
+        with self._lock:
             found = self._tokenizers.get(key)
             if found is None:
                 if self.tokenizer is None:
@@ -163,38 +162,20 @@ class Grammars:
             raise ValueError(f"invalid grammar: {matcher.get_error()}")
         return matcher
 
-    def start(self, matchers: list[Any]) -> MaskJob:
-        """Compute each matcher's next-token mask in a worker thread (llguidance and torch
-        drop the GIL), as booleans: collect them with :meth:`MaskJob.result`. One matcher after
-        the other: ~15 us each for GPT-2's vocabulary, where llguidance's own parallel executor
-        costs more in hand-offs than it saves at serving batch sizes on a few cores."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmlab-grammar")
-        return MaskJob(self._pool.submit(_disallowed, matchers, self.vocab_size))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-
-
-def _disallowed(matchers: list[Any], vocab_size: int) -> torch.Tensor:
-    """(matchers, vocab_size) booleans, True where a matcher's grammar refuses the token: from
-    llguidance's byte-per-token mask (0: refused), which costs about half of expanding its
-    bitmask in torch (~350 vs ~600 us for 8 rows of GPT-2's vocabulary here), contiguous so
-    that the step's ``masked_fill`` is fast too."""
-    rows = [torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)[:vocab_size]
-            for m in matchers]  # fmt: skip
-    return torch.stack(rows) == 0
-
-
-@dataclass
-class MaskJob:
-    future: Future
-
-    def result(self) -> torch.Tensor:
-        """(matchers, vocab_size) booleans: True where a matcher's grammar refuses a token."""
-        return self.future.result()
+    def masks(self, matchers: list[Any]) -> torch.Tensor:
+        """(matchers, vocab_size) booleans, True where a matcher's grammar refuses the token: one
+        matcher after the other (~15 us each for GPT-2's vocabulary inside a JSON string; at
+        serving batch sizes llguidance's own parallel executor costs more in hand-offs than it
+        saves on a few cores). From llguidance's byte-per-token mask (0: refused), which costs
+        about half of expanding its bitmask in torch, contiguous so that the step's
+        ``masked_fill`` is fast too."""
+        rows = [
+            torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)[
+                : self.vocab_size
+            ]
+            for m in matchers
+        ]
+        return torch.stack(rows) == 0
 
 
 # ----------------------------------------------------------------------------- tool calls
