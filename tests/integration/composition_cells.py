@@ -142,7 +142,6 @@ COMPILE_UNCHECKED = "compile=true is not supported with strategy"
 COMPILE_TENSOR = "compile=true with tensor parallelism is refused"
 ZERO_PIPELINE = "is refused: a pipeline runs several micro-batch backward passes"
 FSDP2_STAGE = "strategy.zero_impl=fsdp2 expresses ZeRO stages 2"
-FSDP2_CONTEXT = "strategy.zero_impl='fsdp2' with strategy.context=2 is refused"
 FSDP2_COMPILE = "strategy.zero_impl=fsdp2 with compile=true is not verified"
 FSDP2_AC = "strategy.zero_impl=fsdp2 with activation_checkpointing is not verified"
 FSDP2_PLUGIN = "strategy.zero_impl=fsdp2 runs with Lightning's 32-true or bf16-mixed precision"
@@ -156,7 +155,6 @@ WHY_REFUSED = {
     COMPILE_TENSOR: "tensor-sharded blocks recompile until dynamo gives up and runs eager",
     ZERO_PIPELINE: "ZeRO-2/3 would reduce-scatter or gather per micro-batch (DeepSpeed agrees)",
     FSDP2_STAGE: "FSDP2 always reduce-scatters gradients: it expresses ZeRO-2 and ZeRO-3 only",
-    FSDP2_CONTEXT: "FSDP2 shards over the data mesh only; context ranks reduce with it",
     FSDP2_COMPILE: "FSDP2 with compile was never checked",
     FSDP2_AC: "FSDP2 with activation checkpointing was never checked",
     FSDP2_PLUGIN: "fp32 master weights and fp8 layers live in llmlab's ZeRO engine, not FSDP2",
@@ -236,8 +234,6 @@ def _zero_refusal(c: Cell, layout: Layout) -> str | None:
         return CONTEXT_COMPILE
     if not fsdp2:
         return None
-    if context:
-        return FSDP2_CONTEXT
     if stage < 2:
         return FSDP2_STAGE
     # (fsdp2 × pipeline never gets here: ZeRO-2/3 with a pipeline is refused first)

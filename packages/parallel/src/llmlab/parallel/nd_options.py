@@ -70,7 +70,7 @@ def check_options(
         raise ValueError(COMPILE_WITH_TENSOR)
     check_split_backward(dims.schedule, transforms.compile)  # zb1/zbv/dualpipev: exact only
     check_context(dims.context, transforms)
-    check_zero_impl(zero_impl, zero, dims.pipeline, transforms, context=dims.context)
+    check_zero_impl(zero_impl, zero, dims.pipeline, transforms)
     check_expert(dims, zero, transforms, sharded_checkpoints)
 
 
@@ -80,9 +80,7 @@ def check_run(dims: ParallelDims, zero: int, zero_impl: str, run: RunConfig) -> 
     the world, batch and model (built on ``meta`` only when tensor, pipeline or expert > 1),
     context parallelism with the sequence length and dropout."""
     check_split_backward(dims.schedule, run.transforms.compile, run.plugin_options)
-    check_zero_impl(
-        zero_impl, zero, dims.pipeline, None, run.plugin, run.precision, context=dims.context
-    )
+    check_zero_impl(zero_impl, zero, dims.pipeline, None, run.plugin, run.precision)
     if dims.expert > 1 and (run.plugin is not None or run.precision not in FP32):
         raise ValueError(expert_refusal("precision", run.plugin or run.precision, dims.expert))
     model = run.model() if dims.tensor > 1 or dims.pipeline > 1 or dims.expert > 1 else None

@@ -112,14 +112,18 @@ def fsdp2_refusal(
 
 
 def data_mesh(groups: ProcessGroups, device_type: str) -> DeviceMesh:
-    """The ``data`` dimension of a data × tensor ``DeviceMesh`` made of the layout's own groups
-    (no new process group): FSDP2 shards over it, tensor parallelism talks over the other."""
+    """The replica dimension (data × context: torchtitan's ``dp_shard_cp``) of a replicas ×
+    tensor ``DeviceMesh`` made of the layout's own groups (no new process group): FSDP2 shards
+    over it, tensor parallelism talks over the other. Context ranks hold other tokens of the same
+    sequences, so their gradients are averaged with the data replicas' (the ranks are laid out
+    ``(data · context + context index) · tensor + tensor index`` without a pipeline)."""
     dims = groups.dims
-    ranks = torch.arange(dims.world_size).view(dims.data, dims.tensor)
+    ranks = torch.arange(dims.world_size).view(dims.replicas, dims.tensor)
     mesh = DeviceMesh.from_group(
-        [groups.data, groups.tensor], device_type, mesh=ranks, mesh_dim_names=("data", "tensor")
-    )
-    return mesh["data"]
+        [groups.replica, groups.tensor], device_type, mesh=ranks,
+        mesh_dim_names=("replica", "tensor"),
+    )  # fmt: skip
+    return mesh["replica"]
 
 
 # the data collectives FSDP2 launches -> which argument is the payload counted

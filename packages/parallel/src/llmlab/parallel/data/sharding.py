@@ -24,7 +24,6 @@ def check_zero_impl(
     transforms: ModelTransforms | None = None,
     plugin: type | None = None,
     precision: str | None = None,
-    context: int = 1,
 ) -> None:
     """Refuse an unknown ``zero_impl``, or a config FSDP2 cannot run, before any work
     (``plugin``, ``precision``: the run's, when known)."""
@@ -32,12 +31,6 @@ def check_zero_impl(
         raise ValueError(f"strategy.zero_impl must be one of {IMPLS}, got {impl!r}")
     if impl != "fsdp2":
         return
-    if context > 1:
-        raise ValueError(
-            f"strategy.zero_impl='fsdp2' with strategy.context={context} is refused: FSDP2 "
-            "shards over the data mesh only, while context ranks must reduce gradients with "
-            "their data replicas; use zero_impl='llmlab' (shards over data × context) or context=1"
-        )
     problem = fsdp2_refusal(
         zero, pipeline, plugin=plugin, precision=precision, transforms=transforms
     )
