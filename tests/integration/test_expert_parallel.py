@@ -36,6 +36,7 @@ STEPS = 3
 REL = 1e-5  # fp32: the loss and both norms (the reductions sum in another order)
 ND, DP2, TP2, PP2 = "strategy=nd", "strategy.data=2", "strategy.tensor=2", "strategy.pipeline=2"
 SP = "strategy.sequence_parallel=true"
+QUIET = "strategy.timeline_every_n_steps=0"  # no pipeline timeline images in the working tree
 LAYOUTS = {  # name -> (devices, strategy overrides, the expert degree last)
     "dp2-ep2": (2, [ND, DP2, "strategy.expert=2"]),
     "cp2-ep2": (2, [ND, "strategy.context=2", "strategy.expert=2"]),
@@ -43,8 +44,8 @@ LAYOUTS = {  # name -> (devices, strategy overrides, the expert degree last)
     "dp2-cp2-ep4": (4, [ND, DP2, "strategy.context=2", "strategy.expert=4"]),
     "dp2-tp2-ep2": (4, [ND, DP2, TP2, "strategy.expert=2"]),
     "dp2-tp2sp-ep2": (4, [ND, DP2, TP2, SP, "strategy.expert=2"]),
-    "dp2-pp2-ep2": (4, [ND, DP2, PP2, "strategy.expert=2"]),
-    "dp2-pp2-tp2-ep2": (8, [ND, DP2, PP2, TP2, "strategy.expert=2"]),
+    "dp2-pp2-ep2": (4, [ND, DP2, PP2, QUIET, "strategy.expert=2"]),
+    "dp2-pp2-tp2-ep2": (8, [ND, DP2, PP2, TP2, QUIET, "strategy.expert=2"]),
 }
 # DeepSeek-V3's shape: latent attention (q bottleneck), a dense first layer, sigmoid routing and
 # a shared expert beside the routed ones (sharded by tensor parallelism like a dense MLP)

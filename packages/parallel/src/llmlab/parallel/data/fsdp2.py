@@ -17,15 +17,16 @@ each on the wire. ``comm/dp_bytes`` counts the collectives FSDP2 actually launch
 (:class:`CollectiveBytes`), so the two implementations are compared by measurement.
 
 Tensor parallelism: llmlab's Megatron layers hold *plain* tensors, the tensor rank's slice of
-each weight. ``fully_shard`` over the ``data`` dimension of a data × tensor ``DeviceMesh`` (built
-from the layout's own process groups) shards those slices across the data ranks of one tensor
-coordinate -- exactly the replicas ZeRO shards -- while the tensor collectives keep running on
-the tensor group. The ``DTensor`` parameters carry the slice's shard dim, so the whole-model norm
-and the checkpoints place them as before. A replicated parameter whose gradient on each tensor
-rank is a part of a sum (sequence parallelism's norms; one inside an attention module, such as a
-q/k norm) had that sum done by a gradient hook on the parameter, which ``fully_shard`` replaces:
-:meth:`FSDP2Engine.sum_partial_gradients` all-reduces their gradient shards over the tensor
-group instead, once the reduce-scatter is done (the two sums commute).
+each weight. ``fully_shard`` over the replica dimension (data × context) of a replicas × tensor
+``DeviceMesh`` (built from the layout's own process groups) shards those slices across the
+replicas of one tensor coordinate -- exactly the ranks ZeRO shards over -- while the tensor
+collectives keep running on the tensor group. The ``DTensor`` parameters carry the slice's shard
+dim, so the whole-model norm and the checkpoints place them as before. A replicated parameter
+whose gradient on each tensor rank is a part of a sum (sequence parallelism's norms; one inside
+an attention module, such as a q/k norm) had that sum done by a gradient hook on the parameter,
+which ``fully_shard`` replaces: :meth:`FSDP2Engine.sum_partial_gradients` all-reduces their
+gradient shards over the tensor group instead, once the reduce-scatter is done (the two sums
+commute).
 
 Not expressible here (refused up front by :func:`fsdp2_refusal`): a pipeline (FSDP2's backward
 hooks reduce once per backward, the schedule runs several), fp32 master weights of an fp16/bf16
