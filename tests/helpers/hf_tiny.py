@@ -116,15 +116,15 @@ def hf_greedy(hf: Any, prompt: torch.Tensor, n: int) -> torch.Tensor:
     return out[:, prompt.shape[1] :]
 
 
-def engine_greedy(model: Any, prompts: list[list[int]], n: int, **config: Any) -> tuple[Any, Any]:
-    """The serving engine's ``n`` greedy tokens for each of ``prompts``, batched together in a
-    small paged pool (4-token blocks: every prompt spans several, and the requests share the
-    pool), with ``config`` overriding the ``EngineConfig``; returns ``(tokens, engine)``."""
+def engine_matches_hf_greedy(model: Any, hf: Any, prompts: list[list[int]], n: int) -> Any:
+    """Serve ``prompts`` together through a small paged engine (4-token blocks: every prompt
+    spans several, the requests share the pool) and assert each request's ``n`` greedy tokens
+    are HF ``generate``'s on that prompt alone; returns the engine."""
     from llmlab.decoding import GenerationConfig
     from llmlab.serving import EngineConfig, LLMEngine
 
-    settings = dict(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64) | config
-    engine = LLMEngine(model, config=EngineConfig(**settings))
+    config = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64)
+    engine = LLMEngine(model, config=config)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GenerationConfig(max_new_tokens=n))
     done: dict[str, list[int]] = {}
@@ -132,4 +132,6 @@ def engine_greedy(model: Any, prompts: list[list[int]], n: int, **config: Any) -
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-    return [done[str(i)] for i in range(len(prompts))], engine
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)] == hf_greedy(hf, torch.tensor([prompt]), n)[0].tolist(), i
+    return engine

@@ -17,7 +17,7 @@ from llmlab.models import Llama, LlamaConfig, from_pretrained, save_pretrained
 from llmlab.models.hf import CheckpointError
 from llmlab.models.llama_layers import LatentAttention
 from llmlab.models.rope import Rotary, attention_factor, inverse_frequencies, softmax_scale
-from tests.helpers.hf_tiny import hf_greedy
+from tests.helpers.hf_tiny import engine_matches_hf_greedy, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -414,14 +414,10 @@ def test_the_serving_engine_decodes_like_transformers_from_one_latent_copy(name,
     """Three prompts batched through the paged engine: each request's greedy tokens are HF
     ``generate``'s on that prompt alone, and the pool keeps each layer's compressed latent
     (``kv_lora_rank + qk_rope_head_dim`` per token) once: its values are its keys."""
-    from tests.helpers.hf_tiny import engine_greedy
-
     hf, folder = folders[name]
     ids = _ids(5, batch=3, length=9)
     prompts = [ids[0, :9].tolist(), ids[1, :5].tolist(), ids[2, :7].tolist()]
-    got, engine = engine_greedy(from_pretrained(folder).eval(), prompts, 10)
-    for prompt, tokens in zip(prompts, got, strict=True):
-        assert tokens == hf_greedy(hf, torch.tensor([prompt]), 10)[0].tolist()
+    engine = engine_matches_hf_greedy(from_pretrained(folder).eval(), hf, prompts, 10)
     pool = engine.runner.pool
     assert all(v is k for k, v in zip(pool.keys, pool.values, strict=True))
     assert pool.keys[0].shape == (64, 4, 1, 16 + 8)

@@ -16,7 +16,7 @@ from llmlab.decoding import generate
 from llmlab.models import Llama, LlamaConfig, from_pretrained, save_pretrained
 from llmlab.models.hf import CheckpointError
 from llmlab.models.moe import MoE
-from tests.helpers.hf_tiny import hf_greedy
+from tests.helpers.hf_tiny import engine_matches_hf_greedy, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -230,11 +230,7 @@ def test_refused_moe_fields(folders, tmp_path):
 def test_the_serving_engine_decodes_like_transformers(name, folders):
     """Three prompts batched through the paged engine (continuous batching, 4-token blocks):
     each request's greedy tokens are HF ``generate``'s on that prompt alone."""
-    from tests.helpers.hf_tiny import engine_greedy
-
     hf, folder = folders[name]
-    prompts = _ids(4, batch=3, length=9)
-    prompts = [prompts[0, :9].tolist(), prompts[1, :5].tolist(), prompts[2, :7].tolist()]
-    got, _ = engine_greedy(from_pretrained(folder).eval(), prompts, 10)
-    for prompt, tokens in zip(prompts, got, strict=True):
-        assert tokens == hf_greedy(hf, torch.tensor([prompt]), 10)[0].tolist()
+    ids = _ids(4, batch=3, length=9)
+    prompts = [ids[0, :9].tolist(), ids[1, :5].tolist(), ids[2, :7].tolist()]
+    engine_matches_hf_greedy(from_pretrained(folder).eval(), hf, prompts, 10)

@@ -177,9 +177,8 @@ class NDParallelStrategy(DDPStrategy):
 
     @property
     def loss_replicas(self) -> LossReplicas:
-        """The data × context ranks: each holds different tokens of the global batch, and
-        gradients are averaged over them (:mod:`llmlab.parallel.loss_mean`); with sequence
-        parallelism, the tensor ranks' row shards besides."""
+        """The data × context ranks, each with different tokens of the global batch, whose
+        gradients are averaged (:mod:`llmlab.parallel.loss_mean`); under SP, the row shards."""
         shards = self.groups.tensor if self.dims.sequence_parallel else None
         return LossReplicas(self.groups.replica, self.dims.replicas, shards)
 
@@ -382,11 +381,9 @@ class NDParallelStrategy(DDPStrategy):
         pipeline)."""
         assert self._reducer is not None
         if self.zero_engine is not None and self.pipeline_step is None:
-            # ZeRO reduce-scattered during backward (its end-of-backward callback); FSDP2 lost
-            # tensor parallelism's partial-gradient hooks with the parameters it replaced
-            if isinstance(self.zero_engine, FSDP2Engine):
+            if isinstance(self.zero_engine, FSDP2Engine):  # its own sum of partial gradients
                 self.zero_engine.sum_partial_gradients()
-            return
+            return  # ZeRO reduce-scattered during backward (its end-of-backward callback)
         self._reducer()
         if self.zero_engine is not None:
             self.zero_engine.reduce_gradients()
