@@ -205,11 +205,20 @@ class Llama(nn.Module):
         sizes = {"n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size}
         if not c.latent_attention:
             sizes["n_kv_head"] = c.n_kv_head
-        if any(not c.is_moe_layer(i) for i in range(c.n_layer)):
-            sizes["intermediate_size"] = c.intermediate_size
-        if c.num_experts and c.shared_expert_intermediate_size:
-            sizes["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size
+        sizes.update(self._sharded_mlps().values())
         return sizes
+
+    def _sharded_mlps(self) -> dict[str, tuple[str, int]]:
+        """The gated MLPs tensor parallelism shards, by module pattern: ``(config field, width)``
+        of the dense MLPs (where some layer has one) and of a MoE layer's shared expert."""
+        c = self.config
+        mlps = {}
+        if any(not c.is_moe_layer(i) for i in range(c.n_layer)):
+            mlps["blocks.*.mlp"] = ("intermediate_size", c.intermediate_size)
+        if c.num_experts and c.shared_expert_intermediate_size:
+            width = ("shared_expert_intermediate_size", c.shared_expert_intermediate_size)
+            mlps["blocks.*.mlp.shared_expert"] = width
+        return mlps
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Which modules to shard and how (Megatron-LM's layout; see llmlab.parallel.tensor).
@@ -234,12 +243,7 @@ class Llama(nn.Module):
                 "blocks.*.attn.v_proj": "colwise",
             }
         plan["blocks.*.attn.o_proj"] = "rowwise"
-        mlps = []
-        if any(not c.is_moe_layer(i) for i in range(c.n_layer)):
-            mlps.append("blocks.*.mlp")
-        if c.num_experts and c.shared_expert_intermediate_size:
-            mlps.append("blocks.*.mlp.shared_expert")
-        for mlp in mlps:
+        for mlp in self._sharded_mlps():
             plan |= {
                 f"{mlp}.gate_proj": "colwise",
                 f"{mlp}.up_proj": "colwise",
