@@ -52,6 +52,8 @@ LAYOUTS: dict[str, list[str]] = {
     "tensor2-ac": ["strategy=tensor", "+model_transforms.activation_checkpointing=1"],
     "zero3": ["strategy=nd", "strategy.zero=3"],  # llmlab's: the adapters sharded, base whole
     "context2": ["strategy=nd", "strategy.context=2"],
+    "context2-fsdp2": ["strategy=nd", "strategy.context=2", "strategy.zero=3",
+                       "strategy.zero_impl=fsdp2"],  # FSDP2 over data × context
     # four ranks: each pair of dimensions
     "pipeline2xtensor2": ["strategy=nd", "strategy.pipeline=2", "strategy.tensor=2",
                           "strategy.microbatches=2", "strategy.timeline_every_n_steps=0"],
@@ -161,7 +163,7 @@ def _check(name: str, got: dict, want: dict) -> None:
 @pytest.mark.parametrize(
     ("world", "names"),
     [
-        (2, ["data2", "fsdp2", "zero3", "context2"]),
+        (2, ["data2", "fsdp2", "zero3", "context2", "context2-fsdp2"]),
         (2, ["tensor2", "tensor2-sp", "tensor2-ac", "pipeline2"]),
         (4, ["pipeline2xtensor2", "data2xtensor2-fsdp2", "data2xtensor2-sp-zero3",
              "context2xtensor2", "data2xpipeline2-zero1"]),
