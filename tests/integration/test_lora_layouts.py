@@ -1,12 +1,12 @@
-"""LoRA under llmlab's layouts trains like one process (issue 39): data = 2, tensor = 2 (plain,
-with sequence parallelism, with activation checkpointing), pipeline = 2, context = 2 (also with
-FSDP2), FSDP2 and llmlab's ZeRO-3 over data = 2, and on four ranks pairs of dimensions
-(pipeline × tensor, context × tensor, data × tensor with FSDP2 and with ZeRO-3 + sequence
-parallelism, data × pipeline with ZeRO-1; ``slow``: eight ranks, data × pipeline × tensor and
-data × context × tensor + SP). Each starts from the same ``model.init_from`` folder (a tiny
-byte-level Llama: GQA, gated MLP, untied head) with adapters on every linear layer, is built through the
-app's own config (``compose_config`` → ``validate_config`` → ``build_strategy`` /
-``build_precision``) and trains in a real ``Trainer`` (``tests.helpers.training.fit``).
+"""LoRA under llmlab's layouts trains like one process (issue 39): data = 2, tensor = 2 (plain, with
+sequence parallelism, with activation checkpointing), pipeline = 2, context = 2 (also with
+FSDP2), FSDP2 and llmlab's ZeRO-3 over data = 2, and on four ranks pairs of dimensions (pipeline
+× tensor, context × tensor, data × tensor with FSDP2 and with ZeRO-3 + sequence parallelism, data
+× pipeline with ZeRO-1; ``slow``: eight ranks, data × pipeline × tensor and data × context ×
+tensor + SP). Each starts from the same ``model.init_from`` folder (a tiny byte-level Llama: GQA,
+gated MLP, untied head) with adapters on every linear layer, is built through the app's own
+config (``compose_config`` → ``validate_config`` → ``build_strategy`` / ``build_precision``) and
+trains in a real ``Trainer`` (``tests.helpers.training.fit``).
 
 Per step the logged ``train/loss`` and ``train/grad_norm`` and the first step's independently
 computed master-gradient norm must equal the single-process run's within 1e-5 (absolute; the
