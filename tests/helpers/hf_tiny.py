@@ -95,13 +95,17 @@ def save_variant(name: str, root: Path) -> tuple[Any, Path]:
     return model, folder
 
 
-def byte_level_llama_folder(folder: Path, seed: int = 0) -> tuple[Any, Path]:
-    """A tiny random ``LlamaForCausalLM`` over the 256 bytes, with the byte tokenizer's HF files:
-    a complete folder for ``model.init_from`` (the byte-level Shakespeare data fits it)."""
+def byte_level_llama_folder(
+    folder: Path, seed: int = 0, family: str = "Llama", **overrides: Any
+) -> tuple[Any, Path]:
+    """A tiny random ``LlamaForCausalLM`` (or another ``family``'s model, with config
+    ``overrides``) over the 256 bytes, with the byte tokenizer's HF files: a complete folder for
+    ``model.init_from`` (the byte-level Shakespeare data fits it)."""
     from llmlab.tokenizer.hf_folder import HFTokenizerFiles
     from llmlab.train.data import ByteTokenizer
 
-    model = build_hf("Llama", dict(vocab_size=256, max_position_embeddings=256), seed)
+    config = dict(vocab_size=256, max_position_embeddings=256, **overrides)
+    model = build_hf(family, config, seed)
     model.save_pretrained(folder)
     HFTokenizerFiles(ByteTokenizer().as_bpe(), model_max_length=256).save_pretrained(folder)
     return model, folder

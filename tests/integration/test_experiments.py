@@ -30,6 +30,10 @@ def user_files(name: str, tmp_path) -> list[str]:
     if name == "llama_finetune":  # a Hugging Face-format folder to start from
         _, folder = byte_level_llama_folder(tmp_path / "pretrained")
         return [f"model.init_from={folder}"]
+    if name == "moe_finetune":  # a Mixtral-format folder: 4 experts, top-2
+        experts = dict(num_local_experts=4, num_experts_per_tok=2)
+        _, folder = byte_level_llama_folder(tmp_path / "pretrained", family="Mixtral", **experts)
+        return [f"model.init_from={folder}"]
     return []
 
 

@@ -99,6 +99,28 @@ def test_segment_fallback_equals_grouped_mm():
     torch.testing.assert_close(grouped(x), loop(x), atol=1e-6, rtol=1e-6)
 
 
+def test_a_compiled_layer_equals_the_eager_one_forward_and_every_gradient():
+    """``torch.compile`` of the layer (``compile=true`` compiles the blocks around it): in fp32
+    on CPU ``grouped_mm``'s shape function refuses anything but bf16, so inside a compiled
+    graph the experts run as per-expert products (the fallback); the same sums as eager's.
+    ``aot_eager``: dynamo's tracing and autograd's, no C++ build."""
+    torch._dynamo.reset()
+    eager, _ = _pair(VARIANTS["softmax-no-renorm (Qwen2-MoE) + gated shared"])
+    layer = MoE(eager.config)  # the same layer, another copy to compile
+    layer.load_state_dict(eager.state_dict())
+    fn = torch.compile(layer, backend="aot_eager")
+    x = torch.randn(3, 11, 32, generator=torch.Generator().manual_seed(1))
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ye, yc = eager(xe), fn(xc)
+    torch.testing.assert_close(yc, ye, atol=1e-6, rtol=1e-6)
+    g = torch.randn_like(ye)
+    (ye * g).sum().backward()
+    (yc * g).sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad, atol=1e-6, rtol=1e-6)
+    for (n, pe), (_, pc) in zip(eager.named_parameters(), layer.named_parameters(), strict=True):
+        torch.testing.assert_close(pc.grad, pe.grad, atol=1e-6, rtol=1e-6, msg=n)
+
+
 def test_capacity_drops_are_counted_and_contribute_nothing():
     config = dataclasses.replace(BASE, capacity_factor=0.5)
     grouped, _ = _pair(config)

@@ -59,8 +59,11 @@ def _inputs(world: int, skew: bool, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return x, torch.randn(world * TOKENS, DIM, dtype=dtype)
 
 
-def _rank_dispatch(rank: int, world: int, skew: bool, dtype: torch.dtype) -> dict:
+def _rank_dispatch(
+    rank: int, world: int, skew: bool, dtype: torch.dtype, recompute: bool = False
+) -> dict:
     import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
 
     from llmlab.parallel.expert import ExpertParallel
 
@@ -73,7 +76,7 @@ def _rank_dispatch(rank: int, world: int, skew: bool, dtype: torch.dtype) -> dic
     xr, xl = x.clone().requires_grad_(), x[mine].clone().requires_grad_()
     want = ref(xr)
     (want * w).sum().backward()
-    got = layer(xl)
+    got = checkpoint(layer, xl, use_reentrant=False) if recompute else layer(xl)
     (got * w[mine]).sum().backward()
     router = layer.router.weight.grad.clone()
     dist.all_reduce(router)  # each rank's router saw its own tokens
@@ -84,7 +87,8 @@ def _rank_dispatch(rank: int, world: int, skew: bool, dtype: torch.dtype) -> dic
     sent = int(counts[rank].sum() - counts[rank][mine_experts].sum())  # S
     received = sum(int(c[mine_experts].sum()) for r, c in enumerate(counts) if r != rank)  # R
     row = DIM * x.element_size()
-    formula = 2 * (sent + received) * row + 8 * E * (world - 1) // world  # README, expert.py
+    forwards = 2 if recompute else 1  # a recomputed layer sends its rows and counts again
+    formula = (1 + forwards) * (sent + received) * row + forwards * 8 * E * (world - 1) // world
     experts = {  # no gradient where no row came (the strategy's reducer fills in zeros)
         n: torch.zeros_like(p) if p.grad is None else p.grad
         for n, p in layer.experts.named_parameters()
@@ -126,6 +130,18 @@ def test_dispatch_equals_the_unsplit_layer_forward_and_backward(skew: bool, dtyp
             assert r[key] < tol, (key, r)
     assert all(r["sent"] == r["formula"] for r in results), results  # comm/ep_bytes
     assert sum(r["sent"] for r in results) > 0
+
+
+@pytest.mark.distributed
+def test_a_recomputed_layer_repeats_its_all_to_alls_exactly():
+    """Under activation checkpointing the layer's forward runs again in backward on every rank
+    of the expert group (the same rows, the same all-to-alls, in the same order): the
+    gradients are still the unsplit layer's, and the bytes are the formula's forward part
+    twice: ``3·(S + R)·C·b`` and the counts twice (the README's ``comm/ep_bytes``)."""
+    for r in run_distributed(_rank_dispatch, 2, False, torch.float32, True):
+        for key in ("out", "x_grad", "router", "experts"):
+            assert r[key] < 1e-6, (key, r)
+        assert r["sent"] == r["formula"] > 0, r
 
 
 def test_a_model_without_experts_is_refused():

@@ -115,3 +115,65 @@ def config_of(path):
     from llmlab.models import from_pretrained
 
     return from_pretrained(path, device="meta").config
+
+
+# --------------------------------------------------------------------------- experts
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+EXPERT_LAYOUTS = {
+    "dp2-ep2": dict(data=2, expert=2),
+    "dp2-tp2-ep2": dict(data=2, tensor=2, expert=2),
+}
+
+
+def _expert_fit(rank: int, world: int, folder: str, layout: str) -> dict:
+    import lightning as L
+
+    from llmlab.parallel.strategy import NDParallelStrategy
+    from tests.helpers.training import fit
+
+    loaded: dict = {}
+
+    class Loaded(L.Callback):  # the expert stacks as read, before the step changes them
+        def on_train_start(self, trainer, task) -> None:
+            loaded.update({k: t.clone() for k, t in task.model.state_dict().items()
+                           if ".experts." in k})  # fmt: skip
+
+    strategy = NDParallelStrategy(**EXPERT_LAYOUTS[layout])
+    model_spec = {"init_from": folder, "vocab_size": 256}
+    result = fit(strategy, world, model_spec, steps=1, callbacks=[Loaded()])
+    model = result["trainer"].lightning_module.model
+    return {
+        "loss": result["losses"][0],
+        "held": {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()},
+        "read": strategy.parallel.applied["init_from"].bytes_read,
+        "experts": loaded,
+        "index": strategy.dims.expert_coords(strategy.groups.rank)[1],
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
+def test_an_expert_parallel_rank_reads_only_its_experts(layout, tmp_path):
+    """A random ``MixtralForCausalLM`` (4 experts, top-2; transformers writes each expert's
+    ``w1/w2/w3`` as its own tensors) loaded on data 2 × expert 2 (and × tensor 2): each rank
+    holds and reads only its 2 experts' tensors (the bytes read are exactly the pieces it
+    holds), its expert stacks equal experts ``[2·index, 2·index + 2)`` of the whole model that
+    ``from_pretrained`` loads, and the first loss is transformers' own on the same batch."""
+    from llmlab.models import from_pretrained
+
+    hf, path = byte_level_llama_folder(tmp_path / "tiny-mixtral", family="Mixtral", **MIXTRAL)
+    ids = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = hf(ids[:, :-1]).logits
+    targets = pad_targets(ids[:, 1:], batch=8)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    whole = from_pretrained(path).state_dict()
+    devices = 4 if "tp2" in layout else 2
+    for r in run_distributed(_expert_fit, devices, str(path), layout, timeout=600):
+        torch.testing.assert_close(torch.tensor(r["loss"]), expected, atol=1e-5, rtol=0)
+        assert r["experts"], r["held"]
+        lo = 2 * r["index"]
+        for key, value in r["experts"].items():
+            torch.testing.assert_close(value, whole[key][lo : lo + 2], atol=0, rtol=0)
+        pieces = sum(4 * torch.Size(s).numel() for s in r["held"].values())
+        assert r["read"] == pieces, (r["read"], pieces)  # its experts, its tensor shards

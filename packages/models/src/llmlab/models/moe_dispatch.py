@@ -17,10 +17,11 @@ HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 def grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
     """Whether ``torch.nn.functional.grouped_mm`` runs ``x @ weight[e].T`` here: present in
-    this torch, rows of a whole number of 16-byte units, bf16 on CUDA (any float on CPU)."""
+    this torch, rows of a whole number of 16-byte units, bf16 on CUDA (any float on CPU, but not
+    under ``torch.compile``: its shape function accepts bf16 only, as CUDA's kernel does)."""
     if not HAS_GROUPED_MM or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16 and (x.device.type == "cuda" or torch.compiler.is_compiling()):
         return False
     if x.device.type not in ("cpu", "cuda"):
         return False

@@ -46,7 +46,12 @@ What crosses the wire per MoE layer and step (``comm/ep_bytes``, per rank, paylo
 ``S`` of this rank's kept assignments routed to experts on other ranks, ``R`` rows received from
 other ranks, ``C``-wide rows of ``b``-byte elements, ``E`` experts split over ``ep`` ranks:
 ``2 · (S + R) · C · b`` (dispatch and combine forward, and their gradients backward) plus
-``8 · E · (ep - 1) / ep`` for the counts.
+``8 · E · (ep - 1) / ep`` for the counts. Under activation checkpointing a recomputed layer's
+forward runs again in backward, on every rank of the group in the same order: its forward part
+twice, ``3 · (S + R) · C · b`` and the counts twice.
+
+Compile, activation checkpointing and every precision compose with it (checked against one
+process); :data:`EXPERT_REFUSALS` lists what does not yet.
 """
 
 from __future__ import annotations
@@ -68,13 +73,6 @@ EXPERT_ATTR = "ep_slice"  # (index, count): the parameter holds experts slice ``
 EXPERT_REFUSALS = {  # what expert > 1 does not compose with yet, and why
     "strategy.zero": "ZeRO and FSDP2 shard one flat gradient over data × context, while expert "
     "weights reduce over the ranks holding the same experts; not implemented",
-    "compile": "compiled blocks around the all-to-all (data-dependent split sizes) were never "
-    "checked",
-    "activation_checkpointing": "a recomputed block repeats its all-to-alls in backward; never "
-    "checked against one process",
-    "precision": "expert parallelism was checked against one process in fp32 only",
-    "model.init_from": "pretrained weights are read per tensor slice; reading each rank's expert "
-    "slice is not implemented",
     "strategy.sharded_checkpoints": "sharded (DCP) checkpoints do not write the expert slices "
     "yet; consolidated checkpoints do",
 }

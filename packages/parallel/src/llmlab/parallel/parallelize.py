@@ -48,7 +48,7 @@ from llmlab.parallel.contracts import (
     WeightSource,
     require,
 )
-from llmlab.parallel.expert import ExpertParallel, expert_refusal
+from llmlab.parallel.expert import ExpertParallel
 from llmlab.parallel.memory import apply_activation_checkpointing, use_recompute_attention
 from llmlab.parallel.mesh import ParallelDims, ProcessGroups, check_layout
 from llmlab.parallel.pipeline.schedules import placement
@@ -150,8 +150,6 @@ def parallelize_model(
     # hooks) lands on the slices this rank keeps, not on the full stacks it replaces.
     if dims.expert > 1:
         assert groups is not None, "expert parallelism needs process groups"
-        if weights is not None:
-            raise ValueError(expert_refusal("model.init_from", "<a folder>", dims.expert))
         index = dims.expert_coords(groups.rank)[1]
         result.expert = ExpertParallel(groups.expert, dims.expert, index)
         result.applied["expert_parallel"] = result.expert.apply(model)  # raises: no MoE layer

@@ -6,9 +6,11 @@ hands a :class:`~llmlab.parallel.contracts.WeightSource` over. ``parallelize_mod
 meta model (tensor parallelism), cuts it to this rank's pipeline stage and then calls
 :func:`load_pretrained`: every tensor the stage's modules use is read from the source -- whole,
 or, where tensor parallelism split it (the ``tp_shard_dim`` it leaves on the shard), exactly
-``chunk(tensor, dim)[tensor_rank]``, the slice ``parallelize`` would have cut from a full weight.
-So a rank reads ``sharded bytes of its stage / tensor + replicated bytes of its stage``
-(norms, row-parallel biases), never another stage's layers nor another rank's slice. Under ZeRO
+``chunk(tensor, dim)[tensor_rank]``, the slice ``parallelize`` would have cut from a full weight;
+an expert-parallel rank's expert stacks (the ``ep_slice`` they carry) read only its experts
+(``chunk(tensor, 0)[index]``; per-expert files: only those experts' tensors). So a rank reads
+``sharded bytes of its stage / tensor + replicated bytes of its stage`` (norms, row-parallel
+biases), never another stage's layers nor another rank's slice or experts. Under ZeRO
 the data-parallel replicas each read that same slice and the engine keeps 1/data of it (the
 flat ZeRO shard is not a rectangle of the files, so it is not read on its own).
 
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from llmlab.parallel.contracts import HoldsPretrainedWeights, LowRankAdapted, WeightSource
+from llmlab.parallel.expert import EXPERT_ATTR
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
 
 log = logging.getLogger(__name__)
@@ -94,6 +97,9 @@ def load_pretrained(
             continue  # another stage's placeholder, or filled under another (tied) name
         dim = getattr(tensor, SHARD_DIM_ATTR, None)
         part = (dim, tensor_rank, tensor_size) if dim is not None and tensor_size > 1 else None
+        experts = getattr(tensor, EXPERT_ATTR, None)  # (index, count): replicated over tensor
+        if experts is not None:
+            part = (0, *experts)
         if id(tensor) in bases:  # ``<layer>.base_layer.<tensor>`` is ``<layer>.<tensor>``
             head, _, tail = name.rpartition(".base_layer.")
             name = f"{head}.{tail}"
