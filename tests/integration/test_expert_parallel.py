@@ -298,7 +298,6 @@ def test_expert_parallelism_with_transforms_and_precisions_equals_one_process(
 REFUSED = {  # an option expert > 1 does not compose with yet -> what the message says
     ("strategy.zero=1",): "strategy.expert=2 with strategy.zero=1 is refused",
     ("strategy.zero=3", "strategy.zero_impl=fsdp2"): "with strategy.zero=3 is refused",
-    ("strategy.sharded_checkpoints=true",): "with strategy.sharded_checkpoints=True is refused",
     ("strategy.expert=3",): "expert=3 does not divide data (4) × context (1) = 4",
 }
 
@@ -336,16 +335,42 @@ def _save_at(step: int, path: str):
     return Save()
 
 
-def _rank_checkpoint(rank: int, world: int, root: str, layout: str) -> dict:
+def _rank_checkpoint(rank: int, world: int, root: str, layout: str, sharded: bool = False) -> dict:
     """``layout`` trains 4 steps, saving after 2; the checkpoint resumes in the same layout and
-    with every expert (and every tensor shard) on every rank: data × expert 1."""
+    with every expert (and every tensor shard) on every rank: data × expert 1. ``sharded``: DCP
+    folders, each rank writing its part (an expert slice by one rank of its copies)."""
     path = f"{root}/ep2.ckpt"
-    split = _overrides(world, LAYOUTS[layout][1])
-    plain = _overrides(world, ["strategy=nd", f"strategy.data={world}"])
+    more = ["strategy.sharded_checkpoints=true"] if sharded else []
+    split = _overrides(world, [*LAYOUTS[layout][1], *more])
+    plain = _overrides(world, ["strategy=nd", f"strategy.data={world}", *more])
     full = _fit(split, world, RESUME_STEPS, batches=HALF, callbacks=[_save_at(HALF, path)])
     same = _fit(split, world, RESUME_STEPS, batches=HALF, ckpt_path=path)
     dense = _fit(plain, world, RESUME_STEPS, batches=HALF, ckpt_path=path)
     return {"full": full["losses"], "same": same["losses"], "dense": dense["losses"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["dp2-ep2", "dp2-tp2-ep2", "dp4-ep2"])
+def test_a_sharded_expert_parallel_checkpoint_resumes_in_any_expert_degree(layout, tmp_path):
+    """The same with ``strategy.sharded_checkpoints=true``: each rank writes its part of a DCP
+    folder (its experts at their offset in the stack, written by one of the ranks holding
+    them: a tensor rank, or with data 4 one of the two copies), and the folder resumes in the
+    same layout and in expert=1 on the uninterrupted curve, which is one process's; the
+    one-process ``consolidate`` of the folder holds every expert at full shape."""
+    from llmlab.parallel.checkpoint import consolidate
+
+    devices = LAYOUTS[layout][0]
+    results = run_distributed(_rank_checkpoint, devices, str(tmp_path), layout, True, timeout=900)
+    one = _fit(_overrides(1, ["strategy=auto"]), 1, RESUME_STEPS, batches=HALF)
+    for r in results:
+        _close(r["full"], one["losses"], "expert=2 over two epochs")
+        _close(r["same"], r["full"][HALF:], "resumed from the sharded folder with expert=2")
+        _close(r["dense"], r["full"][HALF:], "resumed from the sharded folder with expert=1")
+    state = consolidate(tmp_path / "ep2.ckpt")
+    stacks = [k for k in state if k.endswith("experts.gate_proj")]
+    assert stacks and all(state[k].shape[0] == 4 for k in stacks), {
+        k: state[k].shape for k in stacks
+    }
 
 
 @pytest.mark.distributed

@@ -73,8 +73,6 @@ EXPERT_ATTR = "ep_slice"  # (index, count): the parameter holds experts slice ``
 EXPERT_REFUSALS = {  # what expert > 1 does not compose with yet, and why
     "strategy.zero": "ZeRO and FSDP2 shard one flat gradient over data × context, while expert "
     "weights reduce over the ranks holding the same experts; not implemented",
-    "strategy.sharded_checkpoints": "sharded (DCP) checkpoints do not write the expert slices "
-    "yet; consolidated checkpoints do",
 }
 
 

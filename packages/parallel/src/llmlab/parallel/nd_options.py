@@ -30,19 +30,13 @@ ZERO_WITH_PIPELINE = (
 )
 
 
-def check_expert(dims: ParallelDims, zero: int, sharded_checkpoints: bool = False) -> None:
-    """What ``expert > 1`` does not compose with yet: ZeRO / FSDP2 and sharded checkpoints
+def check_expert(dims: ParallelDims, zero: int) -> None:
+    """What ``expert > 1`` does not compose with yet: ZeRO / FSDP2
     (:data:`llmlab.parallel.expert.EXPERT_REFUSALS` says why). Compile, activation
-    checkpointing and every precision were checked against one process
+    checkpointing, every precision and sharded checkpoints were checked against one process
     (``tests/integration/test_expert_parallel.py``)."""
-    if dims.expert == 1:
-        return
-    for what, value, bad in (
-        ("strategy.zero", zero, zero > 0),
-        ("strategy.sharded_checkpoints", True, sharded_checkpoints),
-    ):
-        if bad:
-            raise ValueError(expert_refusal(what, value, dims.expert))
+    if dims.expert > 1 and zero > 0:
+        raise ValueError(expert_refusal("strategy.zero", zero, dims.expert))
 
 
 def check_options(
@@ -50,7 +44,6 @@ def check_options(
     zero: int,
     zero_impl: str,
     transforms: ModelTransforms,
-    sharded_checkpoints: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the values for the first combination that cannot be exact."""
     if zero not in ZERO_STAGES:
@@ -65,7 +58,7 @@ def check_options(
     check_split_backward(dims.schedule, transforms.compile)  # zb1/zbv/dualpipev: exact only
     check_context(dims.context, transforms)
     check_zero_impl(zero_impl, zero, dims.pipeline, transforms)
-    check_expert(dims, zero, sharded_checkpoints)
+    check_expert(dims, zero)
 
 
 def check_run(dims: ParallelDims, zero: int, zero_impl: str, run: RunConfig) -> None:

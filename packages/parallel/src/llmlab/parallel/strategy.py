@@ -131,7 +131,7 @@ class NDParallelStrategy(DDPStrategy):
         )  # the layout as asked; ``dims`` is it on this world
         self._dims: ParallelDims | None = None
         self.transforms = ModelTransforms.from_config(transforms)
-        check_options(self.requested, zero, zero_impl, self.transforms, bool(sharded_checkpoints))
+        check_options(self.requested, zero, zero_impl, self.transforms)
         self.zero, self.zero_impl = zero, zero_impl
         self.sharded_checkpoints = bool(sharded_checkpoints)
         self.model_attribute = model_attribute

@@ -13,7 +13,9 @@ process. Every key names the *unsplit* model's tensor at its global shape:
     extra                      the caller's small state (Lightning's loops, callbacks, schedulers)
 
 What a rank holds of a tensor is a rectangle of the global tensor (its tensor-parallel slice: the
-``chunk(tensor, dim)[rank]`` that :mod:`.consolidated` gathers) or, under ZeRO, a flat range of
+``chunk(tensor, dim)[rank]`` that :mod:`.consolidated` gathers; an expert-parallel rank's
+experts: ``chunk(stack, 0)[index]``, replicated over the tensor ranks and over the expert
+groups) or, under ZeRO, a flat range of
 that slice (:func:`~llmlab.parallel.checkpoint.boxes.flat_boxes` turns it into
 boxes). Exactly one rank writes each element. A tensor several ranks hold equal (data replicas
 without ZeRO, what tensor parallelism replicates) goes to one of them, spread by bytes so that
@@ -43,6 +45,7 @@ from llmlab.parallel.checkpoint import files
 from llmlab.parallel.checkpoint.boxes import ShardedView
 from llmlab.parallel.data.fsdp2 import FSDP2Engine, as_dtensor_like
 from llmlab.parallel.data.zero import ZeroEngine
+from llmlab.parallel.expert import EXPERT_ATTR
 from llmlab.parallel.mesh import Coords
 from llmlab.parallel.norm import local_tensor
 from llmlab.parallel.tensor.layers import SHARD_DIM_ATTR
@@ -85,6 +88,17 @@ def _placement(
     global_shape = list(shape)
     global_shape[dim] *= tensor_size
     return tuple(offset), tuple(global_shape)
+
+
+def _expert_placement(
+    t: Tensor, index: int, count: int, replica: int
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Offset and global shape of an expert-parallel rank's experts (``chunk(0)[index]`` of
+    ``count``), and which copy of them replica ``replica`` holds: the replicas
+    ``index, index + count, ...`` hold the same experts (``ParallelDims.expert_copy_ranks``)."""
+    shape = tuple(t.shape)
+    offset = (index * shape[0], *[0] * (len(shape) - 1))
+    return offset, (shape[0] * count, *shape[1:]), replica // count
 
 
 class LayoutState:
@@ -147,6 +161,11 @@ class LayoutState:
             seen[id(t)] = name
             offset, global_shape = _placement(t, self.tensor_rank, self.tensor_size)
             tensor_copies = self.tensor_size if global_shape == tuple(t.shape) else 1
+            copy_rank = self.data_rank
+            experts = getattr(t, EXPERT_ATTR, None)
+            if experts is not None:  # experts index·n.. of the stack, held by every tensor rank
+                offset, global_shape, copy_rank = _expert_placement(t, *experts, self.data_rank)
+                tensor_copies = self.tensor_size
             if id(t) in managed:
                 if id(t) not in pieces:
                     continue  # ZeRO keeps none of its elements on this data rank
@@ -156,10 +175,11 @@ class LayoutState:
             else:
                 lo = 0
                 values = self.masters.get(id(t), t)
-                data_copies = self.data_size
+                # the replicas holding these experts: one per expert group
+                data_copies = self.data_size // (experts[1] if experts else 1)
                 optimizer_param = values if isinstance(t, nn.Parameter) else None
             writer = id(t) not in self.duplicates and spread.mine(
-                data_copies, tensor_copies, values.numel() * values.element_size()
+                data_copies, tensor_copies, values.numel() * values.element_size(), copy_rank
             )
             if not values.is_contiguous():
                 raise ValueError(f"{name}: a checkpoint view needs contiguous storage")
@@ -291,7 +311,11 @@ class _Spread:
         self.data_rank, self.tensor_rank = data_rank, tensor_rank
         self.written: dict[tuple[int, int], list[int]] = {}
 
-    def mine(self, data_copies: int, tensor_copies: int, nbytes: int) -> bool:
+    def mine(
+        self, data_copies: int, tensor_copies: int, nbytes: int, copy_rank: int | None = None
+    ) -> bool:
+        """``copy_rank``: this rank's index among the ``data_copies`` replicas holding the
+        tensor (default its data rank; an expert slice's copy: its expert group)."""
         if data_copies * tensor_copies == 1:
             return True
         written = self.written.setdefault(
@@ -299,7 +323,8 @@ class _Spread:
         )
         chosen = min(range(len(written)), key=written.__getitem__)
         written[chosen] += nbytes
-        me = (self.data_rank % data_copies) * tensor_copies + self.tensor_rank % tensor_copies
+        data = self.data_rank if copy_rank is None else copy_rank
+        me = (data % data_copies) * tensor_copies + self.tensor_rank % tensor_copies
         return chosen == me
 
 
