@@ -100,6 +100,10 @@ def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> di
         result["experts_held"] = [tuple(m.experts.gate_proj.shape) for m in layers]
         result["applied"] = parallel.applied.get("expert_parallel")
         result["ep_bytes"] = strategy.last_comm.get("comm/ep_bytes")
+        zero = strategy.zero_engine
+        if zero is not None:  # what ZeRO shards, and what it leaves whole (the expert slices)
+            result["zero"] = {"managed": len(zero.named_params()), "kept": len(zero.kept),
+                              "kept_shapes": [tuple(p.shape) for p in zero.kept]}  # fmt: skip
     return result
 
 
@@ -247,6 +251,38 @@ def test_the_bias_update_under_expert_parallelism_equals_one_process(layout: str
         _close(r["norms"], one["norms"], "bias update: train/grad_norm")
 
 
+# --------------------------------------------------------------------------- ZeRO
+ZERO_CELLS = {  # name -> (layout, ZeRO stage)
+    "dp2-ep2 zero1": ("dp2-ep2", 1),
+    "dp2-ep2 zero2": ("dp2-ep2", 2),
+    "dp4-ep2 zero3": ("dp4-ep2", 3),
+    "dp2-tp2sp-ep2 zero2": ("dp2-tp2sp-ep2", 2),
+    "dp2-pp2-ep2 zero1": ("dp2-pp2-ep2", 1),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cell", list(ZERO_CELLS))
+def test_zero_on_the_non_expert_weights_equals_one_process(cell: str, one_process: dict) -> None:
+    """ZeRO 1-3 (llmlab's engine) beside expert parallelism: the engine shards the weights
+    every data × context rank holds (reduce-scattered over all of them) and leaves each rank's
+    expert slices whole (in the optimizer as they are, summed over the ranks holding the same
+    experts), as torchtitan shards non-expert and expert weights over different meshes. The
+    loss and norms of one process at every step (the whole-model norm counts each expert
+    slice once although the ZeRO sum runs over every replica)."""
+    layout, stage = ZERO_CELLS[cell]
+    devices, strategy = LAYOUTS[layout]
+    overrides = _overrides(devices, [*strategy, f"strategy.zero={stage}"])
+    results = run_distributed(_rank_fit, devices, overrides, timeout=900)
+    for r in results:
+        _close(r["losses"], one_process["losses"], f"{cell} loss")
+        _close(r["norms"], one_process["norms"], f"{cell} train/grad_norm")
+        _close([r["master_norm"]], [one_process["master_norm"]], f"{cell} master")
+        layers = 1 if PP2 in strategy else 2
+        assert r["zero"]["managed"] > 0 and r["zero"]["kept"] == 3 * layers, r["zero"]
+        assert set(r["zero"]["kept_shapes"]) == {(2, 32, 32)}, r["zero"]
+
+
 # ------------------------------------------------------- transforms and precisions
 AC = "+model_transforms.activation_checkpointing=1"
 FP8 = ("precision=fp8", "precision.plugin.min_features=16")  # the 32-wide model's layers
@@ -258,6 +294,12 @@ TRANSFORMED = {  # name -> (layout, extra overrides, precision: the tolerances a
     "dp2-ep2 bf16_master": ("dp2-ep2", ("precision=bf16_master",), "bf16_master"),
     "dp2-tp2sp-ep2 fp16_master": ("dp2-tp2sp-ep2", ("precision=fp16_master",), "fp16_master"),
     "dp2-ep2 fp8": ("dp2-ep2", FP8, "fp8"),
+    "dp2-ep2 zero2 bf16_mixed": (
+        "dp2-ep2",
+        ("strategy.zero=2", "precision=bf16_mixed"),
+        "bf16_mixed",
+    ),
+    "dp2-ep2 zero2 fp8": ("dp2-ep2", ("strategy.zero=2", *FP8), "fp8"),
 }
 
 
@@ -279,7 +321,8 @@ def test_expert_parallelism_with_transforms_and_precisions_equals_one_process(
     if precision == "fp32":
         one, (loss_tol, norm_tol) = one_process, (REL, REL)
     else:
-        one = _fit(_overrides(1, ["strategy=auto"], extra), 1)
+        same = tuple(o for o in extra if not o.startswith("strategy."))  # one process: no ZeRO
+        one = _fit(_overrides(1, ["strategy=auto"], same), 1)
         loss_tol, norm_tol = TOLERANCES[precision]
     devices, strategy = LAYOUTS[layout]
     results = run_distributed(_rank_fit, devices, _overrides(devices, strategy, extra),
@@ -296,8 +339,9 @@ def test_expert_parallelism_with_transforms_and_precisions_equals_one_process(
 
 
 REFUSED = {  # an option expert > 1 does not compose with yet -> what the message says
-    ("strategy.zero=1",): "strategy.expert=2 with strategy.zero=1 is refused",
-    ("strategy.zero=3", "strategy.zero_impl=fsdp2"): "with strategy.zero=3 is refused",
+    ("strategy.zero=3", "strategy.zero_impl=fsdp2"): "with strategy.zero_impl=fsdp2 is refused",
+    ("strategy.zero=2", "precision=fp16_master"): "with precision=FP16MasterPrecision is refused",
+    ("strategy.zero=1", "precision=bf16_master"): "with precision=BF16MasterPrecision is refused",
     ("strategy.expert=3",): "expert=3 does not divide data (4) × context (1) = 4",
 }
 
@@ -335,13 +379,16 @@ def _save_at(step: int, path: str):
     return Save()
 
 
-def _rank_checkpoint(rank: int, world: int, root: str, layout: str, sharded: bool = False) -> dict:
+def _rank_checkpoint(
+    rank: int, world: int, root: str, layout: str, sharded: bool = False, zero: int = 0
+) -> dict:
     """``layout`` trains 4 steps, saving after 2; the checkpoint resumes in the same layout and
     with every expert (and every tensor shard) on every rank: data × expert 1. ``sharded``: DCP
-    folders, each rank writing its part (an expert slice by one rank of its copies)."""
+    folders, each rank writing its part (an expert slice by one rank of its copies); ``zero``:
+    the split run's ZeRO stage (the resume in expert=1 runs without)."""
     path = f"{root}/ep2.ckpt"
     more = ["strategy.sharded_checkpoints=true"] if sharded else []
-    split = _overrides(world, [*LAYOUTS[layout][1], *more])
+    split = _overrides(world, [*LAYOUTS[layout][1], *more, f"strategy.zero={zero}"])
     plain = _overrides(world, ["strategy=nd", f"strategy.data={world}", *more])
     full = _fit(split, world, RESUME_STEPS, batches=HALF, callbacks=[_save_at(HALF, path)])
     same = _fit(split, world, RESUME_STEPS, batches=HALF, ckpt_path=path)
@@ -350,22 +397,35 @@ def _rank_checkpoint(rank: int, world: int, root: str, layout: str, sharded: boo
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["dp2-ep2", "dp2-tp2-ep2", "dp4-ep2"])
-def test_a_sharded_expert_parallel_checkpoint_resumes_in_any_expert_degree(layout, tmp_path):
-    """The same with ``strategy.sharded_checkpoints=true``: each rank writes its part of a DCP
-    folder (its experts at their offset in the stack, written by one of the ranks holding
-    them: a tensor rank, or with data 4 one of the two copies), and the folder resumes in the
-    same layout and in expert=1 on the uninterrupted curve, which is one process's; the
-    one-process ``consolidate`` of the folder holds every expert at full shape."""
+@pytest.mark.parametrize(
+    "layout, sharded, zero",
+    [("dp2-ep2", True, 0), ("dp2-tp2-ep2", True, 0), ("dp4-ep2", True, 2), ("dp2-ep2", False, 2),
+     ("dp4-ep2", False, 3)],
+    ids=["dp2-ep2-sharded", "dp2-tp2-ep2-sharded", "dp4-ep2-zero2-sharded", "dp2-ep2-zero2",
+         "dp4-ep2-zero3"],
+)  # fmt: skip
+def test_a_sharded_or_zero_expert_parallel_checkpoint_resumes_in_any_expert_degree(
+    layout, sharded, zero, tmp_path
+):
+    """With ``strategy.sharded_checkpoints=true`` each rank writes its part of a DCP folder
+    (its experts at their offset in the stack, written by one of the ranks holding them: a
+    tensor rank, or with data 4 one of the two copies); under ZeRO the optimizer state is the
+    engine's pieces and the expert slices' own. Either resumes in the same layout and in
+    expert=1 (without ZeRO) on the uninterrupted curve, which is one process's; a sharded
+    folder's one-process ``consolidate`` holds every expert at full shape."""
     from llmlab.parallel.checkpoint import consolidate
 
     devices = LAYOUTS[layout][0]
-    results = run_distributed(_rank_checkpoint, devices, str(tmp_path), layout, True, timeout=900)
+    results = run_distributed(
+        _rank_checkpoint, devices, str(tmp_path), layout, sharded, zero, timeout=900
+    )
     one = _fit(_overrides(1, ["strategy=auto"]), 1, RESUME_STEPS, batches=HALF)
     for r in results:
         _close(r["full"], one["losses"], "expert=2 over two epochs")
         _close(r["same"], r["full"][HALF:], "resumed from the sharded folder with expert=2")
         _close(r["dense"], r["full"][HALF:], "resumed from the sharded folder with expert=1")
+    if not sharded:
+        return
     state = consolidate(tmp_path / "ep2.ckpt")
     stacks = [k for k in state if k.endswith("experts.gate_proj")]
     assert stacks and all(state[k].shape[0] == 4 for k in stacks), {

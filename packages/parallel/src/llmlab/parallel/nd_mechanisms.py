@@ -44,7 +44,12 @@ def build_step_mechanisms(strategy: Any) -> StepMechanisms:
     data = (groups.replica, dims.replicas) if zero is None else (None, 1)
     experts = split_expert_params(parallel.params)[1]
     reducer = GradientReducer(
-        parallel.params, parallel.tied, *data, experts=experts, expert_group=groups.expert_copies
+        parallel.params,
+        parallel.tied,
+        *data,
+        experts=experts,
+        expert_group=groups.expert_copies,
+        replicas=dims.replicas,
     )
     plugin = strategy.precision_plugin
     masters = plugin.masters if isinstance(plugin, MasterWeightPrecision) else None
@@ -76,5 +81,8 @@ def build_step_mechanisms(strategy: Any) -> StepMechanisms:
         checkpointer.model_param_of,
         experts,
         dims.expert,
+        # under ZeRO the sum runs over every replica too: each expert slice is held by
+        # data × context / expert of them, and that sum is summed again over the expert group
+        expert_weight=1.0 / dims.replicas if zero is not None else 1.0,
     )
     return StepMechanisms(reducer, memory, checkpointer, norm)

@@ -30,15 +30,6 @@ ZERO_WITH_PIPELINE = (
 )
 
 
-def check_expert(dims: ParallelDims, zero: int) -> None:
-    """What ``expert > 1`` does not compose with yet: ZeRO / FSDP2
-    (:data:`llmlab.parallel.expert.EXPERT_REFUSALS` says why). Compile, activation
-    checkpointing, every precision and sharded checkpoints were checked against one process
-    (``tests/integration/test_expert_parallel.py``)."""
-    if dims.expert > 1 and zero > 0:
-        raise ValueError(expert_refusal("strategy.zero", zero, dims.expert))
-
-
 def check_options(
     dims: ParallelDims,
     zero: int,
@@ -58,7 +49,8 @@ def check_options(
     check_split_backward(dims.schedule, transforms.compile)  # zb1/zbv/dualpipev: exact only
     check_context(dims.context, transforms)
     check_zero_impl(zero_impl, zero, dims.pipeline, transforms)
-    check_expert(dims, zero)
+    if dims.expert > 1 and zero > 0 and zero_impl == "fsdp2":
+        raise ValueError(expert_refusal("strategy.zero_impl", zero_impl, dims.expert))
 
 
 def check_run(dims: ParallelDims, zero: int, zero_impl: str, run: RunConfig) -> None:
@@ -68,8 +60,18 @@ def check_run(dims: ParallelDims, zero: int, zero_impl: str, run: RunConfig) -> 
     context parallelism with the sequence length and dropout."""
     check_split_backward(dims.schedule, run.transforms.compile, run.plugin_options)
     check_zero_impl(zero_impl, zero, dims.pipeline, None, run.plugin, run.precision)
+    if dims.expert > 1 and zero > 0 and _keeps_masters(run.plugin):
+        raise ValueError(expert_refusal("precision", run.plugin.__name__, dims.expert))
     model = run.model() if dims.tensor > 1 or dims.pipeline > 1 or dims.expert > 1 else None
     if dims.expert > 1 and model is not None:
         check_has_experts(model, dims.expert)
     check_layout(dims, world_size=run.world_size, model=model, global_batch=run.global_batch)
     check_context(dims.context, run.transforms, run.seq_len, run.attention_dropout)
+
+
+def _keeps_masters(plugin: type | None) -> bool:
+    """A precision plugin with fp32 master weights and a loss scale: under ZeRO the engine's
+    shards are the masters (``ZeroMasterWeights``), which expert slices are not."""
+    from llmlab.parallel.precision.plugins import MasterWeightPrecision
+
+    return plugin is not None and issubclass(plugin, MasterWeightPrecision)

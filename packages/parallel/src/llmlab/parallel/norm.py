@@ -121,6 +121,7 @@ class WholeModelNorm:
         owner_of: Callable[[], Mapping[int, nn.Parameter]] = dict,
         experts: Iterable[nn.Parameter] = (),
         expert_size: int = 1,
+        expert_weight: float = 1.0,
     ) -> None:
         self.tensor_size = tensor_size
         self.groups = list(groups)
@@ -128,6 +129,7 @@ class WholeModelNorm:
         self.owner_of = owner_of
         self.experts = {id(p) for p in experts}  # expert slices: summed over the expert group,
         self.expert_size = expert_size  # in ``groups``; every other piece counts 1/expert_size
+        self.expert_weight = expert_weight  # an expert slice's weight (its copies in ``groups``)
 
     def __call__(self, params: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
         """The norm of ``params``' gradients as the whole model's (a collective)."""
@@ -136,6 +138,6 @@ class WholeModelNorm:
         owners = [owner.get(id(p), p) for p in params]
         weights = piece_weights(owners, self.tensor_size, self.duplicates)
         if self.expert_size > 1:
-            weights = [w if id(p) in self.experts else w / self.expert_size
+            weights = [w * self.expert_weight if id(p) in self.experts else w / self.expert_size
                        for p, w in zip(owners, weights, strict=True)]  # fmt: skip
         return global_grad_norm([p.grad for p in params], weights, self.groups, norm_type)

@@ -24,7 +24,7 @@ Lightning's hooks, each calling the mechanism that does the work:
 
 With a pipeline only ``zero=1`` is accepted (``nd_options.ZERO_WITH_PIPELINE``). ``expert``: the
 ranks of data × context each MoE layer's experts are split over (:mod:`llmlab.parallel.expert`;
-what it composes with: ``nd_options.check_expert``).
+what it does not compose with yet: ``expert.EXPERT_REFUSALS``).
 """
 
 from __future__ import annotations
@@ -383,6 +383,7 @@ class NDParallelStrategy(DDPStrategy):
         if self.zero_engine is not None and self.pipeline_step is None:
             if isinstance(self.zero_engine, FSDP2Engine):  # its own sum of partial gradients
                 self.zero_engine.sum_partial_gradients()
+            self._reducer.reduce_experts()  # expert slices are not the engine's
             return  # ZeRO reduce-scattered during backward (its end-of-backward callback)
         self._reducer()
         if self.zero_engine is not None:

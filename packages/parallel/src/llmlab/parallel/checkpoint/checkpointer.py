@@ -148,7 +148,8 @@ class LayoutCheckpointer:
         full = (fsdp2_full_optimizer_state if fsdp2 else zero_full_optimizer_state)(
             self.zero, optimizer
         )
-        tensors, scalars = C.split_state(((by_name[n], e) for n, e in full.items()), info)
+        kept = [(p, optimizer.state[p]) for p in self._kept() if p in optimizer.state]
+        tensors, scalars = C.split_state([*((by_name[n], e) for n, e in full.items()), *kept], info)
         groups = [
             {**{k: v for k, v in g.items() if k != "params"},
              "params": [info[id(p)][0] for p in members]}
@@ -206,8 +207,34 @@ class LayoutCheckpointer:
         (load_fsdp2_full_optimizer_state if fsdp2 else load_zero_full_optimizer_state)(
             zero, optimizer, state
         )
+        self._load_kept_optimizer_state(optimizer, saved, info)
         for group, sg in zip(optimizer.param_groups, saved["param_groups"], strict=True):
             group.update({k: v for k, v in sg.items() if k != "params"})
+
+    def _kept(self) -> list[nn.Parameter]:
+        """What the optimizer steps beside the engine's pieces: expert slices, whole."""
+        return list(getattr(self.zero, "kept", ()))
+
+    def _load_kept_optimizer_state(
+        self, optimizer: Optimizer, saved: Mapping[str, Any], info: Mapping[int, Any]
+    ) -> None:
+        """This rank's slices of the saved state of the parameters the engine keeps whole."""
+        kept = [p for p in self._kept() if info[id(p)][0] in saved["state"]]
+        named, full = {}, {}
+        for p in kept:
+            name, dim = info[id(p)]
+            for key, value in saved["state"][name].items():
+                if isinstance(value, Tensor) and value.dim() == p.dim() and value.dim() > 0:
+                    named[f"{name}\0{key}"] = (p, dim)
+                    full[f"{name}\0{key}"] = value
+        slices = C.local_slices(full, named, self.groups.tensor, expert_group=self.groups.expert)
+        for p in kept:
+            name = info[id(p)][0]
+            optimizer.state[p] = {
+                key: slices[f"{name}\0{key}"].to(p.device) if f"{name}\0{key}" in slices
+                else value
+                for key, value in saved["state"][name].items()
+            }  # fmt: skip
 
     def _param_info(self) -> dict[int, tuple[str, int | None]]:
         """``id(optimizer parameter) -> (state-dict name, shard dim)``, masters included."""

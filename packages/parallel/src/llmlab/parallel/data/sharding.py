@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from llmlab.parallel.data.fsdp2 import IMPLS, FSDP2Engine, data_mesh, fsdp2_refusal
 from llmlab.parallel.data.zero import ZeroEngine
+from llmlab.parallel.expert import split_expert_params
 from llmlab.parallel.mesh import ProcessGroups
 from llmlab.parallel.transforms import ModelTransforms
 
@@ -51,15 +52,20 @@ def build_data_sharding(
 ) -> ZeroEngine | FSDP2Engine:
     """The engine for ``held`` (this rank's parameters of ``model``, named as in the unsplit
     model) over the data (× context) group of ``groups``; FSDP2 first checks the precision
-    plugin."""
+    plugin. Expert slices (expert parallelism) stay out of llmlab's engine: replicated over
+    the ranks that hold the same experts, not the data group, they are reduced over those
+    (``GradientReducer.reduce_experts``) and stepped whole (FSDP2 with experts is refused:
+    ``llmlab.parallel.expert.EXPERT_REFUSALS``)."""
     if impl == "llmlab":
+        replicated, experts = split_expert_params(list(held))
         return ZeroEngine.for_held(
             model,
             stage,
             groups.replica,
-            held,
+            replicated,
             initial=initial,
             reduce_in_backward=reduce_in_backward,
+            kept=experts,
         )
     problem = fsdp2_refusal(
         stage,

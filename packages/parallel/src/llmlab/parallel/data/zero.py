@@ -87,6 +87,10 @@ class ZeroEngine:
             caller that combines several backward passes' gradients itself (a pipeline
             schedule) and then calls :meth:`reduce_gradients` once per step; backward is then
             left entirely alone.
+        kept: parameters the optimizer also steps that this engine leaves whole and alone (an
+            expert-parallel rank's expert slices: replicated over other ranks than the data
+            group, their gradients reduced by the caller); :meth:`rewire` keeps them as they
+            are.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class ZeroEngine:
         initial: Mapping[int, Tensor] | None = None,
         prefetch: bool = True,
         reduce_in_backward: bool = True,
+        kept: Sequence[nn.Parameter] = (),
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
@@ -109,6 +114,7 @@ class ZeroEngine:
             raise RuntimeError("ZeroEngine needs torch.distributed initialised (any backend)")
         self.module = module
         self.stage = stage
+        self.kept = list(kept)
         self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -215,9 +221,13 @@ class ZeroEngine:
                     f"{len(optimizer.state)} parameters; rewire before the first step"
                 )
             managed = set(self._unit_of)
+            kept = {id(p) for p in self.kept}
             for gi, group in enumerate(optimizer.param_groups):
                 new = []
                 for p in group["params"]:
+                    if id(p) in kept:
+                        new.append(p)
+                        continue
                     if id(p) not in managed:
                         raise ValueError(
                             f"optimizer param group {gi} holds a parameter of shape "

@@ -59,6 +59,7 @@ class GradientReducer:
     data_bytes: int = 0
     experts: list[nn.Parameter] = field(default_factory=list)  # expert slices (expert > 1)
     expert_group: dist.ProcessGroup | None = None  # the ranks holding the same experts
+    replicas: int = 1  # data × context: what expert gradients are divided by
 
     def __call__(self) -> None:
         for p in self.params:
@@ -71,11 +72,22 @@ class GradientReducer:
             experts = {id(p) for p in self.experts}
             grads = [p.grad for p in self.params if id(p) not in experts]
             self.data_bytes += all_reduce_mean_(grads, self.data_group, self.data_size)
-            grads = [p.grad for p in self.params if id(p) in experts]
-            if grads and dist.get_world_size(self.expert_group) > 1:
-                self.data_bytes += all_reduce_mean_(grads, self.expert_group, self.data_size)
-            elif grads:  # one copy of these experts: nothing to sum, the same division
-                torch._foreach_div_(grads, float(self.data_size))
+        self.reduce_experts()
+
+    def reduce_experts(self) -> None:
+        """Expert slices: summed over the ranks holding the same experts, divided by the
+        ``replicas`` whose losses each count for an average (:mod:`llmlab.parallel.expert`).
+        Also called on its own under ZeRO, which reduces every other gradient itself."""
+        if not self.experts or self.replicas == 1:
+            return
+        for p in self.experts:
+            if p.grad is None:  # every rank must contribute, even with no row routed here
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.experts]
+        if dist.get_world_size(self.expert_group) > 1:
+            self.data_bytes += all_reduce_mean_(grads, self.expert_group, self.replicas)
+        else:  # one copy of these experts: nothing to sum, the same division
+            torch._foreach_div_(grads, float(self.replicas))
 
     def reset_counts(self) -> None:
         self.tied_bytes = self.data_bytes = 0
