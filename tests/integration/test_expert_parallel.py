@@ -102,8 +102,15 @@ def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> di
         result["ep_bytes"] = strategy.last_comm.get("comm/ep_bytes")
         zero = strategy.zero_engine
         if zero is not None:  # what ZeRO shards, and what it leaves whole (the expert slices)
-            result["zero"] = {"managed": len(zero.named_params()), "kept": len(zero.kept),
-                              "kept_shapes": [tuple(p.shape) for p in zero.kept]}  # fmt: skip
+            units = sum(u.shard.nbytes if zero.stage >= 3 else u.full.nbytes for u in zero.units)
+            result["zero"] = {
+                "managed": len(zero.named_params()),
+                "kept": len(zero.kept),
+                "kept_shapes": [tuple(p.shape) for p in zero.kept],
+                "kept_bytes": sum(p.nbytes for p in zero.kept),
+                "units_bytes": units,
+                "params_bytes": zero.memory_stats()["memory/params_bytes"],
+            }
     return result
 
 
@@ -281,6 +288,8 @@ def test_zero_on_the_non_expert_weights_equals_one_process(cell: str, one_proces
         layers = 1 if PP2 in strategy else 2
         assert r["zero"]["managed"] > 0 and r["zero"]["kept"] == 3 * layers, r["zero"]
         assert set(r["zero"]["kept_shapes"]) == {(2, 32, 32)}, r["zero"]
+        z = r["zero"]  # memory/params_bytes counts the whole expert slices beside ZeRO's units
+        assert z["params_bytes"] == z["units_bytes"] + z["kept_bytes"] > z["kept_bytes"], z
 
 
 # ------------------------------------------------------- transforms and precisions

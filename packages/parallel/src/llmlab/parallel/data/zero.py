@@ -162,7 +162,7 @@ class ZeroEngine:
         self._callback_queued = False
         self._in_backward = False
         self._full_grads: set[int] = set()  # stages 2-3: parameters holding a full gradient
-        self.memory = ZeroMemory(self.units, stage)
+        self.memory = ZeroMemory(self.units, stage, self.kept)
         self._optimizers = self.memory.optimizers
         self._members: dict[int, list[list[nn.Parameter]]] = {}  # param groups before rewire
         self._comm_bytes = 0  # payload of the collectives run since take_comm_bytes

@@ -75,9 +75,10 @@ class ReplicatedMemory:
 class ZeroMemory:
     """The model-state bytes of ``units`` at ZeRO ``stage`` and of ``optimizers``' state."""
 
-    def __init__(self, units: Sequence[Unit], stage: int) -> None:
+    def __init__(self, units: Sequence[Unit], stage: int, kept: Sequence[Tensor] = ()) -> None:
         self.units = list(units)
         self.stage = stage
+        self.kept = list(kept)  # parameters the engine leaves whole (expert slices): full size
         self.optimizers: list[Optimizer] = []
         self.optim_bytes = 0  # optimizer state, re-measured after each step
         self.live = self.peak_bytes = 0
@@ -103,11 +104,13 @@ class ZeroMemory:
     def stats(self) -> dict[str, float]:
         """``memory/{params,grads,optim,peak}_bytes`` (see the module docstring)."""
         params = sum(u.shard.nbytes if self.stage >= 3 else u.full.nbytes for u in self.units)
+        params += sum(p.nbytes for p in self.kept)
         grads = sum(
             (u.grads.nbytes if u.grads is not None else 0)
             + (u.grad_shard.nbytes if u.grad_shard is not None else 0)
             for u in self.units
         )
+        grads += sum(p.grad.nbytes for p in self.kept if p.grad is not None)
         self.measure_optimizer()
         optim = self.optim_bytes + self.masters_bytes()
         return model_state_stats(params, grads, optim, self.peak_bytes)
