@@ -29,6 +29,11 @@ weight gradient per expert slice; autograd's ``x[idx]``: an accumulating scatter
 GPU rows (``moe_gpu.json``): the same cases in bf16 on CUDA, wall time after a synchronize;
 skipped with the reason where no CUDA device is present.
 
+All-to-all bytes (``moe_ep.json``, untimed): the Mixtral-shaped layer split over 2 gloo ranks
+(expert parallelism, 512 tokens each), one forward and backward; the bytes each rank counted
+(``comm/ep_bytes``) against the formula of ``llmlab.parallel.expert`` from the routing it did
+(``2·(S + R)·C·b`` + the counts), and against what a perfectly balanced router would move.
+
 ``python -m benchmarks.moe`` (``--smoke``: a tiny case, one round).
 """
 
@@ -41,7 +46,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Row, fair, parse_args, report
+from benchmarks.common import Row, fair, parse_args, report, untimed
 from benchmarks.serving import interleaved_best
 from llmlab.models.moe import MoE, MoEConfig
 
@@ -216,6 +221,68 @@ def measure(case: Case, repeats: int, device: str = "cpu", dtype: torch.dtype = 
     ]
 
 
+def _ep_bytes(rank: int, world: int, case: Case) -> dict[str, int]:
+    """One rank of the expert-parallel layer: the bytes it counted and the formula's."""
+    import torch.distributed as dist
+
+    from llmlab.parallel.expert import ExpertParallel
+
+    torch.manual_seed(0)  # the same layer on every rank; each keeps its experts
+    layer = MoE(MoEConfig(dim=case.dim, num_experts=case.experts, top_k=case.top_k,
+                          intermediate_size=case.intermediate))  # fmt: skip
+    ep = ExpertParallel(dist.group.WORLD, world, rank)
+    ep.apply(layer)
+    gen = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(case.tokens, case.dim, generator=gen).requires_grad_()
+    layer(x).sum().backward()
+    counts = [torch.empty(case.experts, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(counts, layer.stats.tokens_per_expert)
+    per = case.experts // world
+    mine = slice(rank * per, (rank + 1) * per)
+    sent = int(counts[rank].sum() - counts[rank][mine].sum())  # S: rows to other ranks
+    received = sum(int(c[mine].sum()) for r, c in enumerate(counts) if r != rank)  # R
+    row = case.dim * x.element_size()
+    count_bytes = 8 * case.experts * (world - 1) // world
+    return {
+        "counted": ep.stats.take(),
+        "formula": 2 * (sent + received) * row + count_bytes,
+        "balanced": 2 * 2 * case.tokens * case.top_k * (world - 1) // world * row + count_bytes,
+    }
+
+
+def ep_rows(case: Case, world: int = 2) -> list[Row]:
+    """``comm/ep_bytes`` of rank 0 against the formula (must be equal: raises otherwise) and
+    against a balanced router's bytes."""
+    from llmlab.parallel.launch import run_distributed
+
+    results = run_distributed(_ep_bytes, world, case, timeout=600)
+    bad = [r for r in results if r["counted"] != r["formula"]]
+    if bad:
+        raise RuntimeError(f"comm/ep_bytes differs from its formula: {bad}")
+    r = results[0]
+    name = f"moe all-to-all: {case.name} over expert={world}, rank 0"
+    timing = untimed(("llmlab ExpertParallel (gloo)", "the formula"))
+    return [
+        Row(
+            f"{name}: bytes counted vs the formula",
+            r["counted"],
+            r["formula"],
+            "2(S+R)Cb + counts, from its routing",
+            "bytes",
+            extra=timing,
+        ),
+        Row(
+            f"{name}: bytes vs a balanced router's",
+            r["counted"],
+            r["balanced"],
+            "balanced: 2·2·k·N·(ep-1)/ep·C·b + counts",
+            "bytes",
+            higher_is_better=False,
+            extra=untimed(("llmlab ExpertParallel (gloo)", "a balanced router")),
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), argv)
     cases, repeats = (SMOKE, 1) if args.smoke else (CASES, 9)
@@ -230,6 +297,15 @@ def main(argv: list[str] | None = None) -> None:
         "backward)."
     )
     report("moe", rows, notes=notes)
+    ep_case = cases[0]
+    report("moe_ep", ep_rows(ep_case), notes=(
+        "Untimed. Rank 0 of 2 gloo ranks, each holding half the experts and routing "
+        f"{ep_case.tokens} tokens of its own (random router and inputs): payload bytes of one "
+        "forward and backward (dispatch, combine, their gradients, the counts). Every rank's "
+        "count equals the formula (checked). Against a balanced router a ratio above 1 means this "
+        "rank moved fewer rows than an even split would (its tokens' experts were local more "
+        "often), below 1 more."
+    ))  # fmt: skip
     if not torch.cuda.is_available():
         report("moe_gpu", [], skipped="no CUDA device on this machine (GPU rows run when one is)")
         return
