@@ -111,6 +111,19 @@ def byte_level_llama_folder(
     return model, folder
 
 
+def experiment_user_files(name: str, root: Path) -> list[str]:
+    """The overrides naming what a user brings to experiment ``name`` (made here, offline): a
+    Hugging Face-format folder for the fine-tuning experiments, nothing for the others."""
+    if name == "llama_finetune":
+        _, folder = byte_level_llama_folder(root / "pretrained")
+        return [f"model.init_from={folder}"]
+    if name == "moe_finetune":  # a Mixtral-format folder: 4 experts, top-2
+        experts = dict(num_local_experts=4, num_experts_per_tok=2)
+        _, folder = byte_level_llama_folder(root / "pretrained", family="Mixtral", **experts)
+        return [f"model.init_from={folder}"]
+    return []
+
+
 def hf_greedy(hf: Any, prompt: torch.Tensor, n: int) -> torch.Tensor:
     """HF ``generate``'s ``n`` greedy tokens after ``prompt``: an explicit mask (HF would mask
     prompt tokens equal to ``pad_token_id``) and no EOS, so all ``n`` tokens are compared."""

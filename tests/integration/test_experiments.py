@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.hf_tiny import byte_level_llama_folder
+from tests.helpers.hf_tiny import experiment_user_files
 from tests.helpers.runs import QUICK, REPO, run_train
 
 # Experiments that read a prepared dataset run in their own test, which prepares it first.
@@ -25,23 +25,11 @@ def shared_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def user_files(name: str, tmp_path) -> list[str]:
-    """The overrides naming what a user brings to an experiment (made here, offline)."""
-    if name == "llama_finetune":  # a Hugging Face-format folder to start from
-        _, folder = byte_level_llama_folder(tmp_path / "pretrained")
-        return [f"model.init_from={folder}"]
-    if name == "moe_finetune":  # a Mixtral-format folder: 4 experts, top-2
-        experts = dict(num_local_experts=4, num_experts_per_tok=2)
-        _, folder = byte_level_llama_folder(tmp_path / "pretrained", family="Mixtral", **experts)
-        return [f"model.init_from={folder}"]
-    return []
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_runs_two_steps_with_one_wandb_run(name, tmp_path, shared_cache):
     args = [f"experiment={name}", *QUICK, f"paths.cache_dir={shared_cache}"]
-    result = run_train([*args, *user_files(name, tmp_path)], tmp_path, timeout=900)
+    result = run_train([*args, *experiment_user_files(name, tmp_path)], tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dirs = [p for p in (tmp_path / name).iterdir() if p.is_dir()]
     assert len(run_dirs) == 1, run_dirs

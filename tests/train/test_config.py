@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from llmlab.train.app import ConfigError, available_experiments, compose_config, validate_config
+from tests.helpers.hf_tiny import experiment_user_files
 from tests.helpers.runs import REPO, run_train
 
 
@@ -23,8 +24,8 @@ def test_experiment_delta_overrides_a_group():
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "experiments").glob("*.yaml")))
-def test_every_experiment_composes_and_validates(name):
-    cfg = compose_config([f"experiment={name}"])
+def test_every_experiment_composes_and_validates(name, tmp_path):
+    cfg = compose_config([f"experiment={name}", *experiment_user_files(name, tmp_path)])
     OmegaConf.resolve(cfg)  # every interpolation resolves
     validate_config(cfg)
 
