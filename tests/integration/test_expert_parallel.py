@@ -101,7 +101,11 @@ def _fit(overrides: list[str], devices: int, steps: int = STEPS, **kwargs) -> di
         result["applied"] = parallel.applied.get("expert_parallel")
         result["ep_bytes"] = strategy.last_comm.get("comm/ep_bytes")
         zero = strategy.zero_engine
-        if zero is not None:  # what ZeRO shards, and what it leaves whole (the expert slices)
+        if zero is not None and not hasattr(zero, "kept"):  # FSDP2: the expert slices' meshes
+            result["fsdp2_expert_meshes"] = sorted(
+                {p.device_mesh.size() for m in layers for p in m.experts.parameters()}
+            )
+        if hasattr(zero, "kept"):  # llmlab's ZeRO: what it shards, what it leaves whole (experts)
             units = sum(u.shard.nbytes if zero.stage >= 3 else u.full.nbytes for u in zero.units)
             result["zero"] = {
                 "managed": len(zero.named_params()),
@@ -259,32 +263,44 @@ def test_the_bias_update_under_expert_parallelism_equals_one_process(layout: str
 
 
 # --------------------------------------------------------------------------- ZeRO
-ZERO_CELLS = {  # name -> (layout, ZeRO stage)
-    "dp2-ep2 zero1": ("dp2-ep2", 1),
-    "dp2-ep2 zero2": ("dp2-ep2", 2),
-    "dp4-ep2 zero3": ("dp4-ep2", 3),
-    "dp2-tp2sp-ep2 zero2": ("dp2-tp2sp-ep2", 2),
-    "dp2-pp2-ep2 zero1": ("dp2-pp2-ep2", 1),
+FSDP2 = "strategy.zero_impl=fsdp2"
+ZERO_CELLS = {  # name -> (layout, ZeRO stage, implementation)
+    "dp2-ep2 zero1": ("dp2-ep2", 1, "llmlab"),
+    "dp2-ep2 zero2": ("dp2-ep2", 2, "llmlab"),
+    "dp4-ep2 zero3": ("dp4-ep2", 3, "llmlab"),
+    "dp2-tp2sp-ep2 zero2": ("dp2-tp2sp-ep2", 2, "llmlab"),
+    "dp2-pp2-ep2 zero1": ("dp2-pp2-ep2", 1, "llmlab"),
+    "dp2-ep2 fsdp2 zero2": ("dp2-ep2", 2, "fsdp2"),
+    "dp4-ep2 fsdp2 zero3": ("dp4-ep2", 3, "fsdp2"),
+    "dp2-tp2sp-ep2 fsdp2 zero2": ("dp2-tp2sp-ep2", 2, "fsdp2"),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("cell", list(ZERO_CELLS))
-def test_zero_on_the_non_expert_weights_equals_one_process(cell: str, one_process: dict) -> None:
-    """ZeRO 1-3 (llmlab's engine) beside expert parallelism: the engine shards the weights
-    every data × context rank holds (reduce-scattered over all of them) and leaves each rank's
+def test_zero_and_fsdp2_beside_expert_parallelism_equal_one_process(
+    cell: str, one_process: dict
+) -> None:
+    """ZeRO 1-3 beside expert parallelism. llmlab's engine shards the weights every
+    data × context rank holds (reduce-scattered over all of them) and leaves each rank's
     expert slices whole (in the optimizer as they are, summed over the ranks holding the same
-    experts), as torchtitan shards non-expert and expert weights over different meshes. The
-    loss and norms of one process at every step (the whole-model norm counts each expert
-    slice once although the ZeRO sum runs over every replica)."""
-    layout, stage = ZERO_CELLS[cell]
+    experts); FSDP2 shards the expert slices too, over those ranks (torchtitan's
+    ``dp_mod_ep`` mesh: each MoE layer's experts are their own unit), the rest over data ×
+    context. The loss and norms of one process at every step (the whole-model norm counts
+    each expert slice once although the sum runs over every replica)."""
+    layout, stage, impl = ZERO_CELLS[cell]
     devices, strategy = LAYOUTS[layout]
-    overrides = _overrides(devices, [*strategy, f"strategy.zero={stage}"])
-    results = run_distributed(_rank_fit, devices, overrides, timeout=900)
+    extra = [f"strategy.zero={stage}", *([FSDP2] if impl == "fsdp2" else [])]
+    results = run_distributed(_rank_fit, devices, _overrides(devices, [*strategy, *extra]),
+                              timeout=900)  # fmt: skip
+    copies = int(strategy[1].split("=")[1]) // 2  # data / expert: the ranks with equal experts
     for r in results:
         _close(r["losses"], one_process["losses"], f"{cell} loss")
         _close(r["norms"], one_process["norms"], f"{cell} train/grad_norm")
         _close([r["master_norm"]], [one_process["master_norm"]], f"{cell} master")
+        if impl == "fsdp2":
+            assert r["fsdp2_expert_meshes"] == [copies], r.get("fsdp2_expert_meshes")
+            continue
         layers = 1 if PP2 in strategy else 2
         assert r["zero"]["managed"] > 0 and r["zero"]["kept"] == 3 * layers, r["zero"]
         assert set(r["zero"]["kept_shapes"]) == {(2, 32, 32)}, r["zero"]
@@ -309,6 +325,11 @@ TRANSFORMED = {  # name -> (layout, extra overrides, precision: the tolerances a
         "bf16_mixed",
     ),
     "dp2-ep2 zero2 fp8": ("dp2-ep2", ("strategy.zero=2", *FP8), "fp8"),
+    "dp4-ep2 fsdp2 bf16_mixed": (
+        "dp4-ep2",
+        ("strategy.zero=2", FSDP2, "precision=bf16_mixed"),
+        "bf16_mixed",
+    ),
 }
 
 
@@ -348,7 +369,6 @@ def test_expert_parallelism_with_transforms_and_precisions_equals_one_process(
 
 
 REFUSED = {  # an option expert > 1 does not compose with yet -> what the message says
-    ("strategy.zero=3", "strategy.zero_impl=fsdp2"): "with strategy.zero_impl=fsdp2 is refused",
     ("strategy.zero=2", "precision=fp16_master"): "with precision=FP16MasterPrecision is refused",
     ("strategy.zero=1", "precision=bf16_master"): "with precision=BF16MasterPrecision is refused",
     ("strategy.expert=3",): "expert=3 does not divide data (4) × context (1) = 4",
@@ -389,15 +409,17 @@ def _save_at(step: int, path: str):
 
 
 def _rank_checkpoint(
-    rank: int, world: int, root: str, layout: str, sharded: bool = False, zero: int = 0
-) -> dict:
+    rank: int, world: int, root: str, layout: str, sharded: bool = False, zero: int = 0,
+    impl: str = "llmlab",
+) -> dict:  # fmt: skip
     """``layout`` trains 4 steps, saving after 2; the checkpoint resumes in the same layout and
     with every expert (and every tensor shard) on every rank: data × expert 1. ``sharded``: DCP
     folders, each rank writing its part (an expert slice by one rank of its copies); ``zero``:
     the split run's ZeRO stage (the resume in expert=1 runs without)."""
     path = f"{root}/ep2.ckpt"
     more = ["strategy.sharded_checkpoints=true"] if sharded else []
-    split = _overrides(world, [*LAYOUTS[layout][1], *more, f"strategy.zero={zero}"])
+    zero_options = [f"strategy.zero={zero}", f"strategy.zero_impl={impl}"]
+    split = _overrides(world, [*LAYOUTS[layout][1], *more, *zero_options])
     plain = _overrides(world, ["strategy=nd", f"strategy.data={world}", *more])
     full = _fit(split, world, RESUME_STEPS, batches=HALF, callbacks=[_save_at(HALF, path)])
     same = _fit(split, world, RESUME_STEPS, batches=HALF, ckpt_path=path)
@@ -407,26 +429,29 @@ def _rank_checkpoint(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "layout, sharded, zero",
-    [("dp2-ep2", True, 0), ("dp2-tp2-ep2", True, 0), ("dp4-ep2", True, 2), ("dp2-ep2", False, 2),
-     ("dp4-ep2", False, 3)],
+    "layout, sharded, zero, impl",
+    [("dp2-ep2", True, 0, "llmlab"), ("dp2-tp2-ep2", True, 0, "llmlab"),
+     ("dp4-ep2", True, 2, "llmlab"), ("dp2-ep2", False, 2, "llmlab"),
+     ("dp4-ep2", False, 3, "llmlab"), ("dp4-ep2", False, 3, "fsdp2"),
+     ("dp4-ep2", True, 2, "fsdp2")],
     ids=["dp2-ep2-sharded", "dp2-tp2-ep2-sharded", "dp4-ep2-zero2-sharded", "dp2-ep2-zero2",
-         "dp4-ep2-zero3"],
+         "dp4-ep2-zero3", "dp4-ep2-fsdp2-zero3", "dp4-ep2-fsdp2-zero2-sharded"],
 )  # fmt: skip
 def test_a_sharded_or_zero_expert_parallel_checkpoint_resumes_in_any_expert_degree(
-    layout, sharded, zero, tmp_path
+    layout, sharded, zero, impl, tmp_path
 ):
     """With ``strategy.sharded_checkpoints=true`` each rank writes its part of a DCP folder
     (its experts at their offset in the stack, written by one of the ranks holding them: a
     tensor rank, or with data 4 one of the two copies); under ZeRO the optimizer state is the
-    engine's pieces and the expert slices' own. Either resumes in the same layout and in
+    engine's pieces and the expert slices' own (FSDP2: its DTensors, the experts on their own
+    mesh). Either resumes in the same layout and in
     expert=1 (without ZeRO) on the uninterrupted curve, which is one process's; a sharded
     folder's one-process ``consolidate`` holds every expert at full shape."""
     from llmlab.parallel.checkpoint import consolidate
 
     devices = LAYOUTS[layout][0]
     results = run_distributed(
-        _rank_checkpoint, devices, str(tmp_path), layout, sharded, zero, timeout=900
+        _rank_checkpoint, devices, str(tmp_path), layout, sharded, zero, impl, timeout=900
     )
     one = _fit(_overrides(1, ["strategy=auto"]), 1, RESUME_STEPS, batches=HALF)
     for r in results:

@@ -305,6 +305,11 @@ class Experts(nn.Module):
         h = self.swiglu(x @ self.gate_proj[e].t(), x @ self.up_proj[e].t())
         return h @ self.down_proj[e].t()
 
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The grouped path (:meth:`grouped`), called as the module so that what wraps the
+        module (FSDP2 gathering the experts' weights) sees it run."""
+        return self.grouped(x, counts)
+
     def grouped(self, x: Tensor, counts: Tensor) -> Tensor:
         """Every expert on its contiguous slice of ``x`` (rows sorted by expert)."""
         h = self.swiglu(
@@ -351,7 +356,7 @@ class MoE(nn.Module):
             nn.Linear(config.dim, 1, bias=False) if config.shared_gate else None
         )
         self.stats: MoEStats | None = None
-        self.expert_fn: Any = None  # set by swap_experts; None: self.experts.grouped
+        self.expert_fn: Any = None  # set by swap_experts; None: self.experts (grouped)
 
     def expert_parameters(self) -> dict[str, nn.Parameter]:
         """The routed experts' stacked weights, ``(E, out, in)``, by name under this layer."""
@@ -360,7 +365,7 @@ class MoE(nn.Module):
     def swap_experts(self, wrap: Any) -> int:
         """Replace the expert computation ``fn(x, counts) -> y`` (``x``: rows sorted by expert,
         ``counts[e]`` rows for expert ``e``) by ``wrap(fn)``; returns 1 (the layers changed)."""
-        self.expert_fn = wrap(self.expert_fn or self.experts.grouped)
+        self.expert_fn = wrap(self.expert_fn or self.experts)
         return 1
 
     def forward(self, x: Tensor) -> Tensor:
@@ -417,7 +422,7 @@ class MoE(nn.Module):
             rank = torch.arange(order.numel(), device=x.device) - starts[chosen[order]]
             order = order[rank < capacity]
             kept = counts.clamp(max=capacity)
-        y = (self.expert_fn or self.experts.grouped)(dispatch_rows(x, order, k), kept)
+        y = (self.expert_fn or self.experts)(dispatch_rows(x, order, k), kept)
         return combine_rows(y, r.weights, order), counts, counts - kept
 
     # ------------------------------------------------------------------ balancing

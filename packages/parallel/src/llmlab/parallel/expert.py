@@ -74,10 +74,6 @@ EXPERT_REFUSALS = {  # what expert > 1 does not compose with yet, and why
     "precision": "with ZeRO, a master-weight plugin's fp32 masters and loss scale are the "
     "ZeRO engine's shards, which expert slices are not (their gradients would stay scaled); use "
     "bf16-mixed or fp32 with ZeRO, or a master-weight precision without ZeRO",
-    "strategy.zero_impl": "FSDP2's sharded DTensor parameters and the expert slices' plain "
-    "tensors cannot share one foreach optimizer step, and sharding the experts over their own "
-    "copies (torchtitan's dp_mod_ep mesh) is not implemented; use zero_impl=llmlab (ZeRO 1-3 "
-    "on the non-expert weights, the expert slices whole)",
 }
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmlab.parallel.checkpoint.checkpointer import LayoutCheckpointer
+from llmlab.parallel.data.fsdp2 import FSDP2Engine
 from llmlab.parallel.data.zero_memory import ReplicatedMemory
 from llmlab.parallel.expert import split_expert_params
 from llmlab.parallel.norm import WholeModelNorm
@@ -42,7 +43,9 @@ def build_step_mechanisms(strategy: Any) -> StepMechanisms:
     )
     assert parallel is not None
     data = (groups.replica, dims.replicas) if zero is None else (None, 1)
-    experts = split_expert_params(parallel.params)[1]
+    # expert slices reduced and normed apart from the rest, except under FSDP2: it shards and
+    # reduce-scatters them over their copies itself, like every other weight
+    experts = [] if isinstance(zero, FSDP2Engine) else split_expert_params(parallel.params)[1]
     reducer = GradientReducer(
         parallel.params,
         parallel.tied,

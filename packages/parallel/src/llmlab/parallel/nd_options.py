@@ -49,8 +49,6 @@ def check_options(
     check_split_backward(dims.schedule, transforms.compile)  # zb1/zbv/dualpipev: exact only
     check_context(dims.context, transforms)
     check_zero_impl(zero_impl, zero, dims.pipeline, transforms)
-    if dims.expert > 1 and zero > 0 and zero_impl == "fsdp2":
-        raise ValueError(expert_refusal("strategy.zero_impl", zero_impl, dims.expert))
 
 
 def check_run(dims: ParallelDims, zero: int, zero_impl: str, run: RunConfig) -> None:

@@ -381,8 +381,8 @@ class NDParallelStrategy(DDPStrategy):
         pipeline)."""
         assert self._reducer is not None
         if self.zero_engine is not None and self.pipeline_step is None:
-            if isinstance(self.zero_engine, FSDP2Engine):  # its own sum of partial gradients
-                self.zero_engine.sum_partial_gradients()
+            if isinstance(self.zero_engine, FSDP2Engine):  # partial sums, expert division
+                self.zero_engine.finish_gradients()
             self._reducer.reduce_experts()  # expert slices are not the engine's
             return  # ZeRO reduce-scattered during backward (its end-of-backward callback)
         self._reducer()

@@ -28,6 +28,14 @@ which ``fully_shard`` replaces: :meth:`FSDP2Engine.sum_partial_gradients` all-re
 gradient shards over the tensor group instead, once the reduce-scatter is done (the two sums
 commute).
 
+Expert parallelism: each MoE layer's experts module (its expert slices) is a unit of its own,
+sharded over the ranks that hold the same experts (:func:`expert_mesh`, torchtitan's
+``dp_mod_ep``) rather than over data × context; FSDP2 averages its gradients over that mesh, and
+:meth:`FSDP2Engine.finish_gradients` divides them by ``replicas / copies`` more (a sum over the
+copies divided by every replica, :mod:`llmlab.parallel.expert`; gloo has no pre-multiplied
+reduce-scatter for ``set_gradient_divide_factor``). The layer calls its experts module (its
+``forward`` is the grouped path), so FSDP2 gathers the slices around the call.
+
 Not expressible here (refused up front by :func:`fsdp2_refusal`): a pipeline (FSDP2's backward
 hooks reduce once per backward, the schedule runs several), fp32 master weights of an fp16/bf16
 model (``MixedPrecisionPolicy`` keeps fp32 *parameters* instead: another recipe), fp8 layers,
@@ -51,6 +59,7 @@ from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmlab.parallel.data.zero_memory import model_state_stats, optimizer_state_bytes
+from llmlab.parallel.expert import EXPERT_ATTR
 from llmlab.parallel.mesh import ProcessGroups
 from llmlab.parallel.precision.plugins import WholeModelMixedPrecision, WholeModelPrecision
 from llmlab.parallel.tensor import primitives as C
@@ -180,6 +189,8 @@ class FSDP2Engine:
         mesh: DeviceMesh,
         blocks: Sequence[nn.Module] | None = None,
         tensor_group: dist.ProcessGroup | None = None,
+        expert_mesh: DeviceMesh | None = None,
+        replicas: int = 1,
     ) -> None:
         problem = fsdp2_refusal(stage)
         if problem:
@@ -193,22 +204,30 @@ class FSDP2Engine:
         if blocks is None:
             get = getattr(module, "repeated_blocks", None)
             blocks = list(get()) if callable(get) else []
-        shard_dims = {n: getattr(p, SHARD_DIM_ATTR) for n, p in module.named_parameters()
-                      if hasattr(p, SHARD_DIM_ATTR)}  # fmt: skip
+        kept_attrs = {n: {a: getattr(p, a) for a in (SHARD_DIM_ATTR, EXPERT_ATTR) if hasattr(p, a)}
+                      for n, p in module.named_parameters()}  # fmt: skip
         partial = {n for n, p in module.named_parameters() if _partial(p)}
         reshard = RESHARD_AFTER_FORWARD[stage]
-        self.units: list[FSDPModule] = [
-            fully_shard(b, mesh=mesh, reshard_after_forward=reshard) for b in blocks
-        ]
+        self.units: list[FSDPModule] = []
+        experts = _expert_modules(module)
+        if experts and expert_mesh is None:
+            raise ValueError("FSDP2 of a model with expert slices needs the expert_mesh")
+        for m in experts:  # first: the blocks then leave these weights to them
+            self.units.append(fully_shard(m, mesh=expert_mesh, reshard_after_forward=reshard))
+        # FSDP2 averages a unit's gradients over its mesh; expert slices are summed over their
+        # copies and divided by every replica (llmlab.parallel.expert): replicas / copies more
+        self._experts = [p for m in experts for p in m.parameters(recurse=False)]
+        self._expert_divide = replicas / expert_mesh.size() if experts else 1.0
+        self.units += [fully_shard(b, mesh=mesh, reshard_after_forward=reshard) for b in blocks]
         self.units.append(fully_shard(module, mesh=mesh, reshard_after_forward=reshard))
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         in_blocks = [{id(p) for p in b.parameters()} for b in blocks]
         root = {id(p) for _, p in self._named} - set().union(*in_blocks)
         size = {id(p): p.numel() * p.element_size() for _, p in self._named}
         self._unit_bytes = [sum(size.get(i, 0) for i in ids) for ids in [*in_blocks, root]]
-        for name, p in self._named:  # the tensor-parallel slice's dim survives the swap
-            if name in shard_dims:
-                setattr(p, SHARD_DIM_ATTR, shard_dims[name])
+        for name, p in self._named:  # the tensor-parallel dim, the expert slice survive the swap
+            for attr, value in kept_attrs.get(name, {}).items():
+                setattr(p, attr, value)
         self.tensor_group = tensor_group
         self._partial = [p for n, p in self._named if n in partial]
         self.counter = CollectiveBytes(self.group)
@@ -223,14 +242,21 @@ class FSDP2Engine:
         mesh: DeviceMesh,
         held: Sequence[nn.Parameter],
         tensor_group: dist.ProcessGroup | None = None,
+        expert_mesh: DeviceMesh | None = None,
+        replicas: int = 1,
     ) -> FSDP2Engine:
         """FSDP2 for a (tensor-parallel) model whose every parameter this rank holds; its
-        units are the repeated blocks. ``held`` must be all of them (no pipeline stage)."""
+        units are the modules holding expert slices (sharded over ``expert_mesh``: the ranks
+        holding the same experts, torchtitan's ``dp_mod_ep``; gradients divided by the
+        ``replicas``), then the repeated blocks. ``held`` must be all of them (no pipeline)."""
         ids = {id(p) for p in held}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
         if missing:
             raise ValueError(f"FSDP2 shards whole modules; this rank lacks {missing[:4]}")
-        return cls(model, stage, mesh, tensor_group=tensor_group)
+        return cls(
+            model, stage, mesh, tensor_group=tensor_group, expert_mesh=expert_mesh,
+            replicas=replicas,
+        )  # fmt: skip
 
     # ================================================================ the optimizer
     def rewire(self, optimizer: Optimizer) -> None:
@@ -267,6 +293,16 @@ class FSDP2Engine:
             if keep:
                 root.set_reshard_after_backward(True)
 
+    def finish_gradients(self) -> None:
+        """Once per optimizer step, after the backward's reduce-scatters: the partial sums over
+        the tensor group (:meth:`sum_partial_gradients`), and the expert slices' gradients
+        divided by ``replicas / copies`` (gloo has no pre-multiplied reduce-scatter for
+        ``set_gradient_divide_factor``)."""
+        self.sum_partial_gradients()
+        grads = [p.grad.to_local() for p in self._experts if p.grad is not None]
+        if grads and self._expert_divide != 1.0:
+            torch._foreach_div_(grads, self._expert_divide)
+
     def sum_partial_gradients(self) -> None:
         """All-reduce over the tensor group the gradient shards of the replicated parameters
         whose gradient is a part of a sum on each tensor rank (module docstring); once per
@@ -297,7 +333,9 @@ class FSDP2Engine:
             local = p.to_local()
             if local.numel() == 0:
                 continue  # fewer rows than data ranks: none live here
-            lo = self.rank * _rows_per_rank(p, self.world) * (p.numel() // max(1, p.shape[0]))
+            mesh = p.device_mesh  # the data mesh, or an expert slice's copies
+            rows = _rows_per_rank(p, mesh.size())
+            lo = mesh.get_local_rank() * rows * (p.numel() // max(1, p.shape[0]))
             yield name, p, lo, lo + local.numel(), local.view(-1)
 
     def optimizer_param(self, param: nn.Parameter) -> nn.Parameter | None:
@@ -332,6 +370,20 @@ class FSDP2Engine:
     def close(self) -> None:
         """Leave every unit sharded (the shards are what a checkpoint after fit reads)."""
         self.refresh_params()
+
+
+def _expert_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules whose own parameters are expert slices (each MoE layer's experts)."""
+    return [m for m in module.modules()
+            if any(hasattr(p, EXPERT_ATTR) for p in m.parameters(recurse=False))]  # fmt: skip
+
+
+def expert_mesh(groups: ProcessGroups, device_type: str) -> DeviceMesh | None:
+    """The ranks holding the same experts as this one (``None`` without expert parallelism):
+    the mesh FSDP2 shards expert slices over."""
+    if groups.dims.expert == 1:
+        return None
+    return DeviceMesh.from_group(groups.expert_copies, device_type)
 
 
 def _partial(p: Tensor) -> bool:

@@ -11,7 +11,13 @@ from collections.abc import Mapping, Sequence
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
-from llmlab.parallel.data.fsdp2 import IMPLS, FSDP2Engine, data_mesh, fsdp2_refusal
+from llmlab.parallel.data.fsdp2 import (
+    IMPLS,
+    FSDP2Engine,
+    data_mesh,
+    expert_mesh,
+    fsdp2_refusal,
+)
 from llmlab.parallel.data.zero import ZeroEngine
 from llmlab.parallel.expert import split_expert_params
 from llmlab.parallel.mesh import ProcessGroups
@@ -54,8 +60,8 @@ def build_data_sharding(
     model) over the data (× context) group of ``groups``; FSDP2 first checks the precision
     plugin. Expert slices (expert parallelism) stay out of llmlab's engine: replicated over
     the ranks that hold the same experts, not the data group, they are reduced over those
-    (``GradientReducer.reduce_experts``) and stepped whole (FSDP2 with experts is refused:
-    ``llmlab.parallel.expert.EXPERT_REFUSALS``)."""
+    (``GradientReducer.reduce_experts``) and stepped whole; FSDP2 shards them over those
+    ranks instead (its own reduce-scatter)."""
     if impl == "llmlab":
         replicated, experts = split_expert_params(list(held))
         return ZeroEngine.for_held(
@@ -76,4 +82,7 @@ def build_data_sharding(
     if problem:
         raise ValueError(problem)
     mesh = data_mesh(groups, device_type)
-    return FSDP2Engine.for_held(model, stage, mesh, held, tensor_group=groups.tensor)
+    return FSDP2Engine.for_held(
+        model, stage, mesh, held, tensor_group=groups.tensor,
+        expert_mesh=expert_mesh(groups, device_type), replicas=groups.dims.replicas,
+    )  # fmt: skip
