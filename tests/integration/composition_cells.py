@@ -139,7 +139,6 @@ NAIVE_MP = "strategy=naive_mp was checked against the unsplit model in fp32 with
 CONTEXT_RECOMPUTE = "recompute_attention with context > 1 is refused"
 CONTEXT_COMPILE = "compile=true with context > 1 is refused"
 COMPILE_UNCHECKED = "compile=true is not supported with strategy"
-COMPILE_TENSOR = "compile=true with tensor parallelism is refused"
 ZERO_PIPELINE = "is refused: a pipeline runs several micro-batch backward passes"
 FSDP2_STAGE = "strategy.zero_impl=fsdp2 expresses ZeRO stages 2"
 FSDP2_COMPILE = "strategy.zero_impl=fsdp2 with compile=true is not verified"
@@ -152,7 +151,6 @@ WHY_REFUSED = {
     CONTEXT_RECOMPUTE: "ring attention and recompute attention both replace the attention",
     CONTEXT_COMPILE: "ring attention's transfers inside compiled blocks were never checked",
     COMPILE_UNCHECKED: "compile was never checked against eager training with this strategy",
-    COMPILE_TENSOR: "tensor-sharded blocks recompile until dynamo gives up and runs eager",
     ZERO_PIPELINE: "ZeRO-2/3 would reduce-scatter or gather per micro-batch (DeepSpeed agrees)",
     FSDP2_STAGE: "FSDP2 always reduce-scatters gradients: it expresses ZeRO-2 and ZeRO-3 only",
     FSDP2_COMPILE: "FSDP2 with compile was never checked",
@@ -223,11 +221,8 @@ def _zero_refusal(c: Cell, layout: Layout) -> str | None:
     stage, fsdp2 = int(c.zero[-1]), c.zero.startswith("fsdp2")
     pipeline = layout.pipelined
     context = "strategy.context=2" in layout.overrides
-    tensor = "strategy.tensor=2" in layout.overrides
     if stage >= 2 and pipeline:
         return ZERO_PIPELINE
-    if c.compile == "compile" and tensor:
-        return COMPILE_TENSOR
     if context and c.memory == "recompute_attention":
         return CONTEXT_RECOMPUTE
     if context and c.compile == "compile":
@@ -260,8 +255,6 @@ def refusal(c: Cell) -> str | None:
     if s == "naive_mp":
         plain = c.precision == "fp32" and c.memory == "none" and not compiled
         return None if plain else NAIVE_MP
-    if s.startswith("tensor"):
-        return COMPILE_UNCHECKED if compiled else None
     if STRATEGIES[s].nd:
         return _zero_refusal(c, STRATEGIES[s])
     return None
@@ -323,6 +316,9 @@ REQUIRED: list[Cell] = [
     _cell("llama nd-2x2x2 zero0 fp16_master"),
     _cell("gpt nd-dp2 zero3 fp8"),
     _cell("gpt nd-dp2 zero3 fp32 none torch compile"),
+    # compile with tensor parallelism (the collectives stay out of the compiled graphs)
+    _cell("gpt tensor-sp zero0 fp32 none torch compile"),
+    _cell("llama nd-pp2xtp2 zero1 fp32 activation_checkpointing torch compile"),
     _cell("gpt tensor-sp zero0 fp32 none triton"),
     _cell("gpt pipeline-1f1b zero0 fp32 none triton"),
     *(_cell(f"gpt nd-dp2 zero1 {p} none torch eager sharded") for p in PRECISIONS),

@@ -27,12 +27,6 @@ from torch import nn
 
 from llmlab.parallel.contracts import HasRepeatedBlocks, require
 
-COMPILE_WITH_TENSOR = (
-    "compile=true with tensor parallelism is refused: its sharded blocks recompile until "
-    "dynamo's recompile_limit and then silently run eager (measured); use tensor=1 or "
-    "compile=false"
-)
-
 
 def compile_blocks(model: nn.Module, **options: Any) -> int:
     """Compile each of ``model.repeated_blocks()`` in place; return how many were compiled.
@@ -57,13 +51,12 @@ def compile_loss(loss_fn: Callable[..., torch.Tensor], **options: Any) -> Callab
 
 def compile_refusal(strategy: str) -> str:
     """Why ``compile=true`` is refused with ``strategy``: each strategy's ``check_config`` says
-    whether compile was checked with it (one process, DDP, bucketed and the N-D strategy without
-    tensor parallelism were, in tests/parallel/test_compile.py; tensor parallelism recompiles its
-    sharded blocks until dynamo's recompile_limit and then silently runs eager, measured)."""
+    whether compile was checked with it (one process, DDP, bucketed and the N-D strategy with
+    its presets were, in tests/parallel/test_compile.py and the composition matrix)."""
     return (
         f"compile=true is not supported with strategy {strategy}: only auto (one process), ddp, "
-        "bucketed and pipeline were checked to match eager training; use one of those, or "
-        "compile=false"
+        "bucketed and the N-D strategy (nd, pipeline, tensor) were checked to match eager "
+        "training; use one of those, or compile=false"
     )
 
 

@@ -10,7 +10,6 @@ its ``check_config`` adds :func:`check_run` for the app.
 
 from __future__ import annotations
 
-from llmlab.parallel.compile import COMPILE_WITH_TENSOR
 from llmlab.parallel.context.step import check_context
 from llmlab.parallel.data.sharding import check_zero_impl
 from llmlab.parallel.data.zero import STAGES as ZERO_STAGES
@@ -44,8 +43,6 @@ def check_options(
             f"strategy.zero={zero} with strategy.pipeline={dims.pipeline} is refused: "
             f"{ZERO_WITH_PIPELINE}"
         )
-    if transforms.compile and dims.tensor > 1:
-        raise ValueError(COMPILE_WITH_TENSOR)
     check_split_backward(dims.schedule, transforms.compile)  # zb1/zbv/dualpipev: exact only
     check_context(dims.context, transforms)
     check_zero_impl(zero_impl, zero, dims.pipeline, transforms)

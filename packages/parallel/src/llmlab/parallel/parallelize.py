@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmlab.parallel.compile import COMPILE_WITH_TENSOR, compile_blocks, compile_loss
+from llmlab.parallel.compile import compile_blocks, compile_loss
 from llmlab.parallel.context.group import ContextParallel
 from llmlab.parallel.context.step import check_context
 from llmlab.parallel.contracts import (
@@ -94,7 +94,7 @@ class ParallelModel:
         rank's mean over its tokens (also a context rank's part of each sequence): the task
         weighs it into the global batch's mean (:mod:`llmlab.parallel.loss_mean`)."""
         loss = self.loss_fn or loss_fn
-        if self.transforms.compile and loss not in _COMPILED_LOSSES:
+        if self.transforms.compile and self.loss_fn is None and loss not in _COMPILED_LOSSES:
             loss = compile_loss(loss)
             _COMPILED_LOSSES.add(loss)
         return loss
@@ -230,8 +230,6 @@ def parallelize_model(
 
     # 6. compile: block by block, in place (names and state-dict keys unchanged)
     if transforms.compile:
-        if dims.tensor > 1:
-            raise ValueError(COMPILE_WITH_TENSOR)
         result.applied["compile"] = compile_blocks(model)
 
     result.params = _unique_held_parameters(

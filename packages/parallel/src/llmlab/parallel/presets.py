@@ -75,9 +75,6 @@ class TensorParallelStrategy(NDParallelStrategy):
     """
 
     strategy_name = "tensor"
-    # measured: its sharded blocks recompile until dynamo's recompile_limit, then silently run
-    # eager; refused by check_config with the strategy's name
-    compile_checked = False
 
     def __init__(
         self,

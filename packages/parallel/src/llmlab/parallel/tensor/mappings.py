@@ -116,31 +116,37 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return C.all_gather(grad, ctx.group, ctx.dim, tag), None, None
 
 
+@torch.compiler.disable
 def copy_to_tensor_region(x: Tensor, group: Group) -> Tensor:
     """Megatron's ``f``: enter a tensor-parallel region (identity; all-reduce the gradient)."""
     return _CopyToTensorRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_from_tensor_region(x: Tensor, group: Group) -> Tensor:
     """Megatron's ``g``: leave a tensor-parallel region (all-reduce; gradient passes through)."""
     return _ReduceFromTensorRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def scatter_to_tensor_region(x: Tensor, group: Group) -> Tensor:
     """Keep this rank's chunk of the last dimension; the gradient is all-gathered."""
     return _ScatterToTensorRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def gather_from_tensor_region(x: Tensor, group: Group) -> Tensor:
     """All-gather the last dimension; the gradient is split back to this rank's chunk."""
     return _GatherFromTensorRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def scatter_to_sequence_region(x: Tensor, group: Group, dim: int = SEQ_DIM) -> Tensor:
     """Keep this rank's chunk of the sequence; the gradient is all-gathered."""
     return _ScatterToSequenceRegion.apply(x, group, dim)
 
 
+@torch.compiler.disable
 def gather_from_sequence_region(
     x: Tensor, group: Group, dim: int = SEQ_DIM, grad_is_partial: bool = True
 ) -> Tensor:
@@ -150,6 +156,7 @@ def gather_from_sequence_region(
     return _GatherFromSequenceRegion.apply(x, group, dim, grad_is_partial)
 
 
+@torch.compiler.disable
 def reduce_scatter_to_sequence_region(x: Tensor, group: Group, dim: int = SEQ_DIM) -> Tensor:
     """Sum partial results and keep this rank's sequence chunk; the gradient is all-gathered."""
     return _ReduceScatterToSequenceRegion.apply(x, group, dim)

@@ -285,6 +285,7 @@ def _enter_region(group: Group, sequence_parallel: bool):
     backward summing every rank's partial gradient of it."""
     enter = gather_from_sequence_region if sequence_parallel else copy_to_tensor_region
 
+    @torch.compiler.disable  # a collective: kept out of compiled graphs (like the mappings)
     def hook(_module: nn.Module, args: tuple) -> tuple:
         return (enter(args[0], group), *args[1:])
 
