@@ -18,6 +18,10 @@ mapping                                    forward                      backward
 =========================================  ===========================  ===========================
 
 The GPT's activations are (B, T, d), so the sequence dimension defaults to 1.
+
+Under ``compile=true`` each mapping is a graph break (``torch.compiler.disable``): the collective
+runs eagerly, as in an uncompiled step, and counts its bytes in the comm ledger there, while the
+math between two mappings is compiled.
 """
 
 from __future__ import annotations
