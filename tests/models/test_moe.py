@@ -47,22 +47,29 @@ def _pair(config: MoEConfig, seed: int = 0) -> tuple[MoE, MoE]:
     return grouped, loop
 
 
+def _same_forward_and_gradients(a, b, params_a: MoE, params_b: MoE) -> None:
+    """``a`` and ``b`` (layers, or a compiled layer) on the same input: outputs, the input's
+    gradient and every parameter's gradient (of ``params_a`` / ``params_b``) within 1e-6."""
+    x = torch.randn(3, 11, 32, generator=torch.Generator().manual_seed(1))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = a(xa), b(xb)
+    torch.testing.assert_close(ya, yb, atol=1e-6, rtol=1e-6)
+    g = torch.randn_like(ya)
+    (ya * g).sum().backward()
+    (yb * g).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, atol=1e-6, rtol=1e-6)
+    pairs = zip(params_a.named_parameters(), params_b.named_parameters(), strict=True)
+    for (n, pa), (_, pb) in pairs:
+        assert pa.grad is not None, n
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_grouped_path_equals_the_per_expert_loop_forward_and_every_gradient(name):
     """Tolerance 1e-6: the same products, summed in a different order (per slot vs per
     expert)."""
     grouped, loop = _pair(VARIANTS[name])
-    x = torch.randn(3, 11, 32, generator=torch.Generator().manual_seed(1))
-    xg, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
-    yg, yl = grouped(xg), loop(xl)
-    torch.testing.assert_close(yg, yl, atol=1e-6, rtol=1e-6)
-    g = torch.randn_like(yg)
-    (yg * g).sum().backward()
-    (yl * g).sum().backward()
-    torch.testing.assert_close(xg.grad, xl.grad, atol=1e-6, rtol=1e-6)
-    for (n, pg), (_, pl) in zip(grouped.named_parameters(), loop.named_parameters(), strict=True):
-        assert pg.grad is not None, n
-        torch.testing.assert_close(pg.grad, pl.grad, atol=1e-6, rtol=1e-6, msg=n)
+    _same_forward_and_gradients(grouped, loop, grouped, loop)
     for field in ("tokens_per_expert", "dropped"):
         assert torch.equal(getattr(grouped.stats, field), getattr(loop.stats, field))
 
@@ -108,17 +115,7 @@ def test_a_compiled_layer_equals_the_eager_one_forward_and_every_gradient():
     eager, _ = _pair(VARIANTS["softmax-no-renorm (Qwen2-MoE) + gated shared"])
     layer = MoE(eager.config)  # the same layer, another copy to compile
     layer.load_state_dict(eager.state_dict())
-    fn = torch.compile(layer, backend="aot_eager")
-    x = torch.randn(3, 11, 32, generator=torch.Generator().manual_seed(1))
-    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ye, yc = eager(xe), fn(xc)
-    torch.testing.assert_close(yc, ye, atol=1e-6, rtol=1e-6)
-    g = torch.randn_like(ye)
-    (ye * g).sum().backward()
-    (yc * g).sum().backward()
-    torch.testing.assert_close(xc.grad, xe.grad, atol=1e-6, rtol=1e-6)
-    for (n, pe), (_, pc) in zip(eager.named_parameters(), layer.named_parameters(), strict=True):
-        torch.testing.assert_close(pc.grad, pe.grad, atol=1e-6, rtol=1e-6, msg=n)
+    _same_forward_and_gradients(torch.compile(layer, backend="aot_eager"), eager, layer, eager)
 
 
 def test_capacity_drops_are_counted_and_contribute_nothing():

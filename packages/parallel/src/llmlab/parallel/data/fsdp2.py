@@ -204,8 +204,10 @@ class FSDP2Engine:
         if blocks is None:
             get = getattr(module, "repeated_blocks", None)
             blocks = list(get()) if callable(get) else []
-        kept_attrs = {n: {a: getattr(p, a) for a in (SHARD_DIM_ATTR, EXPERT_ATTR) if hasattr(p, a)}
-                      for n, p in module.named_parameters()}  # fmt: skip
+        kept_attrs = {
+            n: {a: getattr(p, a) for a in (SHARD_DIM_ATTR, EXPERT_ATTR) if hasattr(p, a)}
+            for n, p in module.named_parameters()
+        }
         partial = {n for n, p in module.named_parameters() if _partial(p)}
         reshard = RESHARD_AFTER_FORWARD[stage]
         self.units: list[FSDPModule] = []
@@ -254,9 +256,13 @@ class FSDP2Engine:
         if missing:
             raise ValueError(f"FSDP2 shards whole modules; this rank lacks {missing[:4]}")
         return cls(
-            model, stage, mesh, tensor_group=tensor_group, expert_mesh=expert_mesh,
+            model,
+            stage,
+            mesh,
+            tensor_group=tensor_group,
+            expert_mesh=expert_mesh,
             replicas=replicas,
-        )  # fmt: skip
+        )
 
     # ================================================================ the optimizer
     def rewire(self, optimizer: Optimizer) -> None:
@@ -374,8 +380,11 @@ class FSDP2Engine:
 
 def _expert_modules(module: nn.Module) -> list[nn.Module]:
     """The modules whose own parameters are expert slices (each MoE layer's experts)."""
-    return [m for m in module.modules()
-            if any(hasattr(p, EXPERT_ATTR) for p in m.parameters(recurse=False))]  # fmt: skip
+    return [
+        m
+        for m in module.modules()
+        if any(hasattr(p, EXPERT_ATTR) for p in m.parameters(recurse=False))
+    ]
 
 
 def expert_mesh(groups: ProcessGroups, device_type: str) -> DeviceMesh | None:
