@@ -273,6 +273,8 @@ ZERO_CELLS = {  # name -> (layout, ZeRO stage, implementation)
     "dp2-ep2 fsdp2 zero2": ("dp2-ep2", 2, "fsdp2"),
     "dp4-ep2 fsdp2 zero3": ("dp4-ep2", 3, "fsdp2"),
     "dp2-tp2sp-ep2 fsdp2 zero2": ("dp2-tp2sp-ep2", 2, "fsdp2"),
+    "cp2-ep2 fsdp2 zero2": ("cp2-ep2", 2, "fsdp2"),  # FSDP2 over data × context
+    "dp2-cp2-ep4 zero2": ("dp2-cp2-ep4", 2, "llmlab"),
 }
 
 
@@ -293,7 +295,10 @@ def test_zero_and_fsdp2_beside_expert_parallelism_equal_one_process(
     extra = [f"strategy.zero={stage}", *([FSDP2] if impl == "fsdp2" else [])]
     results = run_distributed(_rank_fit, devices, _overrides(devices, [*strategy, *extra]),
                               timeout=900)  # fmt: skip
-    copies = int(strategy[1].split("=")[1]) // 2  # data / expert: the ranks with equal experts
+    degree = {o.split("=")[0]: int(o.split("=")[1]) for o in strategy if o[-1].isdigit()}
+    expert = degree["strategy.expert"]
+    replicas = degree.get("strategy.data", 1) * degree.get("strategy.context", 1)
+    copies = replicas // expert  # the ranks holding the same experts
     for r in results:
         _close(r["losses"], one_process["losses"], f"{cell} loss")
         _close(r["norms"], one_process["norms"], f"{cell} train/grad_norm")
@@ -303,7 +308,7 @@ def test_zero_and_fsdp2_beside_expert_parallelism_equal_one_process(
             continue
         layers = 1 if PP2 in strategy else 2
         assert r["zero"]["managed"] > 0 and r["zero"]["kept"] == 3 * layers, r["zero"]
-        assert set(r["zero"]["kept_shapes"]) == {(2, 32, 32)}, r["zero"]
+        assert set(r["zero"]["kept_shapes"]) == {(4 // expert, 32, 32)}, r["zero"]
         z = r["zero"]  # memory/params_bytes counts the whole expert slices beside ZeRO's units
         assert z["params_bytes"] == z["units_bytes"] + z["kept_bytes"] > z["kept_bytes"], z
 
