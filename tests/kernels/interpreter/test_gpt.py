@@ -47,3 +47,24 @@ def test_gpt_triton_kernels_match_torch_ops():
         torch.testing.assert_close(
             grads_k[name], grads_t[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_compiled_blocks_run_the_interpreted_kernels_as_graph_breaks():
+    """``compile=true`` with ``kernels="triton"`` under the interpreter: each interpreted kernel
+    is a graph break (dynamo cannot trace Triton's interpreter, and failed on
+    ``tl.load`` before), so the compiled GPT computes what the eager one does."""
+    from llmlab.parallel.compile import compile_blocks
+
+    common = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
+    torch.manual_seed(0)
+    eager = GPT(GPTConfig(**common, kernels="triton"))
+    compiled = GPT(GPTConfig(**common, kernels="triton"))
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager")
+    ids, targets = torch.randint(0, 64, (2, 13)), torch.randint(0, 64, (2, 13))
+    loss_e, grads_e = loss_and_grads(eager, ids, targets)
+    loss_c, grads_c = loss_and_grads(compiled, ids, targets)
+    torch.testing.assert_close(loss_c, loss_e, atol=1e-6, rtol=0)
+    for name, grad in grads_e.items():
+        torch.testing.assert_close(grads_c[name], grad, atol=1e-6, rtol=1e-5, msg=name)

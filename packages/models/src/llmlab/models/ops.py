@@ -89,6 +89,7 @@ def _torch_swiglu(a: Tensor, b: Tensor) -> Tensor:
 
 def _triton_ops() -> Ops:
     from llmlab import kernels
+    from llmlab.kernels import interpreter_requested
 
     def attention(
         q: Tensor,
@@ -105,8 +106,7 @@ def _triton_ops() -> Ops:
     def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
         return kernels.layer_norm(x, weight, bias, eps)
 
-    return Ops(
-        "triton",
+    ops = dict(
         layer_norm=layer_norm,
         gelu=kernels.gelu,
         attention=attention,
@@ -114,6 +114,10 @@ def _triton_ops() -> Ops:
         rope=kernels.rope,
         swiglu=kernels.swiglu,
     )
+    if interpreter_requested():  # Triton's interpreter is Python dynamo cannot trace: under
+        # torch.compile each interpreted kernel is a graph break, run as in an eager step
+        ops = {name: torch.compiler.disable(fn) for name, fn in ops.items()}
+    return Ops("triton", **ops)
 
 
 TORCH_OPS = Ops(
