@@ -10,7 +10,7 @@
 //   int4: w (O, I/2) uint8, scales (O, I/G) fp32: per group of G inputs, byte j holds value j in
 //         its low nibble and value j + G/2 in its high nibble, both stored as q + 8 (q in -8..7):
 //         out[r, o] = sum_g s_{o,g} * sum_{i in g} x[r, i] * q[o, i]
-// Rows of x are taken up to four at a time, output rows two or four at a time (several weight
+// Rows of x are taken up to four at a time, output rows two to eight at a time (several weight
 // streams in flight); ranges of output rows are the tasks of at::parallel_for.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -71,23 +71,37 @@ inline float scalar(uint16_t v) {
   return f;
 }
 
-// OT output rows at once (OT weight streams in flight: the memory system overlaps their reads)
-// for R rows of x; every widened weight vector serves all R rows.
+// OT output rows at once for R rows of x; every widened weight vector serves all R rows. The
+// OT rows are adjacent in memory: while reading a cache line of each, the kernel prefetches the
+// same line of the next tile (OT rows further), so a tile starts with its lines on the way; a
+// prefetch only at a line's distance ahead left each row's first lines uncovered (on a 1.2 GB
+// int8 sweep: 17 GB/s, now 21; fp32 F.linear reads 27).
 // T: int8_t (scaled per output row) or uint16_t (bf16 bits; scales is null).
 template <typename T, int R, int OT>
 void dense_tile(const float* x, int64_t in, const T* w, const float* scales, float* out,
                 int64_t out_features, int64_t o) {
+  constexpr int64_t L = 64 / sizeof(T);  // weights per cache line: a whole number of vectors
   vec acc[OT][R];
   for (int t = 0; t < OT; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = vzero();
   int64_t i = 0;
+  for (; i + L <= in; i += L) {
+    for (int t = 0; t < OT; ++t)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (o + t + OT) * in + i), _MM_HINT_T0);
+    for (int64_t j = i; j < i + L; j += W) {
+      vec xs[R];
+      for (int r = 0; r < R; ++r) xs[r] = vload(x + r * in + j);
+      for (int t = 0; t < OT; ++t) {
+        const vec wv = widen(w + (o + t) * in + j);
+        for (int r = 0; r < R; ++r) acc[t][r] = vfma(wv, xs[r], acc[t][r]);
+      }
+    }
+  }
   for (; i + W <= in; i += W) {
     vec xs[R];
     for (int r = 0; r < R; ++r) xs[r] = vload(x + r * in + i);
     for (int t = 0; t < OT; ++t) {
-      const T* row = w + (o + t) * in;
-      _mm_prefetch(reinterpret_cast<const char*>(row + i) + 512, _MM_HINT_T0);
-      const vec wv = widen(row + i);
+      const vec wv = widen(w + (o + t) * in + i);
       for (int r = 0; r < R; ++r) acc[t][r] = vfma(wv, xs[r], acc[t][r]);
     }
   }
@@ -104,7 +118,7 @@ void dense_tile(const float* x, int64_t in, const T* w, const float* scales, flo
 template <typename T, int R>
 void dense_rows(const float* x, int64_t in, const T* w, const float* scales, float* out,
                 int64_t out_features, int64_t o_begin, int64_t o_end) {
-  constexpr int OT = R == 4 ? 2 : 4;
+  constexpr int OT = R == 4 ? 2 : R == 2 ? 4 : 8;  // accumulators: OT * R <= 16 registers
   int64_t o = o_begin;
   for (; o + OT <= o_end; o += OT) dense_tile<T, R, OT>(x, in, w, scales, out, out_features, o);
   for (; o < o_end; ++o) dense_tile<T, R, 1>(x, in, w, scales, out, out_features, o);
@@ -122,7 +136,8 @@ void int4_tile(const float* x, int64_t in, const uint8_t* w, const float* scales
     const int64_t base = g * group;
     for (int t = 0; t < OT; ++t) {
       const uint8_t* bytes = w + (o + t) * (in / 2) + g * half;
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + 256), _MM_HINT_T0);
+      if ((g * half) % 64 == 0)  // a new cache line: fetch the next tile's (as dense_tile)
+        _mm_prefetch(reinterpret_cast<const char*>(bytes + OT * (in / 2)), _MM_HINT_T0);
       vec acc[R];
       for (int r = 0; r < R; ++r) acc[r] = vzero();
       for (int64_t j = 0; j < half; j += 16) {  // 16 bytes: inputs j..j+15 and half+j..
@@ -151,7 +166,7 @@ void int4_tile(const float* x, int64_t in, const uint8_t* w, const float* scales
 template <int R>
 void int4_rows(const float* x, int64_t in, const uint8_t* w, const float* scales, int64_t group,
                float* out, int64_t out_features, int64_t o_begin, int64_t o_end) {
-  constexpr int OT = R == 4 ? 2 : 4;
+  constexpr int OT = R == 4 ? 2 : R == 2 ? 4 : 8;
   int64_t o = o_begin;
   for (; o + OT <= o_end; o += OT)
     int4_tile<R, OT>(x, in, w, scales, group, out, out_features, o);
