@@ -7,6 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.llmlab-installed
 WHEELHOUSE := $(VENV)/wheelhouse/.filled
 LLAMA_CPP := $(VENV)/peers/llama.cpp
+LLAMA_CPP_PYTHON := $(VENV)/peers/.llama-cpp-python-built
 EXP ?= gpt_shakespeare
 ARGS ?=
 TASKS ?= shakespeare_bpb,shakespeare_cloze
@@ -20,7 +21,7 @@ INSTALL_INPUTS := constraints.txt pyproject.toml kernels/pyproject.toml \
 EDITABLES := -e kernels -e packages/tokenizer -e packages/models -e packages/decoding \
 	-e packages/serving -e packages/parallel -e packages/train -e ".[dev]"
 
-.PHONY: install test test-all lint format data train compare bench sample serve export eval gpu-check figures clean
+.PHONY: install test test-all lint format data train compare bench peers sample serve export eval gpu-check figures clean
 
 install: $(STAMP) $(WHEELHOUSE) $(LLAMA_CPP)
 
@@ -52,6 +53,17 @@ $(LLAMA_CPP): $(STAMP)
 		'*/vendor/llama.cpp/gguf-py/*'
 	rm -rf $@ && mv $(VENV)/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp $@
 	rm -rf $(VENV)/peers/sdist
+
+# llama.cpp's decoder (llama-cpp-python), benchmarks/decode.py's peer, bench-only: built from
+# source (~7 min on 2 cores; it ships no wheel). AMX is compiled out: on these hosts the build's
+# AMX matmul segfaults on the first Q8_0/Q4_0 evaluation (measured); its AVX-512 paths and the
+# Q4_0 weight repacking stay. A failed build leaves the benchmark without llama.cpp rows.
+peers: $(LLAMA_CPP_PYTHON)
+$(LLAMA_CPP_PYTHON): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+		-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" \
+		$(PIP) install -q -c constraints.txt --no-cache-dir "llama-cpp-python==0.3.36" && touch $@ \
+		|| echo "llama-cpp-python did not build: benchmarks/decode.py runs without llama.cpp rows"
 
 # tests/test_wheels.py installs llmlab-tokenizer's wheel into a fresh venv with no network: its
 # one runtime dependency waits here, the same regex version as in .venv.
@@ -107,7 +119,7 @@ export: install
 eval: install
 	$(PY) -m llmlab.train.eval $(CKPT) --tasks $(TASKS) $(ARGS)
 
-bench: install
+bench: install peers
 	$(PY) -m benchmarks.run_all
 
 # docs/figures/*.png (embedded by docs/seed-map.md) drawn again by the repo's own plotting code, no

@@ -16,9 +16,11 @@ fp32 product (``F.linear``) at the model's largest linear shape, the LM head (GP
 768, 154 MB; the Llama: 128256 × 2048, 1 GB: far larger than any cache). Bytes per token: every
 linear layer's stored bytes (weights, scales, biases), as the format stores them.
 
-llama.cpp (``llama-cpp-python`` built from source, GGUF files converted by llama.cpp's own
-script) is the peer the issue names; it is not installed by ``make install`` and has no row
-until a bench-only install step builds it.
+llama.cpp is the peer at batch 1 on the Llama (``benchmarks/peer_llama_cpp.py``): the same
+weights saved as an HF folder, converted to GGUF F32 by llama.cpp's own converter and quantized
+to Q8_0 and Q4_0 by its own quantizer, decoded by ``llama-cpp-python`` (``make peers`` builds it;
+``make bench`` runs that first) in a child process each, with the same prompt, token count and
+rate formula. Where it is not installed the rows are absent and the notes say so.
 
 Run: ``.venv/bin/python -m benchmarks.decode`` (``--smoke``: tiny models, seconds).
 """
@@ -181,7 +183,60 @@ def measure(hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool):
         sizes[key] = bytes_per_token(target)
         del llm, target
         gc.collect()
-    return rates, same, sizes
+    return rates, same, sizes, ids, want
+
+
+def llama_cpp_rows(name: str, hf, rates: dict, ids, want, new_tokens: int, repeats: int):
+    """Rows of llmlab's engine against llama.cpp on ``hf``'s weights (F32 against fp32, Q8_0
+    against int8, Q4_0 against int4 group 32, batch 1), and a note (what failed, file sizes)."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks import peer_llama_cpp as peer
+
+    why = peer.unavailable()
+    if why:
+        return [], f"llama.cpp not measured ({why})"
+    rows, notes = [], []
+    targets = {"fp32": ("f32", 1.0), "int8": ("q8_0", 1.0), "int4": ("q4_0", 0.8)}
+    with tempfile.TemporaryDirectory(prefix="llmlab-gguf-") as tmp:
+        folder = Path(tmp) / "hf"
+        hf.save_pretrained(folder)
+        peer.add_tokenizer(folder, hf.config.vocab_size)
+        try:
+            files = peer.convert(folder, Path(tmp) / "gguf")
+        except RuntimeError as err:
+            return [], f"llama.cpp not measured (GGUF conversion failed: {err})"
+        for path in folder.glob("*.safetensors"):
+            path.unlink()  # the weights now live in the GGUF files: free the disk and cache
+        for key, (kind, target) in targets.items():
+            got = peer.decode(files[kind], ids[0].tolist(), new_tokens, repeats)
+            if "error" in got:
+                notes.append(f"llama.cpp {kind.upper()} failed: {got['error']}")
+                continue
+            same = sum(g == w for g, w in zip(got["tokens"], want[0]))
+            extra = {
+                "llama.cpp same as HF": f"{same}/{len(want[0])}",
+                "GGUF MB": round(got["bytes"] / 1e6),
+            }
+            label = f"decode {name} batch 1 {key}: engine vs llama.cpp {kind.upper()}"
+            rows.append(
+                Row(
+                    label,
+                    rates[key],
+                    got["rate"],
+                    f"llama.cpp {kind.upper()}",
+                    "tokens/s",
+                    target=target,
+                    extra=extra,
+                )
+            )
+    notes.append(
+        "llama.cpp: llama-cpp-python 0.3.36 (built here without AMX), 2 threads, "
+        "Q8_0/Q4_0 quantized from the F32 file with pure=True, Q4_0's output layer "
+        "(tied embedding) at Q8_0 as llmlab's int4 keeps it at int8"
+    )
+    return rows, "; ".join(notes)
 
 
 def main() -> None:
@@ -198,7 +253,15 @@ def main() -> None:
             for batch in (1, 16) if not args.smoke else (1, 2):
                 # batch 16's prefills cost minutes at 1B: one timed round of fewer tokens
                 tokens, rounds = (new_tokens, repeats) if batch == 1 else (12, 1)
-                rates, same, sizes = measure(hf, model, batch, tokens, rounds, args.smoke)
+                rates, same, sizes, ids, want = measure(
+                    hf, model, batch, tokens, rounds, args.smoke
+                )
+                if batch == 1 and build is llama_1b:
+                    peer_rows, peer_note = llama_cpp_rows(
+                        name, hf, rates, ids, want, tokens, rounds
+                    )
+                    rows += peer_rows
+                    notes.append(peer_note)
                 for key in ("fp32", "bf16", "int8", "int4"):
                     roof = rate / sizes[key] * batch  # tokens/s if only the weights' bytes mattered
                     label = f"{name} batch {batch} {key}"
@@ -226,7 +289,7 @@ def main() -> None:
         f"Greedy, prompt {PROMPT}, decode rate over {new_tokens - 1} tokens after the first "
         f"(best of {repeats}; batch 16: one round of 12 tokens), 2 threads, random weights. "
         "Quantized tokens differ from fp32's by design (the error is judged by perplexity, not "
-        "here); llama.cpp not measured (not installed)."
+        "here)."
     )
     report("decode", rows, "; ".join(notes))
 

@@ -36,9 +36,9 @@ from benchmarks.common import RESULTS_ENV
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
-# Not benchmarks: the plumbing, zero.py's workload (the ZeRO tests share it) and speculative.py's
-# rows, which benchmarks.serving reports.
-NOT_BENCHMARKS = {"__init__", "common", "run_all", "speculative", "zero_workload"}
+# Not benchmarks: the plumbing, zero.py's workload (the ZeRO tests share it), speculative.py's
+# rows, which benchmarks.serving reports, and decode.py's llama.cpp peer.
+NOT_BENCHMARKS = {"__init__", "common", "peer_llama_cpp", "run_all", "speculative", "zero_workload"}
 # benchmarks at the sizes users run (a 1B model decoding at a few tokens/s) need more than the
 # default per-benchmark timeout: seconds each may take
 LONG_RUNNING = {"decode": 2400, "finetune": 1800}

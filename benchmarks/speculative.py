@@ -19,12 +19,12 @@ Each row carries its acceptance rate. ``benchmarks.serving`` reports these rows 
 
 What bounds the gain (2-core CPU host, one thread, GPT-2 124M): a round of ``k`` draft steps and
 one verification yields ``1 + accepted`` tokens (nearly ``k + 1`` at this acceptance) and costs
-``k * c + v`` target steps, with ``c`` the draft step's cost (about half: the int8 engine decodes
-at about 1.9x the fp32 one though it reads a quarter of the bytes; the SUMMARY row "the draft's
-step") and ``v`` the verification's (about 1.7 on one CPU thread, where a 5-row product is no
-longer free next to a 1-row one). Where the weights' bytes alone set the step time (a GPU at
-batch 1), ``c`` approaches the byte ratio and ``v`` 1, and the same acceptance is worth more;
-not measured here (no GPU).
+``k * c + v`` target steps, with ``c`` the draft step's cost (about 0.43: the int8 engine decodes
+at about 2.3x the fp32 one though it reads a quarter of the bytes; the SUMMARY row "the draft's
+step") and ``v`` the verification's (about 1.4 at k=2 on one CPU thread, where MKL's 3-row fp32
+product costs 1.2 one-row ones and a 5-row one 2.2). Where the weights' bytes alone set the
+step time (a GPU at batch 1), ``c`` approaches the byte ratio and ``v`` 1, and the same
+acceptance is worth more; not measured here (no GPU).
 """
 
 from __future__ import annotations
