@@ -106,6 +106,21 @@ def test_compiled_forward_gives_the_eager_tokens():
     assert torch.equal(generate(model, ids, cfg, attention_mask=mask, compile=True), eager)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
+def test_a_quantized_model_compiles_to_the_eager_tokens(scheme):
+    """Quantized weights go through llmlab's C++ product, which dynamo cannot trace: a compiled
+    graph calls it as the op ``llmlab::quantized_cpu_product`` (whole graph, no break), and the
+    tokens equal eager's. Before, ``compile=True`` on a quantized model failed to trace."""
+    from llmlab.models.quantize import quantize
+
+    model = quantize(llmlab_model("v300_e64_h4"), scheme)
+    ids, mask = prompts(300, batch=3, length=7)
+    eager = generate(model, ids, attention_mask=mask, max_new_tokens=16)
+    compiled = generate(model, ids, attention_mask=mask, max_new_tokens=16, compile=True)
+    assert torch.equal(compiled, eager)
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_compiled_forward_inside_a_sliding_window():

@@ -237,26 +237,48 @@ if __name__ == "__main__":  # make install: build the kernel once, say whether i
 
 
 # -------------------------------------------------------------------------- dispatch
+def _cpu_product(flat: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> Tensor:
+    """(R, I) fp32 rows on a CPU times the packed weight -> (R, O): the C++ kernel where it is
+    built, else the compiled reduction (one or two rows) or the reference."""
+    kernel = cpu_kernel()
+    if kernel is None:
+        if flat.shape[0] <= COMPILED_ROWS:
+            return compiled_rows(flat, data, scales, kind)
+        return reference(flat, data, scales, kind)
+    if kind == "int8":
+        return kernel.int8_matmul(flat, data, scales)
+    if kind == "int4":
+        return kernel.int4_matmul(flat, data, scales, flat.shape[1] // scales.shape[1])
+    return kernel.bf16_matmul(flat, data)
+
+
+# The same product as one opaque op for torch.compile: dynamo cannot trace the pybind kernel
+# (nor the build behind cpu_kernel), so a compiled graph calls this op, whose shape the fake
+# below gives. Eager calls skip it: the dispatcher costs a few microseconds per call.
+@torch.library.custom_op("llmlab::quantized_cpu_product", mutates_args=())
+def _cpu_product_op(flat: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> Tensor:
+    return _cpu_product(flat, data, scales, kind)
+
+
+@_cpu_product_op.register_fake
+def _(flat: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> Tensor:
+    return flat.new_empty(flat.shape[0], data.shape[0])
+
+
 def quantized_matmul(x: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> Tensor:
     """``x @ dequantize(W).T`` for ``x`` (..., I), reading ``data`` (and ``scales``) in
-    ``kind``'s layout (module docstring); the fastest face that applies (module docstring)."""
+    ``kind``'s layout (module docstring); the fastest face that applies (module docstring).
+    Under ``torch.compile`` the CPU product is one opaque op (``llmlab::quantized_cpu_product``)
+    and other devices take the reference, which the compiler fuses itself."""
     width = x.shape[-1]
     flat = x.reshape(-1, width)
-    rows = flat.shape[0]
     if torch.is_grad_enabled() and (x.requires_grad or _frozen_problem(data, scales)):
         return QuantizedMatmul.apply(x, data, scales, kind)
+    compiling = torch.compiler.is_compiling()
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        kernel = cpu_kernel()
-        if kernel is not None:
-            flat = flat.contiguous()
-            if kind == "int8":
-                out = kernel.int8_matmul(flat, data, scales)
-            elif kind == "int4":
-                out = kernel.int4_matmul(flat, data, scales, width // scales.shape[1])
-            else:
-                out = kernel.bf16_matmul(flat, data)
-            return out.view(*x.shape[:-1], data.shape[0])
-    if rows <= COMPILED_ROWS:
+        product = _cpu_product_op if compiling else _cpu_product
+        return product(flat.contiguous(), data, scales, kind).view(*x.shape[:-1], data.shape[0])
+    if flat.shape[0] <= COMPILED_ROWS and not compiling:
         out = compiled_rows(flat.float(), data, scales, kind).to(x.dtype)
         return out.view(*x.shape[:-1], data.shape[0])
     return reference(x, data, scales, kind)
