@@ -10,6 +10,8 @@ rounding; the tiny models' distributions are peaked enough that no near-tie flip
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -114,7 +116,8 @@ def test_a_quantized_model_compiles_to_the_eager_tokens(scheme):
     tokens equal eager's. Before, ``compile=True`` on a quantized model failed to trace."""
     from llmlab.models.quantize import quantize
 
-    model = quantize(llmlab_model("v300_e64_h4"), scheme)
+    # a copy: quantize works in place, and llmlab_model is cached (shared with other tests)
+    model = quantize(copy.deepcopy(llmlab_model("v300_e64_h4")), scheme)
     ids, mask = prompts(300, batch=3, length=7)
     eager = generate(model, ids, attention_mask=mask, max_new_tokens=16)
     compiled = generate(model, ids, attention_mask=mask, max_new_tokens=16, compile=True)
