@@ -72,6 +72,25 @@ def best_of(
     return best
 
 
+def decode_rate(run: Callable[[int], Any], new_tokens: int, repeats: int, batch: int = 1) -> float:
+    """Tokens/s of decoding alone: batch × (N - 1) / (t(N) - t(1)), each the best of
+    ``repeats`` (where noise makes the difference non-positive, as at smoke sizes, the whole
+    run's rate, prompt included)."""
+    run(2)  # warm-up (compiles the quantized products on first use)
+    t_one = t_all = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(1)
+        t_one = min(t_one, time.perf_counter() - start)
+        start = time.perf_counter()
+        run(new_tokens)
+        t_all = min(t_all, time.perf_counter() - start)
+    spent = t_all - t_one
+    if spent <= 0:  # noise larger than the decode (tiny smoke sizes): the whole run's rate
+        return batch * new_tokens / t_all
+    return batch * (new_tokens - 1) / spent
+
+
 @dataclass
 class Row:
     """One comparison: llmlab's figure, the reference's figure, and their ratio.

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import Row, parse_args, report
+from benchmarks.common import Row, decode_rate, parse_args, report
 
 SCHEMES = (None, "bf16", "int8", "int4")
 PROMPT = 32
@@ -123,25 +123,6 @@ def bytes_per_token(model: nn.Module) -> int:
             for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
                 seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
-
-
-def decode_rate(run, new_tokens: int, repeats: int, batch: int = 1) -> float:
-    """Tokens/s of decoding alone: batch × (N - 1) / (t(N) - t(1)), each the best of
-    ``repeats`` (where noise makes the difference non-positive, as at smoke sizes, the whole
-    run's rate, prompt included)."""
-    run(2)  # warm-up (compiles the quantized products on first use)
-    t_one = t_all = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(1)
-        t_one = min(t_one, time.perf_counter() - start)
-        start = time.perf_counter()
-        run(new_tokens)
-        t_all = min(t_all, time.perf_counter() - start)
-    spent = t_all - t_one
-    if spent <= 0:  # noise larger than the decode (tiny smoke sizes): the whole run's rate
-        return batch * new_tokens / t_all
-    return batch * (new_tokens - 1) / spent
 
 
 def measure(hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool):

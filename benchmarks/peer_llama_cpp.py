@@ -10,8 +10,9 @@ it at int8: both read about the same bytes per token. The decoder is ``llama-cpp
 
 Each measurement runs in its own process (``python -m benchmarks.peer_llama_cpp FILE ...``): a
 crash in the native library ends that process only, and the benchmark reports it as a row's note.
-The decode rate is computed as for llmlab's engine: ``(N - 1) / (t(N new tokens) - t(1))``, each
-time the best of ``repeats`` rounds after a warm-up, the prompt evaluated afresh every round.
+The decode rate is the engine's (``benchmarks.common.decode_rate``): ``(N - 1) / (t(N new tokens)
+- t(1))``, each time the best of ``repeats`` rounds after a warm-up, the prompt evaluated afresh
+every round.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from benchmarks.common import decode_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERTER = Path(os.environ.get("LLMLAB_LLAMA_CPP") or ROOT / ".venv" / "peers" / "llama.cpp")
@@ -155,17 +157,8 @@ def _decode(file: str, prompt: list[int], new_tokens: int, repeats: int, threads
                 return out
         return out
 
-    run(2)  # warm-up
-    t_one = t_all = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(1)
-        t_one = min(t_one, time.perf_counter() - start)
-        start = time.perf_counter()
-        tokens = run(new_tokens)
-        t_all = min(t_all, time.perf_counter() - start)
-    spent = t_all - t_one
-    rate = (new_tokens - 1) / spent if spent > 0 else new_tokens / t_all
+    rate = decode_rate(run, new_tokens, repeats)
+    tokens = run(new_tokens)
     return {"rate": rate, "tokens": tokens, "bytes": Path(file).stat().st_size}
 
 
