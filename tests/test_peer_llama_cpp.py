@@ -11,44 +11,25 @@ import pytest
 import torch
 
 from benchmarks import peer_llama_cpp as peer
+from tests.helpers.hf_tiny import build_hf, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(peer.unavailable() is not None, reason=str(peer.unavailable()))
 
 
 def test_llama_cpp_decodes_the_benchmarks_weights_as_hf_does(tmp_path) -> None:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    hf = transformers.LlamaForCausalLM(config).eval()
+    # tied, as the benchmark's Llama; widths that Q4_0's blocks of 32 divide
+    hf = build_hf("Llama", dict(tie_word_embeddings=True, intermediate_size=64))
     hf.save_pretrained(tmp_path / "hf")
-    peer.add_tokenizer(tmp_path / "hf", config.vocab_size)
+    peer.add_tokenizer(tmp_path / "hf", hf.config.vocab_size)
     files = peer.convert(tmp_path / "hf", tmp_path / "gguf")
     assert set(files) == set(peer.TYPES)
     assert files["q4_0"].stat().st_size < files["q8_0"].stat().st_size < files["f32"].stat().st_size
 
-    prompt = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
-    out = hf.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        do_sample=False,
-        max_new_tokens=8,
-        min_new_tokens=8,
-        pad_token_id=0,
+    prompt = torch.randint(
+        0, hf.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1)
     )
-    want = out[0, 16:].tolist()
+    want = hf_greedy(hf, prompt, 8)[0].tolist()
     for kind, path in files.items():
         got = peer.decode(path, prompt[0].tolist(), new_tokens=8, repeats=1)
         assert "error" not in got, (kind, got)

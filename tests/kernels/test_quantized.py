@@ -3,8 +3,8 @@
 The oracle is the weight widened by :func:`unpack` and multiplied in fp64; the CPU kernel (where
 it builds: AVX2/AVX-512 and a compiler), the compiled reduction and the reference must each
 equal it within 1e-4 of the product's largest entry (fp32 sums in their own orders), for every
-format, row count (the kernel's tiles of 4, 2 and 1 rows and 4, 2 and 1 output rows), and
-widths that leave a tail of the vector loop."""
+format, row count (the kernel's tiles of 4, 2 and 1 rows and 8, 4, 2 and 1 output rows), and
+widths that leave a tail of the cache-line loop: whole vectors, then single values."""
 
 from __future__ import annotations
 
@@ -27,10 +27,13 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(("kind", "group"), FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
-def test_every_face_equals_the_widened_product(kind, group, rows):
+@pytest.mark.parametrize("tail", [8, 24])
+def test_every_face_equals_the_widened_product(kind, group, rows, tail):
     torch.manual_seed(rows)
-    width = 256 if kind == "int4" else 264  # int8, bf16: a tail past the vector width
-    data, scales = pack(torch.randn(37, width), kind, group)  # 37 outputs: 4-, 2-, 1-row tiles
+    # int8, bf16: 256 = whole cache lines, then `tail` inputs: 8 single values (264), or one
+    # 16-wide vector and 8 single values (280)
+    width = 256 if kind == "int4" else 256 + tail
+    data, scales = pack(torch.randn(37, width), kind, group)  # 37 outputs: 8-, 4-, 2-, 1-row tiles
     x = torch.randn(rows, width)
     want = _oracle(x, data, scales, kind)
     assert _rel(quantized.reference(x, data, scales, kind), want) < 1e-4
