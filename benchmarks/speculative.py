@@ -21,8 +21,8 @@ What bounds the gain (2-core CPU host, one thread, GPT-2 124M): a round of ``k``
 one verification yields ``1 + accepted`` tokens (nearly ``k + 1`` at this acceptance) and costs
 ``k * c + v`` target steps, with ``c`` the draft step's cost (about 0.43: the int8 engine decodes
 at about 2.3x the fp32 one though it reads a quarter of the bytes; the SUMMARY row "the draft's
-step") and ``v`` the verification's (about 1.4 at k=2 on one CPU thread, where MKL's 3-row fp32
-product costs 1.2 one-row ones and a 5-row one 2.2). Where the weights' bytes alone set the
+step") and ``v`` the verification's (above 1 on one CPU thread: the rows "verifying k=... in the
+products" time MKL's (k + 1)-row products against one row's). Where the weights' bytes alone set the
 step time (a GPU at batch 1), ``c`` approaches the byte ratio and ``v`` 1, and the same
 acceptance is worth more; not measured here (no GPU).
 """
@@ -97,6 +97,32 @@ def compare(
     return rows
 
 
+def verification_rows(name: str, model, repeats: int) -> list[Row]:
+    """What verifying ``k`` drafts costs in the products alone: every linear layer of the fp32
+    target on ``k + 1`` rows (``F.linear``, as its forward calls it) against one row (a decode
+    step's products), best CPU time of interleaved rounds, one thread. A ratio near 1 means the
+    extra rows ride along with the bytes; here MKL's small-row path costs more."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def products(rows: int):
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        return lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights]
+
+    best = interleaved_best({rows: products(rows) for rows in (1, 3, 5)}, repeats)
+    return [
+        Row(
+            f"speculative: verifying k={k} in the products, {name}: {k + 1} rows vs 1 row",
+            best[k + 1],
+            best[1],
+            "1 row (a decode step's products)",
+            "CPU s",
+            False,
+            extra=fair(False, repeats, 0, (f"F.linear {k + 1} rows", "F.linear 1 row")),
+        )
+        for k in (2, 4)
+    ]
+
+
 def speculative_rows(smoke: bool, repeats: int) -> list[Row]:
     from llmlab.serving import EngineConfig, LLMEngine
 
@@ -127,6 +153,7 @@ def speculative_rows(smoke: bool, repeats: int) -> list[Row]:
         new_tokens / best["int8"], new_tokens / best["fp32"], "fp32 engine", "new tokens/s",
         extra=fair(False, repeats, 1, ("LLMEngine int8", "LLMEngine fp32")),
     ))  # fmt: skip
+    rows += verification_rows(name, model, repeats)
     pattern = torch.randint(0, vocab, (8,), generator=g).tolist()
     repetitive = [pattern * (PROMPT // 8), [*pattern[4:], *pattern] * 2]
     rows += compare(
