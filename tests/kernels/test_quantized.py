@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from llmlab.kernels import quantized
-from llmlab.kernels.quantized import compiled_rows, cpu_kernel, pack, quantized_matmul, unpack
+from llmlab.kernels.cpu_extension import cpu_kernels
+from llmlab.kernels.quantized import compiled_rows, pack, quantized_matmul, unpack
 
 FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("bf16", None)]
 
@@ -40,7 +41,7 @@ def test_every_face_equals_the_widened_product(kind, group, rows, tail):
     assert _rel(quantized_matmul(x, data, scales, kind), want) < 1e-4
     if rows <= 2:
         assert _rel(compiled_rows(x, data, scales, kind), want) < 1e-4
-    kernel = cpu_kernel()
+    kernel = cpu_kernels()
     if kernel is not None and kind == "int8":
         assert _rel(kernel.int8_matmul(x, data, scales), want) < 1e-4
     elif kernel is not None and kind == "int4":
@@ -52,7 +53,7 @@ def test_every_face_equals_the_widened_product(kind, group, rows, tail):
 def test_the_kernel_is_built_here():
     """This machine has a compiler and AVX2: the kernel must build (a silent fallback would
     leave every quantized product on the slow faces)."""
-    assert cpu_kernel() is not None
+    assert cpu_kernels() is not None
 
 
 def test_input_gradients_and_other_dtypes():
@@ -70,7 +71,7 @@ def test_bad_arguments_are_refused():
         pack(torch.randn(4, 48), "int4", 32)
     data, scales = pack(torch.randn(8, 64), "int8")
     with pytest.raises(RuntimeError, match="x must be"):
-        cpu_kernel().int8_matmul(torch.randn(2, 32), data, scales)
+        cpu_kernels().int8_matmul(torch.randn(2, 32), data, scales)
 
 
 @pytest.mark.parametrize(("kind", "group"), FORMATS)

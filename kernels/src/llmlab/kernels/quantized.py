@@ -15,9 +15,10 @@ Formats (what ``llmlab.models.quantize`` stores):
 Faces, as every op here: :func:`reference` (widen the weight, ``F.linear``: the oracle);
 the CPU kernel (``cpu/quantized_matmul.cpp``, AVX-512 or AVX2 + FMA, every format: reads the
 packed bytes and widens them in registers, each widened weight vector reused by up to four
-rows of ``x``; built once with ``torch.utils.cpp_extension``); and :func:`quantized_matmul`,
-which dispatches: the kernel for fp32 CPU inputs where it is built, else a ``torch.compile``d
-reduction over the packed bytes for one or two rows, else the reference. All compute
+rows of ``x``; built with llmlab's other C++ CPU kernels by :mod:`llmlab.kernels.cpu_extension`);
+and :func:`quantized_matmul`, which dispatches: the kernel for fp32 CPU inputs where it is
+built, else a ``torch.compile``d reduction over the packed bytes for one or two rows, else the
+reference. All compute
 ``x @ dequantize(W).T`` to fp32 rounding (their sums run in different orders). An input that
 requires grad goes through :class:`QuantizedMatmul` (the same faces forward; the backward
 widens one layer's weight for ``grad_x`` and keeps nothing widened in between), the weight
@@ -26,21 +27,17 @@ frozen.
 
 from __future__ import annotations
 
-import functools
-import os
-import shutil
 import warnings
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llmlab.kernels.cpu_extension import cpu_kernels
+
 KINDS = ("bf16", "int8", "int4")
 INT4_GROUPS = (32, 64, 128)
-SOURCE = Path(__file__).with_name("cpu") / "quantized_matmul.cpp"
 COMPILED_ROWS = 2  # without the kernel, products of at most this many rows use the reduction
 
 
@@ -107,68 +104,6 @@ def reference(x: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> Tens
     return F.linear(x, unpack(data, scales, kind, x.dtype))
 
 
-# --------------------------------------------------------------------- the C++ kernel
-def _missing_tools() -> list[str]:
-    """What ``torch.utils.cpp_extension`` runs and this PATH lacks (the ``ninja`` wheel's binary
-    sits beside the interpreter, not always on PATH: added)."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-    return [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
-
-
-def _isa_flags() -> list[str] | None:
-    """Compiler flags for this CPU's widest vector ISA the kernel has a path for (AVX-512, else
-    AVX2 + FMA), or None when it has neither."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return None
-    if {"avx512f", "avx512bw"} <= flags:
-        return ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"]
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else None
-
-
-@functools.cache
-def cpu_kernel() -> ModuleType | None:
-    """The compiled kernel (built on first use, ~30 s, cached by torch in
-    ``TORCH_EXTENSIONS_DIR``), or None, with one warning saying why, where it cannot be: no
-    AVX2/FMA, no compiler or ninja, or ``LLMLAB_QUANTIZED_KERNEL=0`` (then quietly)."""
-    if os.environ.get("LLMLAB_QUANTIZED_KERNEL", "1") == "0":
-        return None
-    isa = _isa_flags()
-    why = "the CPU has no AVX2/FMA" if isa is None else ""
-    missing = _missing_tools()
-    why = why or (f"no {' or '.join(missing)} on PATH" if missing else "")
-    if not why:
-        from torch.utils.cpp_extension import load  # imports setuptools: only when needed
-
-        # one build per torch version and ISA: one compiled for other headers or another CPU
-        # must not load
-        tag = f"{torch.__version__}_{isa[0][2:]}"
-        name = "llmlab_quantized_matmul_" + "".join(c if c.isalnum() else "_" for c in tag)
-        try:
-            return load(
-                name,
-                [str(SOURCE)],
-                extra_cflags=["-O3", "-fopenmp", *isa],
-                extra_ldflags=["-fopenmp"],
-            )
-        except Exception as err:  # a failed compile or load: say why, go on without it
-            why = f"building {SOURCE.name} failed: {err}"
-    warnings.warn(
-        f"llmlab.kernels.quantized: no CPU kernel ({why}); quantized products use "
-        "torch.compile or the reference",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return None
-
-
 # -------------------------------------------------------------- the compiled reduction
 # x (R, I) against packed weights, summed in chunks of 256 inputs then over chunks: inductor
 # vectorizes this form 1.5-3x better than one flat sum (measured on 2048 x 8192 int8).
@@ -232,15 +167,11 @@ def compiled_rows(x: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> 
         return _EAGER[key](x, data, scales)
 
 
-if __name__ == "__main__":  # make install: build the kernel once, say whether it is there
-    print(f"llmlab.kernels.quantized: CPU kernel {'ready' if cpu_kernel() else 'not built'}")
-
-
 # -------------------------------------------------------------------------- dispatch
 def _cpu_product(flat: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> Tensor:
     """(R, I) fp32 rows on a CPU times the packed weight -> (R, O): the C++ kernel where it is
     built, else the compiled reduction (one or two rows) or the reference."""
-    kernel = cpu_kernel()
+    kernel = cpu_kernels()
     if kernel is None:
         if flat.shape[0] <= COMPILED_ROWS:
             return compiled_rows(flat, data, scales, kind)
@@ -253,7 +184,7 @@ def _cpu_product(flat: Tensor, data: Tensor, scales: Tensor | None, kind: str) -
 
 
 # The same product as one opaque op for torch.compile: dynamo cannot trace the pybind kernel
-# (nor the build behind cpu_kernel), so a compiled graph calls this op, whose shape the fake
+# (nor the build behind cpu_kernels), so a compiled graph calls this op, whose shape the fake
 # below gives. Eager calls skip it: the dispatcher costs a few microseconds per call.
 @torch.library.custom_op("llmlab::quantized_cpu_product", mutates_args=())
 def _cpu_product_op(flat: Tensor, data: Tensor, scales: Tensor | None, kind: str) -> Tensor:

@@ -249,9 +249,3 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
       [&](int64_t r, int64_t b, int64_t e) { int4_rows<1>(xp + r * in, in, wp, sp, group, op + r * out_features, out_features, b, e); });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16_matmul", &bf16_matmul, "x @ w.float().T, w bfloat16 (O, I)");
-  m.def("int8_matmul", &int8_matmul, "x @ (scales[:, None] * w).T, w int8 (O, I)");
-  m.def("int4_matmul", &int4_matmul, "x @ dequantize(w).T, w packed int4 (O, I/2), group-wise scales");
-}

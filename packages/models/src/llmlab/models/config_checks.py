@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-KERNEL_BACKENDS = ("torch", "triton")
+KERNEL_BACKENDS = ("torch", "triton", "cpu")
 
 
 def check_positive_ints(config: Any, names: Iterable[str]) -> None:
@@ -28,9 +28,11 @@ def check_heads_divide(config: Any, hint: str = "") -> None:
         )
 
 
-def check_dropout_and_kernels(config: Any) -> None:
+def check_dropout_and_kernels(config: Any, backends: tuple[str, ...] = KERNEL_BACKENDS) -> None:
+    """``backends``: the op tables that change something for this model (GPT has no op the
+    ``"cpu"`` table replaces)."""
     name = type(config).__name__
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"{name}.dropout must be in [0, 1), got {config.dropout!r}")
-    if config.kernels not in KERNEL_BACKENDS:
-        raise ValueError(f"{name}.kernels={config.kernels!r} is not one of {list(KERNEL_BACKENDS)}")
+    if config.kernels not in backends:
+        raise ValueError(f"{name}.kernels={config.kernels!r} is not one of {list(backends)}")

@@ -35,7 +35,7 @@ class GPTConfig:
         """Fail early, naming the bad value and what would be valid."""
         check_positive_ints(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"))
         check_heads_divide(self)
-        check_dropout_and_kernels(self)
+        check_dropout_and_kernels(self, ("torch", "triton"))
 
     @property
     def head_dim(self) -> int:

@@ -73,7 +73,8 @@ class LlamaConfig:
     sliding_window: int | None = None  # attention window in keys; None: full causal attention
     window_layers: list[int] | None = None  # the windowed layers; None: all (with a window)
     dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
-    kernels: str = "torch"  # "torch" (PyTorch ops) or "triton" (llmlab.kernels)
+    # "torch" (PyTorch ops), "triton" (llmlab.kernels) or "cpu" (llmlab's fused CPU SwiGLU)
+    kernels: str = "torch"
     # mixture of experts (module docstring); num_experts=0: every MLP is dense
     num_experts: int = 0
     num_experts_per_tok: int = 2

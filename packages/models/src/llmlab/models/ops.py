@@ -1,8 +1,11 @@
 """The handful of ops the models need, from PyTorch or from llmlab.kernels (``config.kernels``).
 
 Keeping the choice in one small table means the model code never branches on the backend, and a
-kernel can be swapped in op by op. GPT uses ``layer_norm``, ``gelu`` and ``attention``; Llama
-uses ``rms_norm``, ``rope``, ``swiglu`` and ``attention``.
+kernel can be swapped in op by op. Tables: ``"torch"`` (PyTorch's ops), ``"triton"`` (llmlab's
+Triton kernels, for CUDA) and ``"cpu"`` (llmlab's C++ CPU kernels where one exists, fused
+SwiGLU so far; PyTorch's ops for the rest and wherever the kernel does not apply). GPT uses
+``layer_norm``, ``gelu`` and ``attention``; Llama uses ``rms_norm``, ``rope``, ``swiglu`` and
+``attention``.
 """
 
 from __future__ import annotations
@@ -131,15 +134,31 @@ TORCH_OPS = Ops(
 )
 
 
+def _cpu_ops() -> Ops:
+    from llmlab.kernels.cpu_swiglu import cpu_swiglu
+
+    return Ops(
+        "cpu",
+        layer_norm=_torch_layer_norm,
+        gelu=_torch_gelu,
+        attention=_torch_attention,
+        rms_norm=_torch_rms_norm,
+        rope=_torch_rope,
+        swiglu=cpu_swiglu,
+    )
+
+
 def count_modules_using(model: torch.nn.Module, name: str) -> int:
     """How many submodules of ``model`` compute with the op table ``name`` (their ``ops``)."""
     return sum(getattr(getattr(m, "ops", None), "name", None) == name for m in model.modules())
 
 
 def get_ops(name: str) -> Ops:
-    """The op table for ``config.kernels``: ``"torch"`` or ``"triton"``."""
+    """The op table for ``config.kernels``: ``"torch"``, ``"triton"`` or ``"cpu"``."""
     if name == "torch":
         return TORCH_OPS
     if name == "triton":
         return _triton_ops()
-    raise ValueError(f"unknown kernels backend {name!r}; valid: ['torch', 'triton']")
+    if name == "cpu":
+        return _cpu_ops()
+    raise ValueError(f"unknown kernels backend {name!r}; valid: ['torch', 'triton', 'cpu']")
