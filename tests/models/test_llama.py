@@ -210,7 +210,7 @@ def test_flops_per_token_counts_every_query_head():
         ("n_kv_head", 3, r"n_head=4 is not divisible by n_kv_head=3.*valid n_kv_head: \[1, 2, 4\]"),
         ("n_head", 5, r"n_embd=32 is not divisible by n_head=5"),
         ("n_embd", 36, r"n_embd=36 / n_head=4 = 9, the head dim, must be even"),
-        ("kernels", "cuda", r"kernels='cuda' is not one of \['torch', 'triton'\]"),
+        ("kernels", "cuda", r"kernels='cuda' is not one of \['torch', 'triton', 'cpu'\]"),
         ("rope_theta", 0.0, r"rope_theta must be > 0"),
     ],
 )
