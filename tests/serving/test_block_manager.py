@@ -188,3 +188,28 @@ def test_random_operations_keep_the_books_balanced(operations):
         bm.free(seq)
     bm.check([])
     assert bm.num_free == 12 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_a_sequence_after_a_prefix_hit_continues_in_the_next_block():
+    """The block after a sequence's last one is taken when free (its keys stay one slice of the
+    pool for CPU attention), even out of the free queue's order and evicting what it cached;
+    where that block is owned, the queue's front is taken."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    first = Seq([*range(8), 50, 51, 52, 53])  # 2 prompt blocks + 1 generated, all full
+    prefill(bm, first)
+    assert first.block_table == [0, 1, 2]
+    bm.free(first)  # queue front: 3, 4, ... then 2, 1, 0 (last blocks freed first)
+    again = Seq([*range(8), 60, 61])  # the same prompt, another continuation
+    prefill(bm, again)
+    assert again.block_table == [0, 1, 2]  # prefix hit on 0, 1; then block 2, not block 3
+    assert bm.stats().cached == 2  # block 2's old contents were evicted from the cache
+    bm.check([again])
+    other = Seq(list(range(100, 104)))
+    prefill(bm, other)  # a fresh sequence starts at the queue's front
+    assert other.block_table == [3]
+    for t in range(10, 13):  # `again` outgrows block 2; block 3 is `other`'s: the front, 4
+        again.token_ids.append(t)
+        assert bm.allocate(again, 1)
+        again.num_computed += 1
+    assert again.block_table == [0, 1, 2, 4]
+    bm.check([again, other])
