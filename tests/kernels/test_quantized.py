@@ -4,9 +4,13 @@ The oracle is the weight widened by :func:`unpack` and multiplied in fp64; the C
 it builds: AVX2/AVX-512 and a compiler), the compiled reduction and the reference must each
 equal it within 1e-4 of the product's largest entry (fp32 sums in their own orders), for every
 format, row count (the kernel's tiles of 4, 2 and 1 rows and 8, 4, 2 and 1 output rows), and
-widths that leave a tail of the cache-line loop: whole vectors, then single values."""
+widths that leave a tail of the cache-line loop: whole vectors, then single values. One-row int8
+products on AVX-512 VNNI round ``x`` to 16 bits per block of 128 inputs: tested against the
+bound that rounding implies."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +52,38 @@ def test_every_face_equals_the_widened_product(kind, group, rows, tail):
         assert _rel(kernel.int4_matmul(x, data, scales, group), want) < 1e-4
     elif kernel is not None:
         assert _rel(kernel.bf16_matmul(x, data), want) < 1e-4
+
+
+def _vnni_built() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return cpu_kernels() is not None and "avx512_vnni" in flags and "avx512bw" in flags
+
+
+@pytest.mark.skipif(
+    not _vnni_built(), reason="no AVX-512 VNNI here: one-row int8 products take the exact path"
+)
+@pytest.mark.parametrize("outliers", [False, True])
+def test_one_row_int8_products_round_x_to_16_bits_per_block_and_no_more(outliers):
+    """With AVX-512 VNNI a one-row int8 product (widths a multiple of 128) rounds ``x`` to 16
+    bits per block of 128 inputs (step ``max|x_b| / 32767``) and multiplies exactly: its error
+    is within the bound that rounding implies, ``s_o * sum_i |q_oi| * step_b(i) / 2`` (plus fp32
+    sums), and within 1e-4 of the product's largest entry even with outlier channels."""
+    torch.manual_seed(3)
+    width = 768
+    data, scales = pack(torch.randn(300, width), "int8")
+    x = torch.randn(1, width)
+    if outliers:
+        x[0, 5] *= 50  # an outlier channel: its block's other inputs round 50x coarser
+    want = _oracle(x, data, scales, "int8")
+    got = cpu_kernels().int8_matmul(x, data, scales)
+    step = x.view(-1, 128).abs().amax(dim=1).repeat_interleave(128).double() / 32767
+    bound = scales.double() * (data.double().abs() * step).sum(dim=1) / 2
+    err = (got.double() - want).abs()[0]
+    assert bool((err <= bound + 1e-6 * want.abs().max()).all())
+    assert _rel(got, want) < 1e-4
+    # two rows take the exact path: fp32 rounding only
+    two = cpu_kernels().int8_matmul(x.expand(2, width).contiguous(), data, scales)
+    assert _rel(two, _oracle(x.expand(2, width), data, scales, "int8")) < 1e-6
 
 
 def test_the_kernel_is_built_here():

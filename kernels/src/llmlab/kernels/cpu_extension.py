@@ -46,7 +46,8 @@ def _isa_flags() -> list[str] | None:
     except OSError:
         return None
     if {"avx512f", "avx512bw"} <= flags:
-        return ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"]
+        vnni = ["-mavx512vnni"] if "avx512_vnni" in flags else []
+        return ["-mavx512f", "-mavx512bw", *vnni, "-mavx2", "-mfma"]
     return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else None
 
 
