@@ -81,6 +81,11 @@ def test_one_row_int8_products_round_x_to_16_bits_per_block_and_no_more(outliers
     err = (got.double() - want).abs()[0]
     assert bool((err <= bound + 1e-6 * want.abs().max()).all())
     assert _rel(got, want) < 1e-4
+    # an inf or NaN in x takes the widening path, which carries it to the output
+    for bad in (float("nan"), float("inf")):
+        x_bad = x.clone()
+        x_bad[0, 7] = bad
+        assert not bool(cpu_kernels().int8_matmul(x_bad, data, scales).isfinite().any())
     # two rows take the exact path: fp32 rounding only
     two = cpu_kernels().int8_matmul(x.expand(2, width).contiguous(), data, scales)
     assert _rel(two, _oracle(x.expand(2, width), data, scales, "int8")) < 1e-6

@@ -145,6 +145,7 @@ struct Limbs {  // rows of x as 16-bit blocks split in two limbs
   std::vector<uint8_t> lo;
   std::vector<float> scale;  // (rows, in / VB)
   std::vector<double> bias;  // (rows,): sum_b scale_b * 32768 * sum_{i in b} hi_i
+  bool finite = true;        // false: x holds an inf or NaN, which limbs cannot carry
 };
 
 Limbs split_rows(const float* x, int64_t rows, int64_t in) {
@@ -156,7 +157,13 @@ Limbs split_rows(const float* x, int64_t rows, int64_t in) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + r * in + b * VB;
       float m = 0;
-      for (int64_t i = 0; i < VB; ++i) m = std::max(m, std::fabs(xb[i]));
+      for (int64_t i = 0; i < VB; ++i) {
+        if (!std::isfinite(xb[i])) {  // limbs cannot carry it: the caller widens instead
+          L.finite = false;
+          return L;
+        }
+        m = std::max(m, std::fabs(xb[i]));
+      }
       const float inv = m > 0 ? 32767.f / m : 0.f;
       int64_t sum_hi = 0;
       for (int64_t i = 0; i < VB; ++i) {
@@ -300,8 +307,9 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AVX512VNNI__)
-  if (rows == 1 && in % VB == 0) {  // one row (decoding at batch 1): the VNNI path gains there
-    const Limbs L = split_rows(xp, rows, in);
+  const Limbs L = rows == 1 && in % VB == 0 ? split_rows(xp, rows, in) : Limbs{};
+  if (rows == 1 && in % VB == 0 && L.finite) {  // one row (batch-1 decoding): VNNI gains there
+    // (an inf or NaN in x takes the widening path below, which propagates it)
     const int64_t grain = std::max<int64_t>(1, 65536 / in);
     at::parallel_for(0, out_features, grain, [&](int64_t b, int64_t e) {
       int8_vnni_rows(L, in, wp, sp, op, out_features, b, e);
