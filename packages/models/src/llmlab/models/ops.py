@@ -10,7 +10,7 @@ SwiGLU so far; PyTorch's ops for the rest and wherever the kernel does not apply
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -135,17 +135,10 @@ TORCH_OPS = Ops(
 
 
 def _cpu_ops() -> Ops:
+    """PyTorch's table with llmlab's C++ CPU kernels where one exists (SwiGLU)."""
     from llmlab.kernels.cpu_swiglu import cpu_swiglu
 
-    return Ops(
-        "cpu",
-        layer_norm=_torch_layer_norm,
-        gelu=_torch_gelu,
-        attention=_torch_attention,
-        rms_norm=_torch_rms_norm,
-        rope=_torch_rope,
-        swiglu=cpu_swiglu,
-    )
+    return replace(TORCH_OPS, name="cpu", swiglu=cpu_swiglu)
 
 
 def count_modules_using(model: torch.nn.Module, name: str) -> int:
