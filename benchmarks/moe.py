@@ -120,13 +120,12 @@ def build(case: Case, device: str, dtype: torch.dtype) -> dict[str, torch.nn.Mod
         ours.experts.gate_proj.copy_(eager.experts.gate_up_proj[:, :I])
         ours.experts.up_proj.copy_(eager.experts.gate_up_proj[:, I:])
         ours.experts.down_proj.copy_(eager.experts.down_proj)
-    plain = MoE(config)
-    plain.load_state_dict(ours.state_dict())
     loop = MoE(MoEConfig(**{**config.__dict__, "implementation": "loop"}))
     loop.load_state_dict(ours.state_dict())
     blocks = {"llmlab": ours, "hf_eager": eager, "hf_grouped": grouped, "llmlab_loop": loop}
-    if device == "cpu":
-        blocks["llmlab_torch_ops"] = plain
+    if device == "cpu":  # ours on PyTorch's ops: what kernels="cpu" adds
+        blocks["llmlab_torch_ops"] = MoE(config)
+        blocks["llmlab_torch_ops"].load_state_dict(ours.state_dict())
     return {name: m.to(device=device, dtype=dtype) for name, m in blocks.items()}
 
 

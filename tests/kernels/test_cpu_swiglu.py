@@ -46,6 +46,12 @@ def test_other_inputs_take_pytorchs_ops():
     a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
     assert not fused_applies(a, b)
     assert torch.equal(cpu_swiglu(a, b), reference(a, b))
+
+    class Sub(torch.Tensor):  # a tensor subclass (as a DTensor is) keeps PyTorch's ops
+        pass
+
+    sub = torch.randn(4, 8).as_subclass(Sub)
+    assert not fused_applies(sub, sub)
     # not contiguous: copied, still fused (PyTorch's strided loop may take its scalar exp, so
     # equal to rounding here, not bit for bit)
     a32 = torch.randn(8, 8)[:, ::2]

@@ -23,10 +23,13 @@ from llmlab.kernels.swiglu import reference
 
 
 def fused_applies(a: Tensor, b: Tensor) -> bool:
-    """Whether the C++ kernel runs ``silu(a) * b`` here: fp32 CPU tensors of one shape, not
-    under ``torch.compile`` (inductor fuses the reference itself), and the kernel built."""
+    """Whether the C++ kernel runs ``silu(a) * b`` here: plain fp32 CPU tensors of one shape
+    (not a subclass such as a DTensor, whose ops must stay PyTorch's), not under
+    ``torch.compile`` (inductor fuses the reference itself), and the kernel built."""
     return (
-        a.device.type == "cpu"
+        type(a) is torch.Tensor
+        and type(b) is torch.Tensor
+        and a.device.type == "cpu"
         and a.dtype == torch.float32
         and b.dtype == torch.float32
         and a.shape == b.shape
