@@ -89,6 +89,7 @@ def read_rate(model: nn.Module, repeats: int) -> tuple[float, tuple[int, int]]:
 def product_rows(name: str, shape: tuple[int, int], repeats: int) -> list[Row]:
     """One-row products at ``shape`` per weight format (``llmlab.kernels.quantized``) against
     the fp32 product, each as the fp32-equivalent read rate (weights × 4 bytes / time)."""
+    from llmlab.kernels.cpu_linear import linear
     from llmlab.kernels.quantized import pack, quantized_matmul
 
     weight, x = torch.randn(*shape), torch.randn(1, shape[1])
@@ -112,6 +113,13 @@ def product_rows(name: str, shape: tuple[int, int], repeats: int) -> list[Row]:
         rows.append(Row(f"one-row product {shape[0]}x{shape[1]} ({name}'s LM head): {kind} vs fp32",
                         weight.numel() * 4 / t / 1e9, weight.numel() * 4 / fp32 / 1e9,
                         "fp32 F.linear", "fp32-equivalent GB/s"))  # fmt: skip
+    # fp32 itself: the models' linear layers take llmlab's few-row kernel up to 8 rows
+    for n in (1, 4, 8):
+        xs = torch.randn(n, shape[1])
+        ours, mkl = best(lambda xs=xs: linear(xs, weight)), best(lambda xs=xs: F.linear(xs, weight))
+        rows.append(Row(f"{n}-row product {shape[0]}x{shape[1]} ({name}'s LM head): fp32 "
+                        "few-row kernel vs F.linear", weight.numel() * 4 / ours / 1e9,
+                        weight.numel() * 4 / mkl / 1e9, "fp32 F.linear (MKL)", "GB/s"))  # fmt: skip
     return rows
 
 

@@ -19,12 +19,14 @@ Each row carries its acceptance rate. ``benchmarks.serving`` reports these rows 
 
 What bounds the gain (2-core CPU host, one thread, GPT-2 124M): a round of ``k`` draft steps and
 one verification yields ``1 + accepted`` tokens (nearly ``k + 1`` at this acceptance) and costs
-``k * c + v`` target steps, with ``c`` the draft step's cost (about 0.43: the int8 engine decodes
-at about 2.3x the fp32 one though it reads a quarter of the bytes; the SUMMARY row "the draft's
-step") and ``v`` the verification's (above 1 on one CPU thread: the rows "verifying k=... in the
-products" time MKL's (k + 1)-row products against one row's). Where the weights' bytes alone set the
-step time (a GPU at batch 1), ``c`` approaches the byte ratio and ``v`` 1, and the same
-acceptance is worth more; not measured here (no GPU).
+``k * c + v`` target steps, with ``c`` the draft step's cost (about 0.4: the int8 engine decodes
+at about 2.6x the fp32 one though it reads a quarter of the bytes; the SUMMARY row "the draft's
+step") and ``v`` the verification's: the models' linear layers compute up to 8 rows with
+llmlab's few-row kernel, which reads each weight once for all of them, so ``k + 1`` rows cost
+little more than one (the rows "verifying k=... in the products"; MKL's ``F.linear``, the rows
+beside them, reads the weights at under half its one-row rate from 4 rows on). Where the
+weights' bytes alone set the step time (a GPU at batch 1), ``c`` approaches the byte ratio and
+``v`` 1; not measured here (no GPU).
 """
 
 from __future__ import annotations
@@ -99,28 +101,36 @@ def compare(
 
 def verification_rows(name: str, model, repeats: int) -> list[Row]:
     """What verifying ``k`` drafts costs in the products alone: every linear layer of the fp32
-    target on ``k + 1`` rows (``F.linear``, as its forward calls it) against one row (a decode
-    step's products), best CPU time of interleaved rounds, one thread. A ratio near 1 means the
-    extra rows ride along with the bytes; here MKL's small-row path costs more."""
+    target on ``k + 1`` rows against one row (a decode step's products), through the models'
+    linear layer (``llmlab.kernels.cpu_linear``: the few-row kernel) and through ``F.linear``
+    (MKL), best CPU time of interleaved rounds, one thread. A ratio near 1 means the extra rows
+    ride along with the weights' bytes."""
+    from llmlab.kernels.cpu_linear import linear
+
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
-    def products(rows: int):
+    def products(rows: int, fn):
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-        return lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights]
+        return lambda: [fn(xs[w.shape[1]], w) for w in weights]
 
-    best = interleaved_best({rows: products(rows) for rows in (1, 3, 5)}, repeats)
-    return [
-        Row(
+    steps = {(rows, "kernel"): products(rows, linear) for rows in (1, 3, 5)}
+    steps.update({(rows, "mkl"): products(rows, torch.nn.functional.linear) for rows in (3, 5)})
+    with torch.no_grad():
+        best = interleaved_best(steps, repeats)
+    rows = []
+    for k in (2, 4):
+        rows.append(Row(
             f"speculative: verifying k={k} in the products, {name}: {k + 1} rows vs 1 row",
-            best[k + 1],
-            best[1],
-            "1 row (a decode step's products)",
-            "CPU s",
-            False,
-            extra=fair(False, repeats, 0, (f"F.linear {k + 1} rows", "F.linear 1 row")),
-        )
-        for k in (2, 4)
-    ]
+            best[k + 1, "kernel"], best[1, "kernel"], "1 row (a decode step's products)",
+            "CPU s", False,
+            extra=fair(False, repeats, 0, (f"linear {k + 1} rows", "linear 1 row")),
+        ))  # fmt: skip
+        rows.append(Row(
+            f"speculative: {k + 1}-row products, {name}: few-row kernel vs F.linear",
+            best[k + 1, "kernel"], best[k + 1, "mkl"], "F.linear (MKL)", "CPU s", False,
+            extra=fair(False, repeats, 0, (f"linear {k + 1} rows", f"F.linear {k + 1} rows")),
+        ))  # fmt: skip
+    return rows
 
 
 def speculative_rows(smoke: bool, repeats: int) -> list[Row]:

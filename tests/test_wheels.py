@@ -90,7 +90,7 @@ def test_the_wheels_build_and_the_tokenizer_runs_alone_without_torch(tmp_path):
     # llmlab.kernels.quantized compiles its C++ kernel where it runs: the wheel must carry it
     (kernels,) = dist.glob("llmlab_kernels-*.whl")
     with zipfile.ZipFile(kernels) as wheel:
-        assert "llmlab/kernels/cpu/quantized_matmul.cpp" in wheel.namelist()
+        assert "llmlab/kernels/cpu/few_row_matmul.cpp" in wheel.namelist()
 
     env_dir = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmlab.models import GPT, GPTConfig
+from llmlab.models.linear import Linear
 from llmlab.parallel.precision import Float8Linear, FP8Precision, convert_to_float8
 from llmlab.parallel.precision.fp8 import E4M3, E5M2, dequantize, quantize, scale_from_amax
 from tests.helpers.tiny import quiet_trainer
@@ -136,7 +137,7 @@ def test_filter_converts_big_layers_and_skips_lm_head_and_small_ones() -> None:
     assert names == [
         f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
     ]
-    assert type(model.head.lm_head) is nn.Linear
+    assert type(model.head.lm_head) is Linear  # the models' own linear layer, not converted
     assert model.head.lm_head.weight is model.embed.wte.weight  # tying untouched
     tiny = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32))
     assert convert_to_float8(tiny, min_features=128) == []

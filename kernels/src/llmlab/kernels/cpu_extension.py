@@ -1,6 +1,6 @@
 """llmlab's C++ CPU kernels (``cpu/*.cpp``), built into one extension on first use.
 
-What is in it: the weight-only quantized products (``cpu/quantized_matmul.cpp``, used by
+What is in it: the weight-only quantized products (``cpu/few_row_matmul.cpp``, used by
 :mod:`llmlab.kernels.quantized`) and the fused SwiGLU (``cpu/swiglu.cpp``, used by
 :mod:`llmlab.kernels.cpu_swiglu` and the ``kernels="cpu"`` op table of the models). Each kernel
 has an AVX-512 and an AVX2 + FMA path; the build targets this CPU's widest.

@@ -13,7 +13,7 @@ Formats (what ``llmlab.models.quantize`` stores):
 * ``bf16``: the weights rounded to bfloat16; ``data`` (O, I) bf16, no scales.
 
 Faces, as every op here: :func:`reference` (widen the weight, ``F.linear``: the oracle);
-the CPU kernel (``cpu/quantized_matmul.cpp``, AVX-512 or AVX2 + FMA, every format: reads the
+the CPU kernel (``cpu/few_row_matmul.cpp``, AVX-512 or AVX2 + FMA, every format: reads the
 packed bytes and widens them in registers, each widened weight vector reused by up to four
 rows of ``x``; built with llmlab's other C++ CPU kernels by :mod:`llmlab.kernels.cpu_extension`);
 with AVX-512 VNNI, a one-row int8 product (decoding at batch 1; widths a multiple of 128)

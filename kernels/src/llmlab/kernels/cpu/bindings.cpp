@@ -4,6 +4,7 @@
 
 #include <tuple>
 
+torch::Tensor fp32_matmul(torch::Tensor x, torch::Tensor w);
 torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w);
 torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
 torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales, int64_t group);
@@ -12,6 +13,7 @@ std::tuple<torch::Tensor, torch::Tensor> swiglu_backward(torch::Tensor g, torch:
                                                          torch::Tensor b);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fp32_matmul", &fp32_matmul, "x @ w.T, fp32, 1 to 8 rows of x");
   m.def("bf16_matmul", &bf16_matmul, "x @ w.float().T, w bfloat16 (O, I)");
   m.def("int8_matmul", &int8_matmul, "x @ (scales[:, None] * w).T, w int8 (O, I)");
   m.def("int4_matmul", &int4_matmul, "x @ dequantize(w).T, w packed int4 (O, I/2), group-wise scales");

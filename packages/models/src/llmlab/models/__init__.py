@@ -9,6 +9,7 @@ linear layers (peft's adapter format: ``save_lora`` / ``load_lora``)."""
 from llmlab.models.gpt import GPT, GPTConfig
 from llmlab.models.hf import from_pretrained, save_pretrained
 from llmlab.models.kv_cache import KVCache
+from llmlab.models.linear import Linear
 from llmlab.models.llama import Llama, LlamaConfig
 from llmlab.models.lora import LoRAConfig, LoRALinear, apply_lora, load_lora, save_lora
 from llmlab.models.moe import MoE, MoEConfig, MoEStats, load_balancing_loss
@@ -27,6 +28,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "KVCache",
+    "Linear",
     "Llama",
     "LlamaConfig",
     "LoRAConfig",

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from llmlab.models.attention import AttentionContext, keep_logits, start_forward
 from llmlab.models.gpt_config import GPTConfig
 from llmlab.models.kv_cache import KVCache
+from llmlab.models.linear import Linear
 from llmlab.models.ops import Ops, get_ops
 from llmlab.models.quantize import output_width
 
@@ -58,8 +59,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.layer_idx = layer_idx
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.qkv = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.ops = ops
@@ -92,8 +93,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig, ops: Ops) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
         self.ops = ops
 
@@ -156,7 +157,7 @@ class Head(nn.Module):
     def __init__(self, config: GPTConfig, ops: Ops) -> None:
         super().__init__()
         self.ln_f = LayerNorm(config.n_embd, config.bias, config.layer_norm_eps, ops)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.lm_head(self.ln_f(x))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmlab.models.attention import AttentionContext
+from llmlab.models.linear import Linear
 from llmlab.models.llama_config import LlamaConfig
 from llmlab.models.moe import MoE
 from llmlab.models.ops import Ops
@@ -45,10 +46,10 @@ class Attention(nn.Module):
         self.head_dim = D
         self.layer_idx = layer_idx
         self.window = config.layer_window(layer_idx)
-        self.q_proj = nn.Linear(C, config.n_head * D, bias=config.attention_bias)
-        self.k_proj = nn.Linear(C, config.n_kv_head * D, bias=config.attention_bias)
-        self.v_proj = nn.Linear(C, config.n_kv_head * D, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.n_head * D, C, bias=config.attention_out_bias)
+        self.q_proj = Linear(C, config.n_head * D, bias=config.attention_bias)
+        self.k_proj = Linear(C, config.n_kv_head * D, bias=config.attention_bias)
+        self.v_proj = Linear(C, config.n_kv_head * D, bias=config.attention_bias)
+        self.o_proj = Linear(config.n_head * D, C, bias=config.attention_out_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(D, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(D, config.rms_norm_eps, ops)
@@ -152,17 +153,17 @@ class LatentAttention(nn.Module):
         self.window = None
         bias = config.attention_bias
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(C, H * self.qk_dim, bias=False)
+            self.q_proj = Linear(C, H * self.qk_dim, bias=False)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         else:
             self.q_proj = None
-            self.q_a_proj = nn.Linear(C, config.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(C, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, ops)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(C, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = Linear(config.q_lora_rank, H * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(C, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, ops)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, C, bias=config.attention_out_bias)
+        self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(H * self.v_dim, C, bias=config.attention_out_bias)
         self.rotary = Rotary(self.rope_dim, config.rope_theta, config.rope_scaling)
         self.interleave = config.rope_interleave
         self.scale = softmax_scale(config.rope_scaling, self.qk_dim)
@@ -279,9 +280,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: LlamaConfig, ops: Ops) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+        self.gate_proj = Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
         self.ops = ops
 
@@ -334,7 +335,7 @@ class Head(nn.Module):
     def __init__(self, config: LlamaConfig, ops: Ops) -> None:
         super().__init__()
         self.norm = RMSNorm(config.n_embd, config.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm(x))

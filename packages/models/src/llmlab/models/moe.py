@@ -76,6 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llmlab.models.linear import Linear
 from llmlab.models.moe_dispatch import combine_rows, dispatch_rows, grouped_matmul
 
 SCORINGS = ("softmax", "sigmoid")
@@ -328,9 +329,9 @@ class SharedMLP(nn.Module):
 
     def __init__(self, dim: int, width: int, ops: Any = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, width, bias=False)
-        self.up_proj = nn.Linear(dim, width, bias=False)
-        self.down_proj = nn.Linear(width, dim, bias=False)
+        self.gate_proj = Linear(dim, width, bias=False)
+        self.up_proj = Linear(dim, width, bias=False)
+        self.down_proj = Linear(width, dim, bias=False)
         self.swiglu = ops.swiglu if ops is not None else _swiglu
 
     def forward(self, x: Tensor) -> Tensor:

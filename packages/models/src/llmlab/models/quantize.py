@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from llmlab.kernels.quantized import INT4_GROUPS, quantized_matmul
 from llmlab.kernels.quantized import pack as kernel_pack
 from llmlab.kernels.quantized import unpack as kernel_unpack
+from llmlab.models.linear import Linear
 
 VALID = "bf16, int8, int4 (group 32), int4:g64, int4:g128"
 
@@ -154,7 +155,7 @@ def quantize_problem(model: nn.Module, scheme: str | Scheme) -> str | None:
     odd = [
         f"{name} ({type(m).__name__})"
         for name, m in targets
-        if type(m) not in (nn.Linear, nn.Embedding)
+        if type(m) not in (nn.Linear, Linear, nn.Embedding)
     ]
     if odd:
         return (
@@ -236,9 +237,7 @@ def dequantize(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modul
             )
         else:
             bias = module.bias is not None
-            new = nn.Linear(
-                module.in_features, module.out_features, bias, device="meta", dtype=dtype
-            )
+            new = Linear(module.in_features, module.out_features, bias, device="meta", dtype=dtype)
             if bias:
                 new.bias = nn.Parameter(module.bias.to(dtype), requires_grad=False)
         new.weight = shared[key]

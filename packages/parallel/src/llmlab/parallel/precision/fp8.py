@@ -276,7 +276,7 @@ class Fp8Filter:
     exclude: Sequence[str] = ("*lm_head",)
 
     def __call__(self, name: str, module: nn.Module) -> bool:
-        if type(module) not in FP8_LAYERS:
+        if fp8_maker(module) is None:
             return False
         if any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude):
             return False
@@ -291,6 +291,16 @@ FP8_LAYERS: dict[type[nn.Module], Any] = {
     ColumnParallelLinear: Float8ColumnParallelLinear.from_parallel,
     RowParallelLinear: Float8RowParallelLinear.from_parallel,
 }
+
+
+def fp8_maker(module: nn.Module) -> Any:
+    """How ``module`` becomes fp8 (``FP8_LAYERS``), or None. A subclass of ``nn.Linear`` whose
+    class says ``plain_linear = True`` (the models' linear layer: only where its product runs
+    differs) converts as ``nn.Linear``; other subclasses (an adapter, an fp8 layer) do not."""
+    maker = FP8_LAYERS.get(type(module))
+    if maker is None and isinstance(module, nn.Linear) and getattr(module, "plain_linear", False):
+        return Float8Linear.from_linear
+    return maker
 
 
 def convert_to_float8(
@@ -312,7 +322,7 @@ def convert_to_float8(
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        fp8 = FP8_LAYERS[type(linear)](
+        fp8 = fp8_maker(linear)(
             linear, recipe=recipe, history_len=history_len, backend=backend
         )
         if fp8 is not linear:

@@ -1,39 +1,50 @@
-// x @ dequantize(W).T for weight-only bf16, int8 and int4 weights, on a CPU with AVX2 + FMA (AVX-512
-// where the build targets it).
+// x @ W.T for a few rows of x (decoding: one row per sequence, k + 1 when verifying drafts),
+// W in fp32 or as weight-only bf16, int8 or int4, on a CPU with AVX2 + FMA (AVX-512 where the
+// build targets it).
 //
-// Decoding reads every weight once per step, so the product is bound by the bytes it reads; a
-// kernel that reads the packed bytes and widens them in registers reads 4x (int8) or ~7x (int4)
-// fewer bytes than an fp32 product, and reuses each widened weight vector for every row of x.
-// Layouts (llmlab.kernels.quantized):
+// Decoding reads every weight once per step, so the product is bound by the bytes it reads. Each
+// kernel reads a weight vector once and uses it for every row of x (MKL's sgemm reads fp32
+// weights at 0.8x the one-row rate for 3 rows and below 0.5x from 4 rows on: measured); the
+// quantized ones read the packed bytes and widen them in registers, 4x (int8) or ~7x (int4)
+// fewer bytes than an fp32 product.
+// Layouts (llmlab.kernels.quantized for the packed ones):
+//   fp32: w (O, I) float32:                           out[r, o] = sum_i x[r, i] * w[o, i]
 //   bf16: w (O, I) bfloat16 (widened by a 16-bit shift): out[r, o] = sum_i x[r, i] * w[o, i]
 //   int8: w (O, I) int8, scales (O,) fp32:            out[r, o] = s_o * sum_i x[r, i] * w[o, i]
 //   int4: w (O, I/2) uint8, scales (O, I/G) fp32: per group of G inputs, byte j holds value j in
 //         its low nibble and value j + G/2 in its high nibble, both stored as q + 8 (q in -8..7):
 //         out[r, o] = sum_g s_{o,g} * sum_{i in g} x[r, i] * q[o, i]
-// Rows of x are taken up to four at a time, output rows two to eight at a time (several weight
-// streams in flight); ranges of output rows are the tasks of at::parallel_for.
+// fp32 takes up to eight rows of x as one tile (each output's sum runs in the same order
+// whatever the number of rows: a row's result does not depend on what it is batched with); the
+// packed kinds take rows four at a time, then two, then one. Output rows are tiled two to eight
+// at a time (several weight streams in flight); ranges of output rows are the tasks of
+// at::parallel_for.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-// One vector type for the build's widest ISA: AVX-512 (16 lanes) where the compiler targets it,
-// else AVX2 + FMA (8 lanes). widen(p): W int8 weights at p as fp32; widen_low(v): the low W
-// int8 lanes of v as fp32.
+// One vector type for the build's widest ISA: AVX-512 (16 lanes, 32 registers) where the
+// compiler targets it, else AVX2 + FMA (8 lanes, 16 registers). widen(p): W weights at p (fp32,
+// int8 or bf16) as fp32; widen_low(v): the low W int8 lanes of v as fp32. ACCUMULATORS: how
+// many vector accumulators a tile may keep beside its rows of x and a weight vector.
 #if defined(__AVX512F__)
 using vec = __m512;
 constexpr int W = 16;
+constexpr int ACCUMULATORS = 24;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vset1(float f) { return _mm512_set1_ps(f); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline vec widen_low(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+inline vec widen(const float* p) { return _mm512_loadu_ps(p); }
 inline vec widen(const int8_t* p) {
   return widen_low(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -44,6 +55,7 @@ inline vec widen(const uint16_t* p) {  // bf16: the top half of an fp32
 #else
 using vec = __m256;
 constexpr int W = 8;
+constexpr int ACCUMULATORS = 10;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -56,6 +68,7 @@ inline float vsum(vec v) {
   return _mm_cvtss_f32(lo);
 }
 inline vec widen_low(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+inline vec widen(const float* p) { return _mm256_loadu_ps(p); }
 inline vec widen(const int8_t* p) {
   return widen_low(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -65,6 +78,7 @@ inline vec widen(const uint16_t* p) {  // bf16: the top half of an fp32
 }
 #endif
 
+inline float scalar(float v) { return v; }
 inline float scalar(int8_t v) { return static_cast<float>(v); }
 inline float scalar(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -78,7 +92,7 @@ inline float scalar(uint16_t v) {
 // same line of the next tile (OT rows further), so a tile starts with its lines on the way; a
 // prefetch only at a line's distance ahead left each row's first lines uncovered (on a 1.2 GB
 // int8 sweep: 17 GB/s, now 21; fp32 F.linear reads 27).
-// T: int8_t (scaled per output row) or uint16_t (bf16 bits; scales is null).
+// T: float, int8_t (scaled per output row) or uint16_t (bf16 bits); scales null: unscaled.
 template <typename T, int R, int OT>
 void dense_tile(const float* x, int64_t in, const T* w, const float* scales, float* out,
                 int64_t out_features, int64_t o) {
@@ -117,10 +131,18 @@ void dense_tile(const float* x, int64_t in, const T* w, const float* scales, flo
   }
 }
 
-template <typename T, int R>
+// Output rows per tile for R rows of x in the packed kinds' tiles (OT * R accumulators <= 16).
+template <int R>
+constexpr int packed_tile() { return R == 4 ? 2 : R == 2 ? 4 : 8; }
+
+// Output rows per tile for R rows of fp32 products: as many weight streams as the registers
+// allow, at most 8.
+template <int R>
+constexpr int fp32_tile() { return std::max(1, std::min(8, ACCUMULATORS / R)); }
+
+template <typename T, int R, int OT = packed_tile<R>()>
 void dense_rows(const float* x, int64_t in, const T* w, const float* scales, float* out,
                 int64_t out_features, int64_t o_begin, int64_t o_end) {
-  constexpr int OT = R == 4 ? 2 : R == 2 ? 4 : 8;  // accumulators: OT * R <= 16 registers
   int64_t o = o_begin;
   for (; o + OT <= o_end; o += OT) dense_tile<T, R, OT>(x, in, w, scales, out, out_features, o);
   for (; o < o_end; ++o) dense_tile<T, R, 1>(x, in, w, scales, out, out_features, o);
@@ -286,13 +308,13 @@ void by_row_tiles(int64_t rows, int64_t in, int64_t out_features, Fn4 f4, Fn2 f2
 void check(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
            torch::ScalarType wtype, int64_t in) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu(),
-              "quantized_matmul: CPU tensors only");
+              "few_row_matmul: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && scales.scalar_type() == torch::kFloat32,
-              "quantized_matmul: x and scales must be float32");
-  TORCH_CHECK(w.scalar_type() == wtype, "quantized_matmul: weight dtype ", w.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in, "quantized_matmul: x must be (rows, ", in, ")");
+              "few_row_matmul: x and scales must be float32");
+  TORCH_CHECK(w.scalar_type() == wtype, "few_row_matmul: weight dtype ", w.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in, "few_row_matmul: x must be (rows, ", in, ")");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scales.is_contiguous(),
-              "quantized_matmul: contiguous tensors only");
+              "few_row_matmul: contiguous tensors only");
 }
 
 }  // namespace
@@ -300,7 +322,7 @@ void check(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& 
 torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
   const int64_t out_features = w.size(0), in = w.size(1), rows = x.size(0);
   check(x, w, scales, torch::kInt8, in);
-  TORCH_CHECK(scales.numel() == out_features, "quantized_matmul: one scale per output row");
+  TORCH_CHECK(scales.numel() == out_features, "few_row_matmul: one scale per output row");
   auto out = torch::empty({rows, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
@@ -342,10 +364,10 @@ torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w) {
 torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales, int64_t group) {
   const int64_t out_features = w.size(0), in = w.size(1) * 2, rows = x.size(0);
   check(x, w, scales, torch::kUInt8, in);
-  TORCH_CHECK(group % 32 == 0 && in % group == 0, "quantized_matmul: int4 group ", group,
+  TORCH_CHECK(group % 32 == 0 && in % group == 0, "few_row_matmul: int4 group ", group,
               " must be a multiple of 32 dividing ", in);
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == out_features && scales.size(1) == in / group,
-              "quantized_matmul: int4 scales must be (", out_features, ", ", in / group, ")");
+              "few_row_matmul: int4 scales must be (", out_features, ", ", in / group, ")");
   auto out = torch::empty({rows, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -355,5 +377,39 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
       [&](int64_t r, int64_t b, int64_t e) { int4_rows<4>(xp + r * in, in, wp, sp, group, op + r * out_features, out_features, b, e); },
       [&](int64_t r, int64_t b, int64_t e) { int4_rows<2>(xp + r * in, in, wp, sp, group, op + r * out_features, out_features, b, e); },
       [&](int64_t r, int64_t b, int64_t e) { int4_rows<1>(xp + r * in, in, wp, sp, group, op + r * out_features, out_features, b, e); });
+  return out;
+}
+
+// fp32 weights, at most FP32_MAX_ROWS rows of x, all in one tile: each weight vector is read once.
+constexpr int64_t FP32_MAX_ROWS = 8;
+
+template <int R>
+void fp32_rows(const float* x, int64_t in, const float* w, float* out, int64_t out_features) {
+  const float* none = nullptr;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1));
+  at::parallel_for(0, out_features, grain, [&](int64_t b, int64_t e) {
+    dense_rows<float, R, fp32_tile<R>()>(x, in, w, none, out, out_features, b, e);
+  });
+}
+
+torch::Tensor fp32_matmul(torch::Tensor x, torch::Tensor w) {
+  const int64_t out_features = w.size(0), in = w.size(1), rows = x.size(0);
+  check(x, w, x, torch::kFloat32, in);
+  TORCH_CHECK(rows >= 1 && rows <= FP32_MAX_ROWS, "fp32_matmul: 1 to ", FP32_MAX_ROWS,
+              " rows of x, got ", rows);
+  auto out = torch::empty({rows, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (rows) {
+    case 1: fp32_rows<1>(xp, in, wp, op, out_features); break;
+    case 2: fp32_rows<2>(xp, in, wp, op, out_features); break;
+    case 3: fp32_rows<3>(xp, in, wp, op, out_features); break;
+    case 4: fp32_rows<4>(xp, in, wp, op, out_features); break;
+    case 5: fp32_rows<5>(xp, in, wp, op, out_features); break;
+    case 6: fp32_rows<6>(xp, in, wp, op, out_features); break;
+    case 7: fp32_rows<7>(xp, in, wp, op, out_features); break;
+    default: fp32_rows<8>(xp, in, wp, op, out_features); break;
+  }
   return out;
 }

@@ -1,0 +1,68 @@
+"""``F.linear`` with llmlab's C++ kernel for fp32 products of a few rows on CPU (decoding).
+
+Why: a decoding step multiplies one row of activations per sequence (``k + 1`` per sequence
+when verifying ``k`` drafts) by every weight matrix, so its time is the time to read the
+weights. MKL's sgemm reads them at about the rate a bandwidth-bound product can for one row,
+at ~0.8x that rate for two or three rows and at less than half of it from four rows on
+(measured on GPT-2 124M's matrices, one thread: 13-14 GB/s for one row, 6 for four, 4-5 for
+eight). The kernel (``cpu/few_row_matmul.cpp``, AVX-512 or AVX2 + FMA) reads each weight vector
+once for up to :data:`MAX_ROWS` rows, so verifying drafts or decoding a small batch costs about
+what one row does. Each output is summed in the same order whatever the number of rows, so a
+row's result does not depend on what it is batched with (MKL's does); the sums differ from
+MKL's by fp32 rounding (~1e-7 relative).
+
+When: plain fp32 CPU tensors (not subclasses such as DTensor), at most :data:`MAX_ROWS` rows of
+``x`` once its leading dimensions are flattened, ``x`` and the weight contiguous, nothing that
+needs a gradient (the kernel has no backward: training takes ``F.linear``), not while
+``torch.compile`` traces (inductor plans its own products), and the extension built
+(``LLMLAB_CPU_KERNELS=0`` turns it off). Everything else is ``F.linear``'s. The models' linear
+layers (``llmlab.models.Linear``) call :func:`linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from llmlab.kernels.cpu_extension import cpu_kernels
+
+MAX_ROWS = 8  # the kernel's one tile of rows (cpu/few_row_matmul.cpp: FP32_MAX_ROWS)
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+
+
+def kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether :func:`linear` computes ``x @ weight.T (+ bias)`` with the C++ kernel."""
+    width = x.shape[-1] if x.dim() else 0
+    return (
+        type(x) is Tensor
+        and type(weight) in _PLAIN
+        and x.is_cpu
+        and weight.is_cpu
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and width == weight.shape[1]
+        and 0 < x.numel() <= MAX_ROWS * width
+        and (bias is None or (type(bias) in _PLAIN and bias.dtype == torch.float32 and bias.is_cpu))
+        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and cpu_kernels() is not None
+    )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``; fp32 CPU products of at most :data:`MAX_ROWS` rows without
+    autograd through the C++ kernel (module docstring)."""
+    if not kernel_applies(x, weight, bias):
+        return F.linear(x, weight, bias)
+    out = cpu_kernels().fp32_matmul(x.view(-1, x.shape[-1]), weight)
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
