@@ -3,7 +3,7 @@
 // build targets it).
 //
 // Decoding reads every weight once per step, so the product is bound by the bytes it reads. Each
-// kernel reads a weight vector once and uses it for every row of x (MKL's sgemm reads fp32
+// kernel reads a weight vector once and uses it for several rows of x (MKL's sgemm reads fp32
 // weights at 0.8x the one-row rate for 3 rows and below 0.5x from 4 rows on: measured); the
 // quantized ones read the packed bytes and widen them in registers, 4x (int8) or ~7x (int4)
 // fewer bytes than an fp32 product.
@@ -14,9 +14,9 @@
 //   int4: w (O, I/2) uint8, scales (O, I/G) fp32: per group of G inputs, byte j holds value j in
 //         its low nibble and value j + G/2 in its high nibble, both stored as q + 8 (q in -8..7):
 //         out[r, o] = sum_g s_{o,g} * sum_{i in g} x[r, i] * q[o, i]
-// fp32 takes up to eight rows of x as one tile (each output's sum runs in the same order
-// whatever the number of rows: a row's result does not depend on what it is batched with); the
-// packed kinds take rows four at a time, then two, then one. Output rows are tiled two to eight
+// fp32 takes rows of x eight at a time (each output's sum runs in the same order whatever the
+// tile: a row's result does not depend on what it is batched with); the packed kinds take rows
+// four at a time, then two, then one. Output rows are tiled two to eight
 // at a time (several weight streams in flight); ranges of output rows are the tasks of
 // at::parallel_for.
 #include <torch/extension.h>
@@ -380,36 +380,43 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   return out;
 }
 
-// fp32 weights, at most FP32_MAX_ROWS rows of x, all in one tile: each weight vector is read once.
-constexpr int64_t FP32_MAX_ROWS = 8;
+// fp32 weights: rows of x in tiles of 8 (then one tile of the rest). Each task walks its output
+// rows in blocks of about 64 KiB of weights and runs every row tile over a block before the next,
+// so the weights come from memory once and the later row tiles find them in cache.
+constexpr int64_t FP32_ROW_TILE = 8;
 
 template <int R>
-void fp32_rows(const float* x, int64_t in, const float* w, float* out, int64_t out_features) {
-  const float* none = nullptr;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1));
-  at::parallel_for(0, out_features, grain, [&](int64_t b, int64_t e) {
-    dense_rows<float, R, fp32_tile<R>()>(x, in, w, none, out, out_features, b, e);
-  });
+void fp32_tile_rows(const float* x, int64_t in, const float* w, float* out, int64_t out_features,
+                    int64_t o_begin, int64_t o_end) {
+  dense_rows<float, R, fp32_tile<R>()>(x, in, w, nullptr, out, out_features, o_begin, o_end);
+}
+
+void fp32_rows(const float* x, int64_t rows, int64_t in, const float* w, float* out,
+               int64_t out_features, int64_t o_begin, int64_t o_end) {
+  using Tile = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
+  static constexpr Tile tiles[] = {nullptr, fp32_tile_rows<1>, fp32_tile_rows<2>,
+                                   fp32_tile_rows<3>, fp32_tile_rows<4>, fp32_tile_rows<5>,
+                                   fp32_tile_rows<6>, fp32_tile_rows<7>, fp32_tile_rows<8>};
+  const int64_t block = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
+  for (int64_t o = o_begin; o < o_end; o += block) {
+    const int64_t end = std::min(o_end, o + block);
+    for (int64_t r = 0; r < rows; r += FP32_ROW_TILE) {
+      const int64_t n = std::min(FP32_ROW_TILE, rows - r);
+      tiles[n](x + r * in, in, w, out + r * out_features, out_features, o, end);
+    }
+  }
 }
 
 torch::Tensor fp32_matmul(torch::Tensor x, torch::Tensor w) {
   const int64_t out_features = w.size(0), in = w.size(1), rows = x.size(0);
   check(x, w, x, torch::kFloat32, in);
-  TORCH_CHECK(rows >= 1 && rows <= FP32_MAX_ROWS, "fp32_matmul: 1 to ", FP32_MAX_ROWS,
-              " rows of x, got ", rows);
   auto out = torch::empty({rows, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  switch (rows) {
-    case 1: fp32_rows<1>(xp, in, wp, op, out_features); break;
-    case 2: fp32_rows<2>(xp, in, wp, op, out_features); break;
-    case 3: fp32_rows<3>(xp, in, wp, op, out_features); break;
-    case 4: fp32_rows<4>(xp, in, wp, op, out_features); break;
-    case 5: fp32_rows<5>(xp, in, wp, op, out_features); break;
-    case 6: fp32_rows<6>(xp, in, wp, op, out_features); break;
-    case 7: fp32_rows<7>(xp, in, wp, op, out_features); break;
-    default: fp32_rows<8>(xp, in, wp, op, out_features); break;
-  }
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1));
+  at::parallel_for(0, out_features, grain, [&](int64_t b, int64_t e) {
+    fp32_rows(xp, rows, in, wp, op, out_features, b, e);
+  });
   return out;
 }

@@ -2,8 +2,8 @@
 llmlab's few-row kernel (``llmlab.kernels.cpu_linear``).
 
 A decoding step multiplies a few rows (one per sequence, ``k + 1`` when verifying drafts) by
-every weight, and MKL's product of 2-8 rows reads the weights at well under its one-row rate;
-the kernel reads each weight once for all of them. Everything else (training, prefill, other
+every weight, and MKL's product of 2-16 rows reads the weights at well under its one-row rate;
+the kernel reads each weight once per eight of them. Everything else (training, prefill, other
 dtypes and devices, tensor-parallel DTensor weights, ``torch.compile``) is ``nn.Linear``'s own
 ``F.linear``. A subclass, so that whatever finds linear layers by ``isinstance(m, nn.Linear)``
 (LoRA, tensor parallelism, FSDP2) treats it as one, and ``plain_linear`` tells converters that

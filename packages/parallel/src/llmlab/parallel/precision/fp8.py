@@ -322,9 +322,7 @@ def convert_to_float8(
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        fp8 = fp8_maker(linear)(
-            linear, recipe=recipe, history_len=history_len, backend=backend
-        )
+        fp8 = fp8_maker(linear)(linear, recipe=recipe, history_len=history_len, backend=backend)
         if fp8 is not linear:
             setattr(parent, child, fp8)
     return [n for n, _ in chosen]
