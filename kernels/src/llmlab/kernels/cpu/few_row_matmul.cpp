@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -91,7 +92,11 @@ inline float scalar(uint16_t v) {
 // OT rows are adjacent in memory: while reading a cache line of each, the kernel prefetches the
 // same line of the next tile (OT rows further), so a tile starts with its lines on the way; a
 // prefetch only at a line's distance ahead left each row's first lines uncovered (on a 1.2 GB
-// int8 sweep: 17 GB/s, now 21; fp32 F.linear reads 27).
+// int8 sweep: 17 GB/s, now 21; fp32 F.linear reads 27). One row of x against fp32 weights
+// (rows of 3 KiB and more in the models here) leaves the hardware prefetchers enough time, and
+// the extra streams then cost: no prefetch there (Llama-1B's matrices in turn, 2 threads: 30.0
+// -> 31.7 GB/s; MKL 30.9); with more rows of x a line takes longer to use and the prefetch
+// pays again (8 rows against 50257 x 768, one thread: 1.9x MKL without it, 2.9x with).
 // T: float, int8_t (scaled per output row) or uint16_t (bf16 bits); scales null: unscaled.
 template <typename T, int R, int OT>
 void dense_tile(const float* x, int64_t in, const T* w, const float* scales, float* out,
@@ -102,8 +107,9 @@ void dense_tile(const float* x, int64_t in, const T* w, const float* scales, flo
     for (int r = 0; r < R; ++r) acc[t][r] = vzero();
   int64_t i = 0;
   for (; i + L <= in; i += L) {
-    for (int t = 0; t < OT; ++t)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (o + t + OT) * in + i), _MM_HINT_T0);
+    if constexpr (R > 1 || !std::is_same_v<T, float>)
+      for (int t = 0; t < OT; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (o + t + OT) * in + i), _MM_HINT_T0);
     for (int64_t j = i; j < i + L; j += W) {
       vec xs[R];
       for (int r = 0; r < R; ++r) xs[r] = vload(x + r * in + j);
