@@ -11,8 +11,8 @@ prompt + output), each warmed up alike (it serves the first two requests once, u
 first-call costs) before its one timed run:
 
 * **continuous**: ``llmlab.serving.LLMEngine``, stepped as requests arrive (the model's own
-  forward with a paged attention context, products through ``F.linear`` as the static
-  system's);
+  forward with a paged attention context, products through the models' linear layers as the
+  static system's: ``llmlab.kernels.cpu_linear`` up to 16 rows, ``F.linear`` beyond);
 * **static**: ``llmlab.decoding.generate`` over left-padded batches of ``STATIC_BATCH`` requests
   in arrival order; a batch starts when its last request has arrived and the previous batch is
   done, and runs until its longest request ends (token times from a forward hook);

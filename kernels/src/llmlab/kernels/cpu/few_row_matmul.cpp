@@ -386,9 +386,11 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   return out;
 }
 
-// fp32 weights: rows of x in tiles of 8 (then one tile of the rest). Each task walks its output
-// rows in blocks of about 64 KiB of weights and runs every row tile over a block before the next,
-// so the weights come from memory once and the later row tiles find them in cache.
+// fp32 weights: rows of x in tiles of 8 (then one tile of the rest). With more than one row tile,
+// each task walks its output rows in blocks of about 64 KiB of weights (a multiple of 24 rows,
+// so that every tile width of fp32_tile divides it and no block ends in one-row tiles) and runs
+// every row tile over a block before the next: the weights come from memory once and the later
+// row tiles find them in cache.
 constexpr int64_t FP32_ROW_TILE = 8;
 
 template <int R>
@@ -403,7 +405,11 @@ void fp32_rows(const float* x, int64_t rows, int64_t in, const float* w, float* 
   static constexpr Tile tiles[] = {nullptr, fp32_tile_rows<1>, fp32_tile_rows<2>,
                                    fp32_tile_rows<3>, fp32_tile_rows<4>, fp32_tile_rows<5>,
                                    fp32_tile_rows<6>, fp32_tile_rows<7>, fp32_tile_rows<8>};
-  const int64_t block = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
+  if (rows <= FP32_ROW_TILE) {  // one tile: each weight is read once whatever the order
+    tiles[rows](x, in, w, out, out_features, o_begin, o_end);
+    return;
+  }
+  const int64_t block = (16384 / std::max<int64_t>(in, 1) / 24 + 1) * 24;
   for (int64_t o = o_begin; o < o_end; o += block) {
     const int64_t end = std::min(o_end, o + block);
     for (int64_t r = 0; r < rows; r += FP32_ROW_TILE) {
