@@ -16,9 +16,8 @@
 //         out[r, o] = sum_g s_{o,g} * sum_{i in g} x[r, i] * q[o, i]
 // fp32 takes rows of x eight at a time (each output's sum runs in the same order whatever the
 // tile: a row's result does not depend on what it is batched with); the packed kinds take rows
-// four at a time, then two, then one. Output rows are tiled two to eight
-// at a time (several weight streams in flight); ranges of output rows are the tasks of
-// at::parallel_for.
+// four at a time, then two, then one. Output rows are tiled two to eight at a time (several
+// weight streams in flight); ranges of output rows are the tasks of at::parallel_for.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -387,8 +386,8 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 }
 
 // fp32 weights: rows of x in tiles of 8 (then one tile of the rest). With more than one row tile,
-// each task walks its output rows in blocks of about 64 KiB of weights (a multiple of 24 rows,
-// so that every tile width of fp32_tile divides it and no block ends in one-row tiles) and runs
+// each task walks its output rows in blocks of about 64 KiB of weights (a multiple of 24 rows:
+// every AVX-512 tile width of fp32_tile divides it, so no block ends in one-row tiles) and runs
 // every row tile over a block before the next: the weights come from memory once and the later
 // row tiles find them in cache.
 constexpr int64_t FP32_ROW_TILE = 8;
@@ -423,6 +422,7 @@ torch::Tensor fp32_matmul(torch::Tensor x, torch::Tensor w) {
   const int64_t out_features = w.size(0), in = w.size(1), rows = x.size(0);
   check(x, w, x, torch::kFloat32, in);
   auto out = torch::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
