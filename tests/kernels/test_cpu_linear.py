@@ -82,6 +82,22 @@ def test_what_the_kernel_does_not_take_is_f_linear_exactly():
 
 
 @needs_kernel
+def test_autocast_and_dispatch_modes_see_f_linear():
+    """The kernel is an opaque call: under CPU autocast F.linear computes in bf16, and a FLOP
+    counter counts the product; both must hold as they do without the kernel."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = torch.randn(2, 32), torch.randn(16, 32)
+    assert kernel_applies(x, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not kernel_applies(x, w)
+        assert linear(x, w).dtype == F.linear(x, w).dtype == torch.bfloat16
+    with FlopCounterMode(display=False) as counter:
+        linear(x, w)
+    assert counter.get_total_flops() == 2 * 2 * 32 * 16
+
+
+@needs_kernel
 def test_compiled_forward_leaves_the_product_to_inductor():
     layer = Linear(32, 16)
     x = torch.randn(1, 32)

@@ -7,16 +7,18 @@ at ~0.8x that rate for two or three rows and at less than half of it from four r
 (measured on GPT-2 124M's matrices, one thread: 13-14 GB/s for one row, 6-7 for four, 4-5 for
 eight). The kernel (``cpu/few_row_matmul.cpp``, AVX-512 or AVX2 + FMA) reads each weight vector
 once for eight rows, and walks the weights in blocks that stay in cache while every tile of
-eight rows passes over them: 1.8-2.9x MKL's speed at 4-12 rows on those matrices, 1.3-1.5x at
-16, even at 1 row; from about 24 rows on MKL's blocked GEMM is faster, so :data:`MAX_ROWS` is
-16. Each output is summed in the same order whatever the number of rows, so a row's result
-does not depend on what it is batched with (MKL's does); the sums differ from MKL's by fp32
-rounding (~1e-7 relative).
+eight rows passes over them: 1.4-3.2x MKL's speed at 4-12 rows on those matrices, 1.3-1.5x at
+16, 1.0-1.05x at 1 row; from 24-32 rows on MKL's blocked GEMM is as fast or faster, so
+:data:`MAX_ROWS` is 16. Each output is summed in the same order whatever the number of rows,
+so a row's result does not depend on what it is batched with (MKL's does); the sums differ from
+MKL's by fp32 rounding (~1e-7 relative).
 
 When: plain fp32 CPU tensors (not subclasses such as DTensor), at most :data:`MAX_ROWS` rows of
 ``x`` once its leading dimensions are flattened, ``x`` and the weight contiguous, nothing that
 needs a gradient (the kernel has no backward: training takes ``F.linear``), not while
-``torch.compile`` traces (inductor plans its own products), and the extension built
+``torch.compile`` traces (inductor plans its own products), not under CPU autocast (which would
+compute in bf16) nor under a dispatch mode (a FLOP counter would not see the product), and the
+extension built
 (``LLMLAB_CPU_KERNELS=0`` turns it off). Everything else is ``F.linear``'s. The models' linear
 layers (``llmlab.models.Linear``) call :func:`linear`.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from llmlab.kernels.cpu_extension import cpu_kernels
 
@@ -38,10 +41,16 @@ def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :func:`linear` computes ``x @ weight.T (+ bias)`` with the C++ kernel."""
+    """Whether :func:`linear` computes ``x @ weight.T (+ bias)`` with the C++ kernel. The tests
+    that fail for a training step or a compiled graph come first: those pay the least here (and
+    a compiled graph takes no guard on ``x``'s shape from it)."""
+    if torch.compiler.is_compiling():
+        return False
     width = x.shape[-1] if x.dim() else 0
     return (
-        type(x) is Tensor
+        0 < x.numel() <= MAX_ROWS * width
+        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
+        and type(x) is Tensor
         and type(weight) in _PLAIN
         and x.is_cpu
         and weight.is_cpu
@@ -49,12 +58,13 @@ def kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> boo
         and weight.dtype == torch.float32
         and weight.dim() == 2
         and width == weight.shape[1]
-        and 0 < x.numel() <= MAX_ROWS * width
         and (bias is None or (type(bias) in _PLAIN and bias.dtype == torch.float32 and bias.is_cpu))
-        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
         and x.is_contiguous()
         and weight.is_contiguous()
-        and not torch.compiler.is_compiling()
+        # autocast would run F.linear in bf16/fp16, and a dispatch mode (a FLOP counter, a
+        # tracer) would see it: the kernel, an opaque call, would bypass both
+        and not torch.is_autocast_enabled("cpu")
+        and _get_current_dispatch_mode() is None
         and cpu_kernels() is not None
     )
 
