@@ -5,14 +5,16 @@ comparison is to fp32 rounding, 1e-6 of the largest output), on shapes with and 
 after the vector loop and one split across threads. What the kernel promises beyond that: a
 row's result does not depend on how many rows it is computed with (each output's sum runs in the
 same order for any number of rows up to ``MAX_ROWS``), and every case it does not take is
-exactly ``F.linear``'s (autograd, more rows, other dtypes, ``torch.compile``)."""
+exactly ``F.linear``'s (autograd, more rows, other dtypes), compiled or not; a compiled graph
+calls the kernel as one op."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from llmlab.kernels.cpu_extension import cpu_kernels
 from llmlab.kernels.cpu_linear import MAX_ROWS, kernel_applies, linear
@@ -98,12 +100,35 @@ def test_autocast_and_dispatch_modes_see_f_linear():
 
 
 @needs_kernel
-def test_compiled_forward_leaves_the_product_to_inductor():
+def _compiled_calls(layer: nn.Module, x: Tensor) -> tuple[Tensor, list]:
+    """``layer(x)`` compiled whole (no graph break) and the functions its graph calls."""
+    counter = CompileCounterWithBackend("inductor")
+    out = torch.compile(layer, backend=counter, fullgraph=True)(x)
+    assert counter.frame_count == 1
+    return out, [n.target for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
+def test_a_compiled_graph_calls_the_kernel_as_one_op(rows):
     layer = Linear(32, 16)
-    x = torch.randn(1, 32)
-    compiled = torch.compile(layer, backend="eager", fullgraph=True)  # no graph break
+    x = torch.randn(rows, 32)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias))
+        out, calls = _compiled_calls(layer, x)
+        want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert torch.ops.llmlab.fp32_few_row_product.default in calls
+    assert float((out - want).abs().max() / want.abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("case", ["grad", "rows", "bf16"])
+def test_a_compiled_graph_leaves_other_products_to_inductor(case):
+    layer = Linear(32, 16)
+    x = torch.randn(MAX_ROWS + 1 if case == "rows" else 2, 32, requires_grad=case == "grad")
+    if case == "bf16":
+        layer, x = layer.bfloat16(), x.bfloat16()
+    with torch.set_grad_enabled(case == "grad"):
+        out, calls = _compiled_calls(layer, x)
+    assert torch.ops.llmlab.fp32_few_row_product.default not in calls
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias))
 
 
 def test_models_linear_is_an_nn_linear_that_quantizes_and_round_trips():

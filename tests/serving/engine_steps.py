@@ -44,8 +44,9 @@ def workload(vocab: int) -> dict[int, list[tuple]]:
     return arrivals
 
 
-def small_engine(model) -> LLMEngine:
-    # 14 blocks of 8 tokens: far less than the workload wants at once, so it preempts
+def small_engine(model, **config) -> LLMEngine:
+    """14 blocks of 8 tokens: far less than the workload wants at once, so it preempts.
+    ``config``: further ``EngineConfig`` fields."""
     return LLMEngine(
         model,
         config=EngineConfig(
@@ -54,5 +55,6 @@ def small_engine(model) -> LLMEngine:
             max_num_seqs=6,
             max_num_batched_tokens=32,
             max_model_len=112,
+            **config,
         ),
     )

@@ -15,12 +15,16 @@ MKL's by fp32 rounding (~1e-7 relative).
 
 When: plain fp32 CPU tensors (not subclasses such as DTensor), at most :data:`MAX_ROWS` rows of
 ``x`` once its leading dimensions are flattened, ``x`` and the weight contiguous, nothing that
-needs a gradient (the kernel has no backward: training takes ``F.linear``), not while
-``torch.compile`` traces (inductor plans its own products), not under CPU autocast (which would
-compute in bf16) nor under a dispatch mode (a FLOP counter would not see the product), and the
-extension built
-(``LLMLAB_CPU_KERNELS=0`` turns it off). Everything else is ``F.linear``'s. The models' linear
-layers (``llmlab.models.Linear``) call :func:`linear`.
+needs a gradient (the kernel has no backward: training takes ``F.linear``), not under CPU
+autocast (which would compute in bf16) nor under a dispatch mode (a FLOP counter would not see
+the product), and the extension built (``LLMLAB_CPU_KERNELS=0`` turns it off). Everything else
+is ``F.linear``'s. The models' linear layers (``llmlab.models.Linear``) call :func:`linear`.
+
+Under ``torch.compile`` (the serving engine's compiled decode steps, ``generate(compile=True)``)
+the same conditions are decided while tracing, on the graph's static shapes, and a product that
+qualifies becomes one opaque op in the graph, ``llmlab::fp32_few_row_product`` (dynamo cannot
+trace the pybind kernel); inductor would otherwise call MKL, at half the kernel's speed or less
+from four rows on.
 """
 
 from __future__ import annotations
@@ -41,15 +45,15 @@ def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :func:`linear` computes ``x @ weight.T (+ bias)`` with the C++ kernel. The tests
-    that fail for a training step or a compiled graph come first: those pay the least here (and
-    a compiled graph takes no guard on ``x``'s shape from it)."""
-    if torch.compiler.is_compiling():
+    """Whether :func:`linear` computes ``x @ weight.T (+ bias)`` with the C++ kernel. The test
+    that fails for a training step comes first: a training step pays the least here."""
+    if torch.is_grad_enabled() and _needs_grad(x, weight, bias):
         return False
+    if torch.compiler.is_compiling():
+        return _traced_kernel_applies(x, weight, bias)
     width = x.shape[-1] if x.dim() else 0
     return (
         0 < x.numel() <= MAX_ROWS * width
-        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
         and type(x) is Tensor
         and type(weight) in _PLAIN
         and x.is_cpu
@@ -69,12 +73,55 @@ def kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> boo
     )
 
 
+def _traced_kernel_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """:func:`kernel_applies` while dynamo traces: the same conditions on the graph's static
+    shapes (a dynamic row count takes ``F.linear``: no guard is added on it), less those
+    decided when the op runs (the extension built: else the op multiplies with ``torch.mm``) and
+    the dispatch mode (dynamo traces none)."""
+    rows = x.numel() // x.shape[-1] if x.dim() and isinstance(x.shape[-1], int) else None
+    return (
+        isinstance(rows, int)
+        and 0 < rows <= MAX_ROWS
+        and all(isinstance(n, int) for n in (*x.shape, *weight.shape))
+        and type(weight) in _PLAIN
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
+        and weight.is_contiguous()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+@torch.library.custom_op("llmlab::fp32_few_row_product", mutates_args=())
+def _few_row_product_op(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` for (R <= MAX_ROWS, I) fp32 rows: the kernel, as one op of a compiled
+    graph (module docstring)."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        return torch.mm(x, weight.t())
+    return kernels.fp32_matmul(x.contiguous(), weight)
+
+
+@_few_row_product_op.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``; fp32 CPU products of at most :data:`MAX_ROWS` rows without
     autograd through the C++ kernel (module docstring)."""
     if not kernel_applies(x, weight, bias):
         return F.linear(x, weight, bias)
-    out = cpu_kernels().fp32_matmul(x.view(-1, x.shape[-1]), weight)
-    if bias is not None:
-        out.add_(bias)
+    flat = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():
+        out = _few_row_product_op(flat, weight)
+        out = out if bias is None else out + bias  # inductor fuses the add downstream
+    else:
+        out = cpu_kernels().fp32_matmul(flat, weight)
+        if bias is not None:
+            out.add_(bias)
     return out.view(*x.shape[:-1], weight.shape[0])

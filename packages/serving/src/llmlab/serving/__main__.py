@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(llmlab.models.quantize; default: as loaded)",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode steps through torch.compile (batch sizes 1-16; compiled on first use)",
+    )
+    p.add_argument(
         "--speculative",
         choices=SPECULATIVE_METHODS,
         help="speculative decoding: 'ngram' (prompt lookup) or 'draft' (needs --draft)",
@@ -119,6 +124,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         quantize=args.quantize,
         kv_cache_dtype=args.kv_cache_dtype,
+        compile=args.compile,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_quantize=args.draft_quantize,

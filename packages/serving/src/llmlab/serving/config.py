@@ -41,6 +41,9 @@ class EngineConfig:
     # the KV pool's dtype: "auto" is the model's; "bfloat16" halves an fp32 model's KV bytes
     # (keys and values rounded when written, attention computed in that dtype)
     kv_cache_dtype: str = "auto"
+    # decode-only steps through torch.compile at batch sizes 1, 2, 4, 8, 16 (padded up; one
+    # graph each, compiled when first needed: seconds on a CPU), llmlab.serving.compiled_decode
+    compile: bool = False
     # fault injection for the isolation tests ("stage:marker", llmlab.serving.faults); None
     # reads LLMLAB_SERVING_INJECT_FAULT, which is normally unset: no fault
     inject_fault: str | None = None
@@ -131,6 +134,10 @@ class EngineConfig:
                 FaultInjection.parse(self.inject_fault)
             except ValueError as err:
                 need(False, str(err))
+        need(
+            isinstance(self.compile, bool),
+            f"compile={self.compile!r}; valid: True or False",
+        )
         need(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype={self.kv_cache_dtype!r}; valid: {list(KV_CACHE_DTYPES)}",

@@ -111,6 +111,11 @@ class LLMEngine:
                 f"{'a' if draft_model is not None else 'no'} draft_model: a draft model is "
                 f"given exactly when speculative='draft'"
             )
+        if self.config.compile and adapters:
+            raise ValueError(
+                "EngineConfig: compile=True with LoRA adapters: each token's adapter is set "
+                "around an eager forward; serve adapters with compile=False"
+            )
         if self.config.quantize is not None:  # in place: the full-precision weights are freed
             quantize(model, self.config.quantize)
         self.model = model.eval()

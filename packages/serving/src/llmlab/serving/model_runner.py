@@ -10,7 +10,9 @@ attends through the block tables with ``llmlab.kernels.paged_attention``. Only t
 chunk reaches its sequence's end go through the LM head (``logits_to_keep``), and every row of
 a prompt chunk whose request asked for its prompt's log-probabilities (no second forward).
 With LoRA adapters served (``llmlab.serving.adapters``) the runner also sets each token's
-adapter slot around that forward, a step-scoped context the adapter layers read.
+adapter slot around that forward, a step-scoped context the adapter layers read. With
+``EngineConfig.compile`` steps of decodes only go through the compiled forward instead
+(``llmlab.serving.compiled_decode``), over the same pool plus one spare block for its padding.
 
 The model is never changed: no attention swapped in, no weights re-laid or copied; the same
 forward trains, decodes and serves (nano-vllm's ``model_runner.py`` and ``utils/context.py``,
@@ -37,6 +39,7 @@ from torch import Tensor
 
 from llmlab.kernels.paged_attention import PagedLayout, Scratch, paged_attention
 from llmlab.serving.adapters import ServedAdapters
+from llmlab.serving.compiled_decode import CompiledDecode
 from llmlab.serving.config import EngineConfig
 from llmlab.serving.contracts import check_paged_model
 from llmlab.serving.scheduler import Chunk
@@ -183,7 +186,13 @@ class ModelRunner:
         if config.kv_cache_dtype != "auto":
             dtype = getattr(torch, config.kv_cache_dtype)
         self.num_layers = len(shapes)
-        self.pool = KVPool(shapes, config.num_blocks, config.block_size, dtype, self.device)
+        blocks = config.num_blocks + (1 if config.compile else 0)  # + the padding rows' block
+        self.pool = KVPool(shapes, blocks, config.block_size, dtype, self.device)
+        self.compiled = None
+        if config.compile:  # (LoRA adapters are refused with it, by LLMEngine)
+            self.compiled = CompiledDecode(model, self.pool.keys, self.pool.values,
+                                           config.block_size, config.num_blocks,
+                                           config.max_num_seqs)  # fmt: skip
 
     @torch.inference_mode()
     def _probe_shapes(self) -> tuple[list[tuple[int, int, bool]], torch.dtype]:
@@ -265,6 +274,8 @@ class ModelRunner:
         one per chunk that completes its sequence, every row of the chunks in ``every_row``."""
         if copies:
             self.pool.copy_blocks(copies)
+        if self.compiled is not None and self.compiled.applies(chunks, every_row):
+            return self.compiled(chunks)
         input_ids, positions, context, keep = self.prepare(chunks, every_row)
         adapters = self.adapters.step(chunks, self.device) if self.adapters else nullcontext()
         with adapters:
