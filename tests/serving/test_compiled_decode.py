@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmlab.models import Llama, LlamaConfig
 from llmlab.serving import EngineConfig, LLMEngine
 from tests.serving.engine_steps import drive, small_engine, workload
 from tests.serving.models import gpt_pair, llama
@@ -50,6 +51,10 @@ def test_compile_is_checked_up_front():
     # refused before the adapter is read or the model touched
     with pytest.raises(ValueError, match="compile=True with LoRA adapters"):
         LLMEngine(gpt_pair()[1], config=EngineConfig(compile=True), adapters={"a": "no/such"})
+    moe = Llama(LlamaConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
+                            intermediate_size=24, num_experts=4))  # fmt: skip
+    with pytest.raises(ValueError, match="mixture-of-experts layers"):
+        LLMEngine(moe, config=EngineConfig(compile=True))
 
 
 def test_the_server_flag_sets_it():

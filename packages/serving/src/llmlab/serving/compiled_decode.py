@@ -19,7 +19,8 @@ all in the graph; the table width (context length in blocks) is the graph's one 
 Padding rows write into the spare block, which the block manager never hands out, and their
 logits are dropped. The linear layers' few-row products stay llmlab's kernel inside the graph
 (``llmlab.kernels.cpu_linear``). Every other step (prefill, mixed, speculative verification,
-more sequences than the largest bucket) runs the eager forward.
+more sequences than the largest bucket) runs the eager forward. ``LLMEngine`` refuses the option
+for LoRA adapters and mixture-of-experts models (``engine.compile_problem``).
 """
 
 from __future__ import annotations

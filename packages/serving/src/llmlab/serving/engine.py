@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from llmlab.decoding import GenerationConfig
+from llmlab.models.moe import MoE
 from llmlab.models.quantize import quantize
 from llmlab.serving.adapters import AdapterSource, ServedAdapters
 from llmlab.serving.beam import BeamGroup
@@ -95,6 +96,21 @@ __all__ = ["SUPPORTED_STRATEGIES", "LLMEngine", "RequestOutput", "SequenceOutput
 log = logging.getLogger("llmlab.serving")
 
 
+def compile_problem(model: Any, adapters: Any) -> None:
+    """Refuse ``compile=True`` where a decode step cannot be one compiled graph."""
+    if adapters:
+        raise ValueError(
+            "EngineConfig: compile=True with LoRA adapters: each token's adapter is set "
+            "around an eager forward; serve adapters with compile=False"
+        )
+    if any(isinstance(m, MoE) for m in model.modules()):
+        raise ValueError(
+            f"EngineConfig: compile=True with {type(model).__name__}'s mixture-of-experts "
+            "layers: their tokens per expert are data, which torch.compile cannot trace into "
+            "one graph; serve MoE models with compile=False"
+        )
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -111,11 +127,8 @@ class LLMEngine:
                 f"{'a' if draft_model is not None else 'no'} draft_model: a draft model is "
                 f"given exactly when speculative='draft'"
             )
-        if self.config.compile and adapters:
-            raise ValueError(
-                "EngineConfig: compile=True with LoRA adapters: each token's adapter is set "
-                "around an eager forward; serve adapters with compile=False"
-            )
+        if self.config.compile:
+            compile_problem(model, adapters)
         if self.config.quantize is not None:  # in place: the full-precision weights are freed
             quantize(model, self.config.quantize)
         self.model = model.eval()

@@ -189,7 +189,7 @@ class ModelRunner:
         blocks = config.num_blocks + (1 if config.compile else 0)  # + the padding rows' block
         self.pool = KVPool(shapes, blocks, config.block_size, dtype, self.device)
         self.compiled = None
-        if config.compile:  # (LoRA adapters are refused with it, by LLMEngine)
+        if config.compile:  # (refused for LoRA adapters and MoE models, by LLMEngine)
             self.compiled = CompiledDecode(model, self.pool.keys, self.pool.values,
                                            config.block_size, config.num_blocks,
                                            config.max_num_seqs)  # fmt: skip
