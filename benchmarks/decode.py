@@ -248,14 +248,9 @@ def main() -> None:
             for batch in (1, 16) if not args.smoke else (1, 2):
                 # batch 16's prefills cost minutes at 1B: one timed round of fewer tokens
                 tokens, rounds = (new_tokens, repeats) if batch == 1 else (12, 1)
+                compiled = build is gpt2 or args.smoke  # the engine with compile=True too
                 rates, same, sizes, ids, want = measure(
-                    hf,
-                    model,
-                    batch,
-                    tokens,
-                    rounds,
-                    args.smoke,
-                    compile_engine=build is gpt2 or args.smoke,
+                    hf, model, batch, tokens, rounds, args.smoke, compiled
                 )
                 if batch == 1 and build is llama_1b:
                     peer_rows, peer_note = llama_cpp_rows(
