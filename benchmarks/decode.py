@@ -136,7 +136,9 @@ def bytes_per_token(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def measure(hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool, compiled: tuple):
+def measure(
+    hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool, compiled_schemes: tuple
+):
     from llmlab.decoding import GenerationConfig
     from llmlab.serving import LLM
 
@@ -159,8 +161,8 @@ def measure(hf, model, batch: int, new_tokens: int, repeats: int, smoke: bool, c
 
         rates["generate+compile"] = decode_rate(compiled, new_tokens, repeats)
     systems = [(scheme or "fp32", scheme, False) for scheme in SCHEMES]
-    # EngineConfig.compile (decode steps through torch.compile) for the schemes in ``compiled``
-    systems += [(f"{scheme or 'fp32'} compiled", scheme, True) for scheme in compiled]
+    # EngineConfig.compile (decode steps through torch.compile) for ``compiled_schemes``
+    systems += [(f"{scheme or 'fp32'} compiled", scheme, True) for scheme in compiled_schemes]
     for key, scheme, compile_steps in systems:
         # the engine quantizes the model it is given in place: give it a copy, keep the original
         target = model if scheme is None else copy.deepcopy(model)
