@@ -2,7 +2,8 @@
 (``llmlab.serving.compiled_decode``) give the eager engine's tokens, exactly.
 
 The exactness workload (preemption and recomputation, prefix-cache hits, a fork with
-copy-on-write, requests arriving mid-run) on GPT-2 and a grouped-query Llama, with
+copy-on-write, requests arriving mid-run) on GPT-2, a grouped-query Llama and a Llama with
+latent attention (one pool tensor for keys and values), with
 ``max_num_seqs=6``: buckets 1, 2, 4 and 6, so steps of 3 and 5 sequences run padded. Oracle:
 the eager engine on the same workload (itself equal to ``generate`` and HF, see
 test_engine_exactness.py). Greedy, token-identical; and the compiled path really ran.
@@ -11,6 +12,7 @@ test_engine_exactness.py). Greedy, token-identical; and the compiled path really
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmlab.models import Llama, LlamaConfig
 from llmlab.serving import EngineConfig, LLMEngine
@@ -31,13 +33,30 @@ def _counting(compiled) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("which", ["gpt", "llama"])
+def latent_llama() -> Llama:
+    """Multi-head latent attention (DeepSeek's, dense MLP): the pool keeps one latent per token,
+    handed over as both keys and values."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=200, block_size=128, n_layer=2, n_head=4, n_kv_head=4,
+                         n_embd=48, intermediate_size=80, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=8, v_head_dim=8)  # fmt: skip
+    model = Llama(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.25)  # peaked next-token distributions: no near-ties
+    return model
+
+
+@pytest.mark.parametrize("which", ["gpt", "llama", "latent"])
 def test_compiled_decode_steps_give_the_eager_engines_tokens(which):
-    model = gpt_pair()[1] if which == "gpt" else llama()
+    model = {"gpt": lambda: gpt_pair()[1], "llama": llama, "latent": latent_llama}[which]()
     arrivals = workload(model.config.vocab_size)
     want = drive(small_engine(model), arrivals)
     engine = small_engine(model, compile=True)
     assert engine.runner.compiled.buckets == [1, 2, 4, 6]
+    pool = engine.runner.pool
+    assert (pool.values[0] is pool.keys[0]) == (which == "latent")
     rows = _counting(engine.runner.compiled)
     assert drive(engine, arrivals) == want
     assert {1, 2, 4, 6} <= set(rows)  # every bucket ran, padded steps among them
