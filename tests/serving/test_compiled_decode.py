@@ -11,6 +11,8 @@ test_engine_exactness.py). Greedy, token-identical; and the compiled path really
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -81,3 +83,23 @@ def test_the_server_flag_sets_it():
 
     assert engine_config(parse_args(["model", "--compile"])).compile is True
     assert engine_config(parse_args(["model"])).compile is False
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(quantize="int8", kv_cache_dtype="bfloat16"),
+        dict(speculative="ngram", num_speculative_tokens=3),
+    ],
+    ids=["int8-weights-bf16-pool", "ngram-speculation"],
+)
+def test_compiled_decode_beside_other_engine_options(config):
+    """Quantized products (their own custom op in the graph) over a bf16 pool, and speculative
+    steps (verification eager, the rest compiled): the eager engine's tokens with the same
+    options."""
+    arrivals = workload(300)
+    want = drive(small_engine(copy.deepcopy(gpt_pair()[1]), **config), arrivals)
+    engine = small_engine(copy.deepcopy(gpt_pair()[1]), compile=True, **config)
+    rows = _counting(engine.runner.compiled)
+    assert drive(engine, arrivals) == want
+    assert rows  # some steps were compiled ones
