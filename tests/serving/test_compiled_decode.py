@@ -103,3 +103,19 @@ def test_compiled_decode_beside_other_engine_options(config):
     rows = _counting(engine.runner.compiled)
     assert drive(engine, arrivals) == want
     assert rows  # some steps were compiled ones
+
+
+def test_compiled_decode_under_beam_search():
+    """Beam steps (forks, copy-on-write of partial blocks, parked beams) next to plain requests,
+    with buckets up to 8: the eager engine's beams and tokens."""
+    from tests.serving.test_engine_beam import arrivals as beam_arrivals
+
+    def engine(**config) -> LLMEngine:
+        return LLMEngine(gpt_pair()[1], config=EngineConfig(
+            block_size=4, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=32,
+            max_model_len=48, **config))  # fmt: skip
+
+    compiled = engine(compile=True)
+    rows = _counting(compiled.runner.compiled)
+    assert drive(compiled, beam_arrivals()) == drive(engine(), beam_arrivals())
+    assert max(rows) == 8  # a padded step of the largest bucket ran
