@@ -65,6 +65,18 @@ class StaticCache(Protocol):
 # One compiled forward per model object: a second ``generate`` call reuses the graph.
 _COMPILED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
+# Dynamo keeps every graph of a code object (a model class's forward) together, for every model
+# of that class in the process, and fails a fullgraph call past its recompile limit (8). Each
+# cache shape here, and each batch size and KV pool of a serving engine's compiled decode steps
+# (llmlab.serving.compiled_decode), adds one: the limit is raised around these calls only.
+COMPILED_GRAPHS_LIMIT = 64
+
+
+def many_graphs() -> Any:
+    """A context in which a compiled forward may hold up to :data:`COMPILED_GRAPHS_LIMIT`
+    graphs."""
+    return torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT)
+
 
 def compiled_forward(model: Any, cache: Any) -> Any:
     """``torch.compile(model)`` (static shapes, whole graph) for one-token steps over ``cache``,
@@ -181,8 +193,9 @@ class ModelRunner:
             key_mask[:, : n + 1] = True
             positions = torch.full((rows, 1), n, dtype=torch.long, device=new_ids.device)
         index = torch.tensor([n], device=new_ids.device)
-        logits = self.step(new_ids, positions=positions,
-                           attention=cache.static_step(index, key_mask))  # fmt: skip
+        with many_graphs():
+            logits = self.step(new_ids, positions=positions,
+                               attention=cache.static_step(index, key_mask))  # fmt: skip
         cache.length += 1
         return logits
 

@@ -32,17 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llmlab.decoding.runner import many_graphs
 from llmlab.serving.scheduler import Chunk
 
 # Batch sizes with a compiled graph. Up to 16 rows the few-row kernel reads each weight once
 # per eight rows, so padding 9 sequences to 16 costs little; beyond it steps run eagerly.
 BUCKETS = (1, 2, 4, 8, 16)
-
-# Dynamo keeps every graph of a code object (the model class's forward) together and, past its
-# recompile limit (8), runs that code eagerly. A draft model beside its target, or several
-# engines in one process, each add up to len(BUCKETS) graphs: the limit is raised around the
-# compiled calls only.
-RECOMPILE_LIMIT = 64
 
 
 @dataclass(eq=False)
@@ -142,7 +137,7 @@ class CompiledDecode:
         )
         torch._dynamo.mark_dynamic(context.block_tables, 1)
         ids = tensor([c.seq.token_ids[c.start] for c in chunks] + [0] * pad)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with many_graphs():  # a draft beside its target, several engines: graphs add up
             logits = self.forward(
                 ids[None], positions=positions[None], attention=context, logits_to_keep=0
             )
