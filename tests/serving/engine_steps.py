@@ -58,3 +58,28 @@ def small_engine(model, **config) -> LLMEngine:
             **config,
         ),
     )
+
+
+BEAM_CONFIGS = {
+    "a": GenerationConfig(max_new_tokens=12, num_beams=4, num_return_sequences=2),
+    # 253 is frequent under these weights: hypotheses end early and finish by eos
+    "b": GenerationConfig(max_new_tokens=10, num_beams=3, eos_token_id=253, length_penalty=0.5),
+    "c": GenerationConfig(max_new_tokens=15, num_beams=2, early_stopping=True),
+}
+
+
+def beam_arrivals() -> dict[int, list[tuple]]:
+    """Beam requests (configs ``BEAM_CONFIGS``) arriving beside plain ones."""
+    prompts = random_prompts(300, [5, 11, 7, 9, 12, 8], seed=3)
+    return {
+        0: [
+            ("a", prompts[0], BEAM_CONFIGS["a"]),
+            ("g", prompts[3], GenerationConfig(max_new_tokens=14)),
+        ],
+        1: [("h", prompts[4], GenerationConfig(max_new_tokens=34))],
+        2: [("b", prompts[1], BEAM_CONFIGS["b"])],
+        3: [
+            ("c", prompts[2], BEAM_CONFIGS["c"]),
+            ("i", prompts[5], GenerationConfig(max_new_tokens=30)),
+        ],
+    }

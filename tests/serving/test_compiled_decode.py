@@ -18,7 +18,7 @@ import torch
 
 from llmlab.models import Llama, LlamaConfig
 from llmlab.serving import EngineConfig, LLMEngine
-from tests.serving.engine_steps import drive, small_engine, workload
+from tests.serving.engine_steps import beam_arrivals, drive, small_engine, workload
 from tests.serving.models import gpt_pair, llama
 
 
@@ -108,7 +108,6 @@ def test_compiled_decode_beside_other_engine_options(config):
 def test_compiled_decode_under_beam_search():
     """Beam steps (forks, copy-on-write of partial blocks, parked beams) next to plain requests,
     with buckets up to 8: the eager engine's beams and tokens."""
-    from tests.serving.test_engine_beam import arrivals as beam_arrivals
 
     def engine(**config) -> LLMEngine:
         return LLMEngine(gpt_pair()[1], config=EngineConfig(

@@ -14,37 +14,14 @@ import torch
 
 from llmlab.decoding import GenerationConfig, generate
 from llmlab.serving import EngineConfig, LLMEngine
-from tests.serving.engine_steps import drive
+from tests.serving.engine_steps import beam_arrivals, drive
 from tests.serving.models import gpt_pair, random_prompts
-
-BEAM_CONFIGS = {
-    "a": GenerationConfig(max_new_tokens=12, num_beams=4, num_return_sequences=2),
-    # 253 is frequent under these weights: hypotheses end early and finish by eos
-    "b": GenerationConfig(max_new_tokens=10, num_beams=3, eos_token_id=253, length_penalty=0.5),
-    "c": GenerationConfig(max_new_tokens=15, num_beams=2, early_stopping=True),
-}
 
 
 def engine_for(model, num_blocks: int) -> LLMEngine:
     return LLMEngine(model, config=EngineConfig(
         block_size=4, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=32,
         max_model_len=48))  # fmt: skip
-
-
-def arrivals() -> dict[int, list[tuple]]:
-    prompts = random_prompts(300, [5, 11, 7, 9, 12, 8], seed=3)
-    return {
-        0: [
-            ("a", prompts[0], BEAM_CONFIGS["a"]),
-            ("g", prompts[3], GenerationConfig(max_new_tokens=14)),
-        ],
-        1: [("h", prompts[4], GenerationConfig(max_new_tokens=34))],
-        2: [("b", prompts[1], BEAM_CONFIGS["b"])],
-        3: [
-            ("c", prompts[2], BEAM_CONFIGS["c"]),
-            ("i", prompts[5], GenerationConfig(max_new_tokens=30)),
-        ],
-    }
 
 
 def references(hf, model) -> dict[str, tuple[list, list]]:
@@ -70,12 +47,12 @@ def runs():
     out = {}
     for blocks in (64, 20):  # roomy, and tight enough to preempt (a's 4 beams need 20)
         engine = engine_for(model, blocks)
-        out[blocks] = (engine, drive(engine, arrivals()))
+        out[blocks] = (engine, drive(engine, beam_arrivals()))
     return references(hf, model), out
 
 
 def requests():
-    return [r for step in arrivals().values() for r in step]
+    return [r for step in beam_arrivals().values() for r in step]
 
 
 @pytest.mark.parametrize("blocks", [64, 20])
