@@ -76,6 +76,9 @@ def test_compile_is_checked_up_front():
                             intermediate_size=24, num_experts=4))  # fmt: skip
     with pytest.raises(ValueError, match="mixture-of-experts layers"):
         LLMEngine(moe, config=EngineConfig(compile=True))
+    with pytest.raises(ValueError, match="mixture-of-experts layers"):  # a draft compiles too
+        LLMEngine(gpt_pair()[1], config=EngineConfig(compile=True, speculative="draft"),
+                  draft_model=moe)  # fmt: skip
 
 
 def test_the_server_flag_sets_it():

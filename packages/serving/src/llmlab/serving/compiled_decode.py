@@ -20,7 +20,7 @@ Padding rows write into the spare block, which the block manager never hands out
 logits are dropped. The linear layers' few-row products stay llmlab's kernel inside the graph
 (``llmlab.kernels.cpu_linear``). Every other step (prefill, mixed, speculative verification,
 more sequences than the largest bucket) runs the eager forward. ``LLMEngine`` refuses the option
-for LoRA adapters and mixture-of-experts models (``engine.compile_problem``).
+for LoRA adapters and mixture-of-experts models (``engine.check_compilable``).
 """
 
 from __future__ import annotations

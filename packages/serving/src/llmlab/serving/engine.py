@@ -96,8 +96,9 @@ __all__ = ["SUPPORTED_STRATEGIES", "LLMEngine", "RequestOutput", "SequenceOutput
 log = logging.getLogger("llmlab.serving")
 
 
-def compile_problem(model: Any, adapters: Any) -> None:
-    """Refuse ``compile=True`` where a decode step cannot be one compiled graph."""
+def check_compilable(model: Any, adapters: Any = None) -> None:
+    """Refuse ``compile=True`` where a decode step cannot be one compiled graph (the target's
+    or a draft model's: both runners compile)."""
     if adapters:
         raise ValueError(
             "EngineConfig: compile=True with LoRA adapters: each token's adapter is set "
@@ -128,7 +129,9 @@ class LLMEngine:
                 f"given exactly when speculative='draft'"
             )
         if self.config.compile:
-            compile_problem(model, adapters)
+            check_compilable(model, adapters)
+            if draft_model is not None:
+                check_compilable(draft_model)
         if self.config.quantize is not None:  # in place: the full-precision weights are freed
             quantize(model, self.config.quantize)
         self.model = model.eval()
