@@ -72,13 +72,22 @@ def best_of(
     return best
 
 
-def decode_rate(run: Callable[[int], Any], new_tokens: int, repeats: int, batch: int = 1) -> float:
+def decode_rate(
+    run: Callable[[int], Any],
+    new_tokens: int,
+    repeats: int,
+    batch: int = 1,
+    between: Callable[[], Any] | None = None,
+) -> float:
     """Tokens/s of decoding alone: batch × (N - 1) / (t(N) - t(1)), each the best of
     ``repeats`` (where noise makes the difference non-positive, as at smoke sizes, the whole
-    run's rate, prompt included)."""
+    run's rate, prompt included). ``between`` runs untimed before each round (a probe of the
+    machine measured in the same time window, such as a memory read rate)."""
     run(2)  # warm-up (compiles the quantized products on first use)
     t_one = t_all = float("inf")
     for _ in range(repeats):
+        if between is not None:
+            between()
         start = time.perf_counter()
         run(1)
         t_one = min(t_one, time.perf_counter() - start)

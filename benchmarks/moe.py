@@ -145,7 +145,11 @@ def check_agreement(case: Case, blocks: dict, x: torch.Tensor, g: torch.Tensor) 
 
     def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         if x.dtype == torch.float32:
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"{case.name}: {what}")
+            # fp32 sums in another order: their error scales with the largest term (the router's
+            # gradient sums thousands of tokens' terms, entries up to ~80 here: 3e-5 seen on
+            # AMD EPYC, where an entry near 0 fails a purely elementwise 1e-5)
+            atol = 1e-5 * max(1.0, float(b.abs().max()))
+            torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=f"{case.name}: {what}")
             return
         # bf16: sums in another order differ elementwise by its ~3 digits; compare as a whole
         err = float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
@@ -305,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [r for case in cases for r in measure(case, repeats)]
     notes = (
         f"fp32 CPU, 1 thread, best process CPU time of {repeats} interleaved rounds of forward + "
-        "backward; outputs and every gradient checked against HF eager's first (atol 1e-5). "
+        "backward; outputs and every gradient checked against HF eager's first (rtol 1e-4, "
+        "atol 1e-5 × the largest entry). "
         "HF blocks: the MoE layer of a one-layer *ForCausalLM, default experts implementation "
         "(grouped_mm) or experts_implementation='eager'. On CPU grouped_mm runs at the loop's "
         "matmul speed: the difference is dispatch (sorting, gathering, combining and their "

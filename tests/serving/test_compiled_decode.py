@@ -121,3 +121,24 @@ def test_compiled_decode_under_beam_search():
     rows = _counting(compiled.runner.compiled)
     assert drive(compiled, beam_arrivals()) == drive(engine(), beam_arrivals())
     assert max(rows) == 8  # a padded step of the largest bucket ran
+
+
+def test_compiled_decode_with_a_draft_model():
+    """Draft-model speculation (the int8 self-draft): the draft's own runner compiles its
+    decode steps too (a second model's graphs beside the target's); tokens equal the eager
+    engine's with the same draft."""
+
+    def engine(**config) -> LLMEngine:
+        model = gpt_pair()[1]
+        return LLMEngine(copy.deepcopy(model), draft_model=copy.deepcopy(model),
+                         config=EngineConfig(block_size=8, num_blocks=40, max_num_seqs=6,
+                                             max_num_batched_tokens=32, max_model_len=112,
+                                             speculative="draft", draft_quantize="int8",
+                                             num_speculative_tokens=3, **config))  # fmt: skip
+
+    arrivals = workload(300)
+    compiled = engine(compile=True)
+    draft_rows = _counting(compiled.speculator.draft.runner.compiled)
+    assert drive(compiled, arrivals) == drive(engine(), arrivals)
+    assert draft_rows  # the draft proposed through its compiled steps
+    assert compiled.speculator.drafted_steps > 0
