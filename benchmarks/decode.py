@@ -16,8 +16,10 @@ The roofline: decoding one token reads every weight once, so its rate is at most
 read rate over the bytes a token reads. The read rate is measured in the same run: the fastest
 of three one-pass reads (a one-row ``F.linear``, llmlab's few-row kernel, ``torch.sum``) of an
 fp32 matrix at the model's largest linear shape, the LM head (GPT-2: 50257 × 768, 154 MB; the
-Llama: 128256 × 2048, 1 GB: far larger than any cache); see :func:`read_rate`. Bytes per
-token: every linear layer's stored bytes (weights, scales, biases), as the format stores them.
+Llama: 128256 × 2048, 1 GB: far larger than any cache), read again before each timed round of
+each system so that each system's roofline is the machine's rate in its own time window (see
+:class:`ReadProbe`). Bytes per token: every linear layer's stored bytes (weights, scales,
+biases), as the format stores them.
 
 llama.cpp is the peer at batch 1 on the Llama (``benchmarks/peer_llama_cpp.py``): the same
 weights saved as an HF folder, converted to GGUF F32 by llama.cpp's own converter and quantized
@@ -82,11 +84,11 @@ class ReadProbe:
 
     Three reads compete: a one-row ``F.linear`` (BLAS), llmlab's few-row kernel and
     ``torch.sum``. One alone is no bound: MKL's one-row product runs at 0.4-0.55x the others on
-    AMD EPYC (its vendor dispatch), and ``sum`` at ~0.7x a product on the Xeon these machines
-    also are. The machines are shared, and what their memory delivers moves with the
-    neighbours (21-62 GB/s within one run on an AMD EPYC): so before each timed round of a
-    system (untimed for it) the probe reads the matrix with the fastest read for ~0.3 s, and
-    each system's roofline is its fastest probe, a rate from the system's own time window.
+    the AMD EPYC hosts, and ``sum`` at ~0.7x a product on the Xeon hosts. The machines are
+    shared, and what their memory delivers moves with the neighbours (the 1 GB matrix: 32-59
+    GB/s within one run on an AMD EPYC): so before each timed round of a system (untimed for
+    it) the probe reads the matrix with the fastest read for ~0.3 s, and each system's roofline
+    is its fastest probe (a mean over its reads), a rate from the system's own time window.
     """
 
     def __init__(self, model: nn.Module, repeats: int) -> None:
@@ -328,12 +330,12 @@ def main() -> None:
                 # compile=True too: every format at batch 1, fp32 at GPT-2's batch 16 (a 1B
                 # model's batch-16 rounds are minutes each already)
                 compiled = SCHEMES if batch == 1 else (None,) if build is gpt2 else ()
-                peer = batch == 1 and build is llama_1b
+                with_peer = batch == 1 and build is llama_1b
                 rates, same, sizes, ids, want, runs = measure(
                     hf, model, batch, tokens, rounds, args.smoke, compiled, probe,
-                    keep=("fp32", "int8", "int4") if peer else (),
+                    keep=("fp32", "int8", "int4") if with_peer else (),
                 )  # fmt: skip
-                if peer:
+                if with_peer:
                     peer_rows, peer_note = llama_cpp_rows(
                         name, hf, rates, runs, ids, want, tokens, rounds
                     )
