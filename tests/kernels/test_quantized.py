@@ -5,8 +5,8 @@ it builds: AVX2/AVX-512 and a compiler), the compiled reduction and the referenc
 equal it within 1e-4 of the product's largest entry (fp32 sums in their own orders), for every
 format, row count (the kernel's tiles of 4, 2 and 1 rows and 8, 4, 2 and 1 output rows), and
 widths that leave a tail of the cache-line loop: whole vectors, then single values. One-row int8
-products on AVX-512 VNNI round ``x`` to 16 bits per block of 128 inputs: tested against the
-bound that rounding implies."""
+and int4 products on AVX-512 VNNI round ``x`` to 16 bits per block of 128 inputs: tested against
+the bound that rounding implies."""
 
 from __future__ import annotations
 
@@ -59,25 +59,38 @@ def _vnni_built() -> bool:
     return cpu_kernels() is not None and "avx512_vnni" in flags and "avx512bw" in flags
 
 
+# x's 16-bit step per block of 128 inputs: max|x_b| / QMAX (int4's limbs are both signed)
+VNNI_QMAX = {"int8": 32767, "int4": 32639}
+
+
+def _kernel_product(x, data, scales, kind: str, group) -> torch.Tensor:
+    if kind == "int8":
+        return cpu_kernels().int8_matmul(x, data, scales)
+    return cpu_kernels().int4_matmul(x, data, scales, group)
+
+
 @pytest.mark.skipif(
-    not _vnni_built(), reason="no AVX-512 VNNI here: one-row int8 products take the exact path"
+    not _vnni_built(), reason="no AVX-512 VNNI here: one-row int8/int4 products take the exact path"
+)
+@pytest.mark.parametrize(
+    ("kind", "group"), [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
 )
 @pytest.mark.parametrize("outliers", [False, True])
-def test_one_row_int8_products_round_x_to_16_bits_per_block_and_no_more(outliers):
-    """With AVX-512 VNNI a one-row int8 product (widths a multiple of 128) rounds ``x`` to 16
-    bits per block of 128 inputs (step ``max|x_b| / 32767``) and multiplies exactly: its error
-    is within the bound that rounding implies, ``s_o * sum_i |q_oi| * step_b(i) / 2`` (plus fp32
+def test_one_row_products_round_x_to_16_bits_per_block_and_no_more(kind, group, outliers):
+    """With AVX-512 VNNI a one-row int8 or int4 product (widths a multiple of 128) rounds ``x``
+    to 16 bits per block of 128 inputs (step ``max|x_b| / QMAX``) and multiplies exactly: its
+    error is within the bound that rounding implies, ``sum_i |w_oi| * step_b(i) / 2`` (plus fp32
     sums), and within 1e-4 of the product's largest entry even with outlier channels."""
     torch.manual_seed(3)
     width = 768
-    data, scales = pack(torch.randn(300, width), "int8")
+    data, scales = pack(torch.randn(300, width), kind, group)
     x = torch.randn(1, width)
     if outliers:
         x[0, 5] *= 50  # an outlier channel: its block's other inputs round 50x coarser
-    want = _oracle(x, data, scales, "int8")
-    got = cpu_kernels().int8_matmul(x, data, scales)
-    step = x.view(-1, 128).abs().amax(dim=1).repeat_interleave(128).double() / 32767
-    bound = scales.double() * (data.double().abs() * step).sum(dim=1) / 2
+    want = _oracle(x, data, scales, kind)
+    got = _kernel_product(x, data, scales, kind, group)
+    step = x.view(-1, 128).abs().amax(dim=1).repeat_interleave(128).double() / VNNI_QMAX[kind]
+    bound = (unpack(data, scales, kind, torch.float64).abs() * step).sum(dim=1) / 2
     err = (got.double() - want).abs()[0]
     assert bool((err <= bound + 1e-6 * want.abs().max()).all())
     assert _rel(got, want) < 1e-4
@@ -85,10 +98,10 @@ def test_one_row_int8_products_round_x_to_16_bits_per_block_and_no_more(outliers
     for bad in (float("nan"), float("inf")):
         x_bad = x.clone()
         x_bad[0, 7] = bad
-        assert not bool(cpu_kernels().int8_matmul(x_bad, data, scales).isfinite().any())
+        assert not bool(_kernel_product(x_bad, data, scales, kind, group).isfinite().any())
     # two rows take the exact path: fp32 rounding only
-    two = cpu_kernels().int8_matmul(x.expand(2, width).contiguous(), data, scales)
-    assert _rel(two, _oracle(x.expand(2, width), data, scales, "int8")) < 1e-6
+    two = _kernel_product(x.expand(2, width).contiguous(), data, scales, kind, group)
+    assert _rel(two, _oracle(x.expand(2, width), data, scales, kind)) < 1e-6
 
 
 def test_the_kernel_is_built_here():

@@ -17,7 +17,9 @@
 // fp32 takes rows of x eight at a time (each output's sum runs in the same order whatever the
 // tile: a row's result does not depend on what it is batched with); the packed kinds take rows
 // four at a time, then two, then one. Output rows are tiled two to eight at a time (several
-// weight streams in flight); ranges of output rows are the tasks of at::parallel_for.
+// weight streams in flight); ranges of output rows are the tasks of at::parallel_for. With
+// AVX-512 VNNI, one row of x against int8 or int4 weights (batch-1 decoding) takes integer dot
+// products instead, one output row after another (the VNNI section below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -91,11 +93,12 @@ inline float scalar(uint16_t v) {
 // OT rows are adjacent in memory: while reading a cache line of each, the kernel prefetches the
 // same line of the next tile (OT rows further), so a tile starts with its lines on the way; a
 // prefetch only at a line's distance ahead left each row's first lines uncovered (on a 1.2 GB
-// int8 sweep: 17 GB/s, now 21; fp32 F.linear reads 27). One row of x against fp32 weights
-// (rows of 3 KiB and more in the models here) leaves the hardware prefetchers enough time, and
-// the extra streams then cost: no prefetch there (Llama-1B's matrices in turn, 2 threads: 30.0
-// -> 31.7 GB/s; MKL 30.9); with more rows of x a line takes longer to use and the prefetch
-// pays again (8 rows against 50257 x 768, one thread: 1.9x MKL without it, 2.9x with).
+// int8 sweep: 17 GB/s, now 21; fp32 F.linear reads 27). One row of x against fp32 or bf16
+// weights (rows of 3 KiB and more in the models here) leaves the hardware prefetchers enough
+// time, and the extra streams then cost: no prefetch there (Llama-1B's matrices in turn, 2
+// threads: fp32 30.0 -> 31.7 GB/s, MKL 30.9; bf16 on an AMD EPYC, same window, ~8 % faster
+// without); with more rows of x a line takes longer to use and the prefetch pays again (8 rows
+// against 50257 x 768, one thread: 1.9x MKL without it, 2.9x with).
 // T: float, int8_t (scaled per output row) or uint16_t (bf16 bits); scales null: unscaled.
 template <typename T, int R, int OT>
 void dense_tile(const float* x, int64_t in, const T* w, const float* scales, float* out,
@@ -106,7 +109,7 @@ void dense_tile(const float* x, int64_t in, const T* w, const float* scales, flo
     for (int r = 0; r < R; ++r) acc[t][r] = vzero();
   int64_t i = 0;
   for (; i + L <= in; i += L) {
-    if constexpr (R > 1 || !std::is_same_v<T, float>)
+    if constexpr (R > 1 || std::is_same_v<T, int8_t>)
       for (int t = 0; t < OT; ++t)
         _mm_prefetch(reinterpret_cast<const char*>(w + (o + t + OT) * in + i), _MM_HINT_T0);
     for (int64_t j = i; j < i + L; j += W) {
@@ -155,96 +158,175 @@ void dense_rows(const float* x, int64_t in, const T* w, const float* scales, flo
 
 
 #if defined(__AVX512VNNI__)
-// int8 with AVX-512 VNNI: each row of x is quantized per block of VB inputs to 16 bits
-// (q = round(x / s_b), s_b = max |x| / 32767 over the block) and split into two 8-bit limbs,
-// q = 256 hi + lo (hi signed, lo unsigned), so that vpdpbusd multiplies 64 int8 weights by 64
-// limbs and sums them four by four into int32 in one instruction: sum lo * w directly, and sum
-// hi * w as sum (w + 128) * hi - 128 * sum hi (vpdpbusd wants one unsigned side; w ^ 0x80 is
-// w + 128). Per block the two int32 sums are combined exactly (256 hi + lo stays below 2^27),
-// converted and scaled once; the 128 * sum hi terms of all blocks are one number per row of x,
-// subtracted at the end. The only rounding beyond fp32 sums is x's to 16 bits per block: at
-// most max|x_b| / 65534 per input. About 5 vector operations per 64 weights, where widening
-// each weight to fp32 takes 12.
+// One row of x against int8 or int4 weights with AVX-512 VNNI: the row is rounded per block of
+// VB inputs to 16 bits (q = round(x / s_b), s_b = max |x| / QMAX over the block) and split into
+// two 8-bit limbs, q = 256 hi + lo, so that vpdpbusd multiplies 64 weights by 64 limbs and sums
+// them four by four into int32 lanes in one instruction; per block the two lane sums combine
+// exactly into sum w q, are converted and scaled once. The only rounding beyond fp32 sums is x's
+// to 16 bits per block: at most max|x_b| / (2 QMAX) per input.
+//   int8: hi signed, lo unsigned (0..255); sum lo w directly, sum hi w as
+//         sum (w + 128) hi - 128 sum hi (vpdpbusd wants one unsigned side; w ^ 0x80 is w + 128):
+//         the 128 sum hi terms of all blocks are one number, subtracted at the end.
+//   int4: the stored nibbles u = q + 8 are the unsigned side; both limbs signed
+//         (lo in -128..127, hence QMAX 32639: hi stays within -128..127); sum (u - 8) x is
+//         sum u x - 8 sum x, the second a fixed vector per block of x.
+// Each thread walks its output rows one after another, a single sequential stream: on an AMD
+// EPYC (Zen 4) that read the 1B-shaped model's int8 matrices at 28-35 GB/s, interleaving 8 rows
+// (8 streams 2 KiB apart, next tile prefetched) at 16-21 (2 threads, measured in one window).
 constexpr int64_t VB = 128;
 
-struct Limbs {  // rows of x as 16-bit blocks split in two limbs
-  std::vector<int8_t> hi;
-  std::vector<uint8_t> lo;
-  std::vector<float> scale;  // (rows, in / VB)
-  std::vector<double> bias;  // (rows,): sum_b scale_b * 32768 * sum_{i in b} hi_i
+struct Blocks {  // one row of x rounded to 16 bits per block of VB inputs
+  std::vector<int32_t> q;
+  std::vector<float> scale;  // (in / VB): s_b
   bool finite = true;        // false: x holds an inf or NaN, which limbs cannot carry
 };
 
-Limbs split_rows(const float* x, int64_t rows, int64_t in) {
-  const int64_t blocks = in / VB;
-  Limbs L{std::vector<int8_t>(rows * in), std::vector<uint8_t>(rows * in),
-          std::vector<float>(rows * blocks), std::vector<double>(rows)};
-  for (int64_t r = 0; r < rows; ++r) {
-    double bias = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * in + b * VB;
-      float m = 0;
-      for (int64_t i = 0; i < VB; ++i) {
-        if (!std::isfinite(xb[i])) {  // limbs cannot carry it: the caller widens instead
-          L.finite = false;
-          return L;
-        }
-        m = std::max(m, std::fabs(xb[i]));
-      }
-      const float inv = m > 0 ? 32767.f / m : 0.f;
-      int64_t sum_hi = 0;
-      for (int64_t i = 0; i < VB; ++i) {
-        const int32_t q = static_cast<int32_t>(std::lrint(xb[i] * inv));
-        const int32_t hi = q >> 8;  // floor: q = 256 hi + lo with lo in 0..255
-        L.hi[r * in + b * VB + i] = static_cast<int8_t>(hi);
-        L.lo[r * in + b * VB + i] = static_cast<uint8_t>(q - hi * 256);
-        sum_hi += hi;
-      }
-      L.scale[r * blocks + b] = m / 32767.f;
-      bias += static_cast<double>(m / 32767.f) * 32768.0 * static_cast<double>(sum_hi);
+Blocks round_blocks(const float* x, int64_t in, float qmax) {
+  Blocks B{std::vector<int32_t>(in), std::vector<float>(in / VB)};
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t b = 0; b < in / VB; ++b) {
+    const float* xb = x + b * VB;
+    __m512 m = zero;
+    __mmask16 finite = 0xFFFF;
+    for (int64_t i = 0; i < VB; i += 16) {
+      const __m512 v = _mm512_loadu_ps(xb + i);
+      finite &= _mm512_cmp_ps_mask(_mm512_mul_ps(v, zero), zero, _CMP_EQ_OQ);  // inf*0 is NaN
+      m = _mm512_max_ps(m, _mm512_abs_ps(v));
     }
-    L.bias[r] = bias;
+    if (finite != 0xFFFF) {  // the caller widens instead, which propagates the inf or NaN
+      B.finite = false;
+      return B;
+    }
+    const float top = _mm512_reduce_max_ps(m);
+    const __m512 inv = _mm512_set1_ps(top > 0 ? qmax / top : 0.f);
+    for (int64_t i = 0; i < VB; i += 16)  // rounds to nearest even, as lrint
+      _mm512_storeu_si512(B.q.data() + b * VB + i,
+                          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv)));
+    B.scale[b] = top / qmax;
+  }
+  return B;
+}
+
+struct Int8Limbs {
+  std::vector<int8_t> hi;   // q >> 8 (floor)
+  std::vector<uint8_t> lo;  // q - 256 hi, 0..255
+  std::vector<float> scale;
+  double bias = 0;  // sum_b s_b * 128 * 256 * sum_{i in b} hi_i
+};
+
+Int8Limbs int8_limbs(const Blocks& B, int64_t in) {
+  Int8Limbs L{std::vector<int8_t>(in), std::vector<uint8_t>(in), B.scale};
+  for (int64_t b = 0; b < in / VB; ++b) {
+    __m512i sum_hi = _mm512_setzero_si512();
+    for (int64_t i = b * VB; i < (b + 1) * VB; i += 16) {
+      const __m512i q = _mm512_loadu_si512(B.q.data() + i);
+      const __m512i hi = _mm512_srai_epi32(q, 8);
+      sum_hi = _mm512_add_epi32(sum_hi, hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(L.hi.data() + i), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(L.lo.data() + i),
+                       _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255))));
+    }
+    L.bias += static_cast<double>(B.scale[b]) * 32768.0 *
+              static_cast<double>(_mm512_reduce_add_epi32(sum_hi));
   }
   return L;
 }
 
-template <int OT>
-void int8_vnni_tile(const Limbs& L, int64_t in, const int8_t* w, const float* scales, float* out,
-                    int64_t o) {
-  const int64_t blocks = in / VB;
+void int8_vnni_rows(const Int8Limbs& L, int64_t in, const int8_t* w, const float* scales,
+                    float* out, int64_t o_begin, int64_t o_end) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 total[OT];
-  for (int t = 0; t < OT; ++t) total[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc_hi[OT], acc_lo[OT];
-    for (int t = 0; t < OT; ++t) acc_hi[t] = acc_lo[t] = _mm512_setzero_si512();
-    for (int64_t j = b * VB; j < (b + 1) * VB; j += 64) {
-      const __m512i hi = _mm512_loadu_si512(L.hi.data() + j);
-      const __m512i lo = _mm512_loadu_si512(L.lo.data() + j);
-      for (int t = 0; t < OT; ++t) {
-        const int8_t* row = w + (o + t) * in + j;
-        _mm_prefetch(reinterpret_cast<const char*>(row + OT * in), _MM_HINT_T0);  // next tile
-        const __m512i wv = _mm512_loadu_si512(row);
-        acc_hi[t] = _mm512_dpbusd_epi32(acc_hi[t], _mm512_xor_si512(wv, flip), hi);  // (w+128) hi
-        acc_lo[t] = _mm512_dpbusd_epi32(acc_lo[t], lo, wv);
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const int8_t* row = w + o * in;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t b = 0; b < in / VB; ++b) {  // VB = 128: two 64-byte vectors per block
+      __m512i acc_hi[2], acc_lo[2];
+      for (int u = 0; u < 2; ++u) {
+        const int64_t j = b * VB + 64 * u;
+        const __m512i wv = _mm512_loadu_si512(row + j);
+        const __m512i hi = _mm512_loadu_si512(L.hi.data() + j);
+        const __m512i lo = _mm512_loadu_si512(L.lo.data() + j);
+        acc_hi[u] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wv, flip), hi);
+        acc_lo[u] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, wv);
       }
+      // 256 hi + lo per lane stays below 2^27: exact in int32
+      const __m512i q = _mm512_add_epi32(
+          _mm512_slli_epi32(_mm512_add_epi32(acc_hi[0], acc_hi[1]), 8),
+          _mm512_add_epi32(acc_lo[0], acc_lo[1]));
+      total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(L.scale[b]), total);
     }
-    const __m512 s = _mm512_set1_ps(L.scale[b]);
-    for (int t = 0; t < OT; ++t) {
-      const __m512i q = _mm512_add_epi32(_mm512_slli_epi32(acc_hi[t], 8), acc_lo[t]);
-      total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, total[t]);
-    }
+    out[o] = scales[o] * static_cast<float>(_mm512_reduce_add_ps(total) - L.bias);
   }
-  for (int t = 0; t < OT; ++t)
-    out[o + t] = scales[o + t] * static_cast<float>(_mm512_reduce_add_ps(total[t]) - L.bias[0]);
 }
 
-void int8_vnni_rows(const Limbs& L, int64_t in, const int8_t* w, const float* scales, float* out,
-                    int64_t out_features, int64_t o_begin, int64_t o_end) {
-  constexpr int OT = 8;  // output rows per tile: 8 weight streams in flight, 24 accumulators
-  int64_t o = o_begin;
-  for (; o + OT <= o_end; o += OT) int8_vnni_tile<OT>(L, in, w, scales, out, o);
-  for (; o < o_end; ++o) int8_vnni_tile<1>(L, in, w, scales, out, o);
+// int4: the limbs of each block laid out as the nibbles meet them. Block b is the 64 bytes
+// [64 b, 64 b + 64) of a weight row (inputs [128 b, 128 b + 128)): byte p holds in its low
+// nibble the input g G + j and in its high nibble g G + j + G / 2 (g = p / (G/2), j = p % (G/2),
+// module header). hi/lo: per block, 64 limbs in low-nibble order then 64 in high-nibble order.
+struct Int4Limbs {
+  std::vector<int8_t> hi, lo;  // (in): q = 256 hi + lo, both signed
+  std::vector<float> scale;    // (in / VB)
+  std::vector<int32_t> minus;  // (in / VB, 16): per lane, 8 x the sum of the q it meets
+};
+
+Int4Limbs int4_limbs(const Blocks& B, int64_t in, int64_t group) {
+  Int4Limbs L{std::vector<int8_t>(in), std::vector<int8_t>(in), B.scale,
+              std::vector<int32_t>(in / VB * 16, 0)};
+  const int64_t half = group / 2;
+  for (int64_t b = 0; b < in / VB; ++b) {
+    int32_t ordered[VB];  // the block's q as the bytes meet them: low nibbles', then high's
+    for (int64_t i = 0; i < VB; i += 16) {  // 16 inputs: one half of one group (half >= 16)
+      const int64_t g = i / group, k = i % group;  // group within the block, offset in it
+      const int64_t at = (k < half ? 0 : 64) + g * half + k % half;
+      const __m512i q = _mm512_loadu_si512(B.q.data() + b * VB + i);
+      _mm512_storeu_si512(ordered + at, q);
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+      const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(L.hi.data() + b * VB + at),
+                       _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(L.lo.data() + b * VB + at),
+                       _mm512_cvtepi32_epi8(lo));
+    }
+    for (int64_t lane = 0; lane < 16; ++lane)
+      for (int64_t k = 0; k < 4; ++k)
+        L.minus[b * 16 + lane] += 8 * (ordered[4 * lane + k] + ordered[64 + 4 * lane + k]);
+  }
+  return L;
+}
+
+void int4_vnni_rows(const Int4Limbs& L, int64_t in, const uint8_t* w, const float* scales,
+                    int64_t group, float* out, int64_t o_begin, int64_t o_end) {
+  const int64_t blocks = in / VB, groups = in / group;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // lane l of a block sums bytes 4l..4l+3, all in the block's group 4 l / (G/2)
+  const __m512i lane_group = _mm512_srli_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      group == 32 ? 2 : group == 64 ? 3 : 4);
+  const __mmask16 block_groups = static_cast<__mmask16>((1 << (VB / group)) - 1);
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const uint8_t* row = w + o * (in / 2);
+    const float* row_scales = scales + o * groups;
+    __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512i bytes = _mm512_loadu_si512(row + 64 * b);
+      const __m512i u_low = _mm512_and_si512(bytes, low);
+      const __m512i u_high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      const int8_t* hi = L.hi.data() + b * VB;
+      const int8_t* lo = L.lo.data() + b * VB;
+      __m512i acc_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_low, _mm512_loadu_si512(hi));
+      acc_hi = _mm512_dpbusd_epi32(acc_hi, u_high, _mm512_loadu_si512(hi + 64));
+      __m512i acc_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_low, _mm512_loadu_si512(lo));
+      acc_lo = _mm512_dpbusd_epi32(acc_lo, u_high, _mm512_loadu_si512(lo + 64));
+      // per lane sum u q - 8 sum q: below 2^22 in magnitude, exact in int32 and in fp32
+      const __m512i q = _mm512_sub_epi32(
+          _mm512_add_epi32(_mm512_slli_epi32(acc_hi, 8), acc_lo),
+          _mm512_loadu_si512(L.minus.data() + b * 16));
+      const __m512 s = _mm512_permutexvar_ps(
+          lane_group, _mm512_maskz_loadu_ps(block_groups, row_scales + b * (VB / group)));
+      total[b & 1] = _mm512_fmadd_ps(
+          _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(L.scale[b])), s, total[b & 1]);
+    }
+    out[o] = _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]));
+  }
 }
 #endif
 
@@ -334,14 +416,15 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AVX512VNNI__)
-  const Limbs L = rows == 1 && in % VB == 0 ? split_rows(xp, rows, in) : Limbs{};
-  if (rows == 1 && in % VB == 0 && L.finite) {  // one row (batch-1 decoding): VNNI gains there
-    // (an inf or NaN in x takes the widening path below, which propagates it)
-    const int64_t grain = std::max<int64_t>(1, 65536 / in);
-    at::parallel_for(0, out_features, grain, [&](int64_t b, int64_t e) {
-      int8_vnni_rows(L, in, wp, sp, op, out_features, b, e);
-    });
-    return out;
+  if (rows == 1 && in % VB == 0) {  // one row (batch-1 decoding): VNNI gains there
+    const Blocks B = round_blocks(xp, in, 32767.f);
+    if (B.finite) {  // (an inf or NaN in x takes the widening path below, which propagates it)
+      const Int8Limbs L = int8_limbs(B, in);
+      at::parallel_for(0, out_features, std::max<int64_t>(1, 65536 / in), [&](int64_t b, int64_t e) {
+        int8_vnni_rows(L, in, wp, sp, op, b, e);
+      });
+      return out;
+    }
   }
 #endif
   by_row_tiles(rows, in, out_features,
@@ -378,6 +461,18 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#if defined(__AVX512VNNI__)
+  if (rows == 1 && in % VB == 0) {  // one row (batch-1 decoding), as int8_matmul
+    const Blocks B = round_blocks(xp, in, 32639.f);
+    if (B.finite) {
+      const Int4Limbs L = int4_limbs(B, in, group);
+      at::parallel_for(0, out_features, std::max<int64_t>(1, 32768 / in), [&](int64_t b, int64_t e) {
+        int4_vnni_rows(L, in, wp, sp, group, op, b, e);
+      });
+      return out;
+    }
+  }
+#endif
   by_row_tiles(rows, in, out_features,
       [&](int64_t r, int64_t b, int64_t e) { int4_rows<4>(xp + r * in, in, wp, sp, group, op + r * out_features, out_features, b, e); },
       [&](int64_t r, int64_t b, int64_t e) { int4_rows<2>(xp + r * in, in, wp, sp, group, op + r * out_features, out_features, b, e); },
