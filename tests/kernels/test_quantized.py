@@ -99,6 +99,10 @@ def test_one_row_products_round_x_to_16_bits_per_block_and_no_more(kind, group, 
         x_bad = x.clone()
         x_bad[0, 7] = bad
         assert not bool(_kernel_product(x_bad, data, scales, kind, group).isfinite().any())
+    # a block of subnormal values (its step's inverse overflows fp32) takes the widening path
+    x_tiny = x * 1e-39
+    want_tiny = _oracle(x_tiny, data, scales, kind)
+    assert _rel(_kernel_product(x_tiny, data, scales, kind, group), want_tiny) < 1e-4
     # two rows take the exact path: fp32 rounding only
     two = _kernel_product(x.expand(2, width).contiguous(), data, scales, kind, group)
     assert _rel(two, _oracle(x.expand(2, width), data, scales, kind)) < 1e-6

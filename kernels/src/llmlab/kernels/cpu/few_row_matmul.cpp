@@ -178,7 +178,7 @@ constexpr int64_t VB = 128;
 struct Blocks {  // one row of x rounded to 16 bits per block of VB inputs
   std::vector<int32_t> q;
   std::vector<float> scale;  // (in / VB): s_b
-  bool finite = true;        // false: x holds an inf or NaN, which limbs cannot carry
+  bool finite = true;        // false: x holds what limbs cannot carry (round_blocks)
 };
 
 Blocks round_blocks(const float* x, int64_t in, float qmax) {
@@ -193,12 +193,15 @@ Blocks round_blocks(const float* x, int64_t in, float qmax) {
       finite &= _mm512_cmp_ps_mask(_mm512_mul_ps(v, zero), zero, _CMP_EQ_OQ);  // inf*0 is NaN
       m = _mm512_max_ps(m, _mm512_abs_ps(v));
     }
-    if (finite != 0xFFFF) {  // the caller widens instead, which propagates the inf or NaN
+    const float top = _mm512_reduce_max_ps(m);
+    const float step_inverse = top > 0 ? qmax / top : 0.f;
+    // an inf or NaN: the caller widens instead, which propagates it; so does a block of
+    // subnormal values, whose step's inverse overflows
+    if (finite != 0xFFFF || !std::isfinite(step_inverse)) {
       B.finite = false;
       return B;
     }
-    const float top = _mm512_reduce_max_ps(m);
-    const __m512 inv = _mm512_set1_ps(top > 0 ? qmax / top : 0.f);
+    const __m512 inv = _mm512_set1_ps(step_inverse);
     for (int64_t i = 0; i < VB; i += 16)  // rounds to nearest even, as lrint
       _mm512_storeu_si512(B.q.data() + b * VB + i,
                           _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv)));
@@ -472,7 +475,7 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AVX512VNNI__)
-  if (rows == 1 && in % VB == 0) {  // one row (batch-1 decoding), as int8_matmul
+  if (rows == 1 && in % VB == 0 && VB % group == 0) {  // one row (batch-1 decoding), as int8
     const Blocks B = round_blocks(xp, in, 32639.f);
     if (B.finite) {
       const Int4Limbs L = int4_limbs(B, in, group);
