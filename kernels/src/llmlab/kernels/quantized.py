@@ -21,9 +21,9 @@ with AVX-512 VNNI, a one-row int8 or int4 product (decoding at batch 1; widths a
 multiplies them with the packed weights exactly in ``vpdpbusd`` (error at most
 ``max|x_b| / 65278`` per input, ~3e-5 of the product's largest entry on Gaussian inputs, against
 ~1e-7 for the widening path), walking the output rows one after another: on an AMD EPYC (Zen 4),
-Llama-1B-shaped matrices in turn, 2 threads, int8 read at 28-35 GB/s against 16-21 for the
-widening kernel and int4 at ~18 GB/s of packed bytes against ~10 (measured in one window each);
-and :func:`quantized_matmul`, which
+Llama-1B-shaped matrices in turn, 2 threads, int8 read at 28-35 GB/s against 16-21 with eight
+rows interleaved, int4 at ~20 GB/s of packed bytes (prefetching 2 KiB ahead) against ~10 for
+the widening kernel (measured in one window each); and :func:`quantized_matmul`, which
 dispatches: the kernel for fp32 CPU inputs where it is built, else a ``torch.compile``d
 reduction over the packed bytes for one or two rows, else the reference. All compute
 ``x @ dequantize(W).T`` to fp32 rounding (their sums run in different orders; the VNNI one-row
