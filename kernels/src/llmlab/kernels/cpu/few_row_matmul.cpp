@@ -178,7 +178,7 @@ constexpr int64_t VB = 128;
 struct Blocks {  // one row of x rounded to 16 bits per block of VB inputs
   std::vector<int32_t> q;
   std::vector<float> scale;  // (in / VB): s_b
-  bool finite = true;        // false: x holds what limbs cannot carry (round_blocks)
+  bool representable = true;  // false: x holds what limbs cannot carry (round_blocks)
 };
 
 Blocks round_blocks(const float* x, int64_t in, float qmax) {
@@ -198,7 +198,7 @@ Blocks round_blocks(const float* x, int64_t in, float qmax) {
     // an inf or NaN: the caller widens instead, which propagates it; so does a block of
     // subnormal values, whose step's inverse overflows
     if (finite != 0xFFFF || !std::isfinite(step_inverse)) {
-      B.finite = false;
+      B.representable = false;
       return B;
     }
     const __m512 inv = _mm512_set1_ps(step_inverse);
@@ -431,7 +431,7 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 #if defined(__AVX512VNNI__)
   if (rows == 1 && in % VB == 0) {  // one row (batch-1 decoding): VNNI gains there
     const Blocks B = round_blocks(xp, in, 32767.f);
-    if (B.finite) {  // (an inf or NaN in x takes the widening path below, which propagates it)
+    if (B.representable) {  // (an inf or NaN in x takes the widening path below, which propagates it)
       const Int8Limbs L = int8_limbs(B, in);
       at::parallel_for(0, out_features, std::max<int64_t>(1, 65536 / in), [&](int64_t b, int64_t e) {
         int8_vnni_rows(L, in, wp, sp, op, b, e);
@@ -477,7 +477,7 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 #if defined(__AVX512VNNI__)
   if (rows == 1 && in % VB == 0 && VB % group == 0) {  // one row (batch-1 decoding), as int8
     const Blocks B = round_blocks(xp, in, 32639.f);
-    if (B.finite) {
+    if (B.representable) {
       const Int4Limbs L = int4_limbs(B, in, group);
       at::parallel_for(0, out_features, std::max<int64_t>(1, 32768 / in), [&](int64_t b, int64_t e) {
         int4_vnni_rows(L, in, wp, sp, group, op, b, e);
