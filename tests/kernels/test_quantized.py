@@ -4,9 +4,10 @@ The oracle is the weight widened by :func:`unpack` and multiplied in fp64; the C
 it builds: AVX2/AVX-512 and a compiler), the compiled reduction and the reference must each
 equal it within 1e-4 of the product's largest entry (fp32 sums in their own orders), for every
 format, row count (the kernel's tiles of 4, 2 and 1 rows and 8, 4, 2 and 1 output rows), and
-widths that leave a tail of the cache-line loop: whole vectors, then single values. One-row int8
-and int4 products on AVX-512 VNNI round ``x`` to 16 bits per block of 128 inputs: tested against
-the bound that rounding implies."""
+widths that leave a tail of the cache-line loop: whole vectors, then single values. int8 and int4
+products on AVX-512 VNNI (widths a multiple of 128) round each row of ``x`` to 16 bits per block of
+128 inputs: tested against the bound that rounding implies, and each row's result is the same
+bits whatever rows it is batched with."""
 
 from __future__ import annotations
 
@@ -70,42 +71,59 @@ def _kernel_product(x, data, scales, kind: str, group) -> torch.Tensor:
 
 
 @pytest.mark.skipif(
-    not _vnni_built(), reason="no AVX-512 VNNI here: one-row int8/int4 products take the exact path"
+    not _vnni_built(), reason="no AVX-512 VNNI here: int8/int4 products take the exact path"
 )
 @pytest.mark.parametrize(
     ("kind", "group"), [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
 )
 @pytest.mark.parametrize("outliers", [False, True])
-def test_one_row_products_round_x_to_16_bits_per_block_and_no_more(kind, group, outliers):
-    """With AVX-512 VNNI a one-row int8 or int4 product (widths a multiple of 128) rounds ``x``
-    to 16 bits per block of 128 inputs (step ``max|x_b| / QMAX``) and multiplies exactly: its
-    error is within the bound that rounding implies, ``sum_i |w_oi| * step_b(i) / 2`` (plus fp32
-    sums), and within 1e-4 of the product's largest entry even with outlier channels."""
+def test_vnni_products_round_x_to_16_bits_per_block_and_no_more(kind, group, outliers):
+    """With AVX-512 VNNI an int8 or int4 product (widths a multiple of 128) rounds each row of
+    ``x`` to 16 bits per block of 128 inputs (step ``max|x_b| / QMAX``) and multiplies exactly:
+    its error is within the bound that rounding implies, ``sum_i |w_oi| * step_b(i) / 2`` (plus
+    fp32 sums), and within 1e-4 of the product's largest entry even with outlier channels."""
     torch.manual_seed(3)
     width = 768
     data, scales = pack(torch.randn(300, width), kind, group)
-    x = torch.randn(1, width)
+    x = torch.randn(5, width)  # tiles of 4 rows and 1
     if outliers:
-        x[0, 5] *= 50  # an outlier channel: its block's other inputs round 50x coarser
+        x[:, 5] *= 50  # an outlier channel: its block's other inputs round 50x coarser
     want = _oracle(x, data, scales, kind)
     got = _kernel_product(x, data, scales, kind, group)
-    step = x.view(-1, 128).abs().amax(dim=1).repeat_interleave(128).double() / VNNI_QMAX[kind]
-    bound = (unpack(data, scales, kind, torch.float64).abs() * step).sum(dim=1) / 2
-    err = (got.double() - want).abs()[0]
+    step = x.view(5, -1, 128).abs().amax(dim=2).repeat_interleave(128, dim=1).double()
+    step /= VNNI_QMAX[kind]
+    bound = (step @ unpack(data, scales, kind, torch.float64).abs().T) / 2
+    err = (got.double() - want).abs()
     assert bool((err <= bound + 1e-6 * want.abs().max()).all())
     assert _rel(got, want) < 1e-4
     # an inf or NaN in x takes the widening path, which carries it to the output
     for bad in (float("nan"), float("inf")):
-        x_bad = x.clone()
+        x_bad = x[:1].clone()
         x_bad[0, 7] = bad
         assert not bool(_kernel_product(x_bad, data, scales, kind, group).isfinite().any())
     # a block of subnormal values (its step's inverse overflows fp32) takes the widening path
     x_tiny = x * 1e-39
     want_tiny = _oracle(x_tiny, data, scales, kind)
     assert _rel(_kernel_product(x_tiny, data, scales, kind, group), want_tiny) < 1e-4
-    # two rows take the exact path: fp32 rounding only
-    two = _kernel_product(x.expand(2, width).contiguous(), data, scales, kind, group)
-    assert _rel(two, _oracle(x.expand(2, width), data, scales, kind)) < 1e-6
+
+
+@pytest.mark.skipif(not _vnni_built(), reason="no AVX-512 VNNI here: the exact path is tested")
+@pytest.mark.parametrize(("kind", "group"), [("int8", None), ("int4", 32), ("int4", 128)])
+def test_vnni_rows_give_the_same_bits_whatever_they_are_batched_with(kind, group):
+    """Rows share only the weights they read: a row's result is the same bits alone, in tiles of
+    4, 2 or 1 rows, and beside a row that takes the widening path (a NaN: that row alone is
+    NaN). So a quantized model decodes the same tokens batched, verifying drafts or alone."""
+    torch.manual_seed(5)
+    data, scales = pack(torch.randn(200, 512), kind, group)
+    x = torch.randn(11, 512)
+    alone = torch.cat([_kernel_product(x[i : i + 1], data, scales, kind, group) for i in range(11)])
+    for rows in (2, 3, 5, 8, 11):
+        assert torch.equal(_kernel_product(x[:rows], data, scales, kind, group), alone[:rows])
+    x[6, 100] = float("nan")
+    mixed = _kernel_product(x, data, scales, kind, group)
+    assert bool(mixed[6].isnan().all())
+    keep = torch.arange(11) != 6
+    assert torch.equal(mixed[keep], alone[keep])
 
 
 def test_the_kernel_is_built_here():

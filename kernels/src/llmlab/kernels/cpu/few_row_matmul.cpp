@@ -235,29 +235,39 @@ Int8Limbs int8_limbs(const Blocks& B, int64_t in) {
   return L;
 }
 
-void int8_vnni_rows(const Int8Limbs& L, int64_t in, const int8_t* w, const float* scales,
-                    float* out, int64_t o_begin, int64_t o_end) {
+// R rows of x (each its own limbs) against output rows o_begin..o_end, one output row after
+// another; every row's sums run exactly as they would alone (the weights are only shared), so a
+// row's result does not depend on the rows it is batched with.
+template <int R>
+void int8_vnni_rows(const Int8Limbs* const* L, int64_t in, const int8_t* w, const float* scales,
+                    float* const* out, int64_t o_begin, int64_t o_end) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t o = o_begin; o < o_end; ++o) {
     const int8_t* row = w + o * in;
-    __m512 total = _mm512_setzero_ps();
+    __m512 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < in / VB; ++b) {  // VB = 128: two 64-byte vectors per block
-      __m512i acc_hi[2], acc_lo[2];
+      __m512i acc_hi[R][2], acc_lo[R][2];
       for (int u = 0; u < 2; ++u) {
         const int64_t j = b * VB + 64 * u;
         const __m512i wv = _mm512_loadu_si512(row + j);
-        const __m512i hi = _mm512_loadu_si512(L.hi.data() + j);
-        const __m512i lo = _mm512_loadu_si512(L.lo.data() + j);
-        acc_hi[u] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wv, flip), hi);
-        acc_lo[u] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, wv);
+        const __m512i flipped = _mm512_xor_si512(wv, flip);
+        for (int r = 0; r < R; ++r) {
+          const __m512i hi = _mm512_loadu_si512(L[r]->hi.data() + j);
+          const __m512i lo = _mm512_loadu_si512(L[r]->lo.data() + j);
+          acc_hi[r][u] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), flipped, hi);
+          acc_lo[r][u] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, wv);
+        }
       }
-      // 256 hi + lo per lane stays below 2^27: exact in int32
-      const __m512i q = _mm512_add_epi32(
-          _mm512_slli_epi32(_mm512_add_epi32(acc_hi[0], acc_hi[1]), 8),
-          _mm512_add_epi32(acc_lo[0], acc_lo[1]));
-      total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(L.scale[b]), total);
+      for (int r = 0; r < R; ++r) {  // 256 hi + lo per lane stays below 2^27: exact in int32
+        const __m512i q = _mm512_add_epi32(
+            _mm512_slli_epi32(_mm512_add_epi32(acc_hi[r][0], acc_hi[r][1]), 8),
+            _mm512_add_epi32(acc_lo[r][0], acc_lo[r][1]));
+        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(L[r]->scale[b]), total[r]);
+      }
     }
-    out[o] = scales[o] * static_cast<float>(_mm512_reduce_add_ps(total) - L.bias);
+    for (int r = 0; r < R; ++r)
+      out[r][o] = scales[o] * static_cast<float>(_mm512_reduce_add_ps(total[r]) - L[r]->bias);
   }
 }
 
@@ -302,8 +312,9 @@ Int4Limbs int4_limbs(const Blocks& B, int64_t in, int64_t group) {
 // EPYC, 2 threads, one window); two rows at a time (shared limb loads) read at 13-16.
 constexpr int64_t INT4_PREFETCH = 2048;
 
-void int4_vnni_rows(const Int4Limbs& L, int64_t in, const uint8_t* w, const float* scales,
-                    int64_t group, float* out, int64_t o_begin, int64_t o_end) {
+template <int R>  // R rows of x, as int8_vnni_rows
+void int4_vnni_rows(const Int4Limbs* const* L, int64_t in, const uint8_t* w, const float* scales,
+                    int64_t group, float* const* out, int64_t o_begin, int64_t o_end) {
   const int64_t blocks = in / VB, groups = in / group;
   const __m512i low = _mm512_set1_epi8(0x0F);
   // lane l of a block sums bytes 4l..4l+3, all in the block's group 4 l / (G/2)
@@ -317,29 +328,77 @@ void int4_vnni_rows(const Int4Limbs& L, int64_t in, const uint8_t* w, const floa
     if (o + 1 < o_end)  // the next row's scales: a second stream the prefetchers would miss
       for (int64_t k = 0; k < groups; k += 16)
         _mm_prefetch(reinterpret_cast<const char*>(row_scales + groups + k), _MM_HINT_T0);
-    __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 total[R][2];
+    for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       _mm_prefetch(reinterpret_cast<const char*>(row + 64 * b + INT4_PREFETCH), _MM_HINT_T0);
       const __m512i bytes = _mm512_loadu_si512(row + 64 * b);
       const __m512i u_low = _mm512_and_si512(bytes, low);
       const __m512i u_high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-      const int8_t* hi = L.hi.data() + b * VB;
-      const int8_t* lo = L.lo.data() + b * VB;
-      __m512i acc_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_low, _mm512_loadu_si512(hi));
-      acc_hi = _mm512_dpbusd_epi32(acc_hi, u_high, _mm512_loadu_si512(hi + 64));
-      __m512i acc_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_low, _mm512_loadu_si512(lo));
-      acc_lo = _mm512_dpbusd_epi32(acc_lo, u_high, _mm512_loadu_si512(lo + 64));
-      // per lane sum u q - 8 sum q: below 2^22 in magnitude, exact in int32 and in fp32
-      const __m512i q = _mm512_sub_epi32(
-          _mm512_add_epi32(_mm512_slli_epi32(acc_hi, 8), acc_lo),
-          _mm512_loadu_si512(L.minus.data() + b * 16));
       const __m512 s = _mm512_permutexvar_ps(
           lane_group, _mm512_maskz_loadu_ps(block_groups, row_scales + b * (VB / group)));
-      total[b & 1] = _mm512_fmadd_ps(
-          _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(L.scale[b])), s, total[b & 1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* hi = L[r]->hi.data() + b * VB;
+        const int8_t* lo = L[r]->lo.data() + b * VB;
+        __m512i acc_hi =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_low, _mm512_loadu_si512(hi));
+        acc_hi = _mm512_dpbusd_epi32(acc_hi, u_high, _mm512_loadu_si512(hi + 64));
+        __m512i acc_lo =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_low, _mm512_loadu_si512(lo));
+        acc_lo = _mm512_dpbusd_epi32(acc_lo, u_high, _mm512_loadu_si512(lo + 64));
+        // per lane sum u q - 8 sum q: below 2^22 in magnitude, exact in int32 and in fp32
+        const __m512i q = _mm512_sub_epi32(
+            _mm512_add_epi32(_mm512_slli_epi32(acc_hi, 8), acc_lo),
+            _mm512_loadu_si512(L[r]->minus.data() + b * 16));
+        total[r][b & 1] = _mm512_fmadd_ps(
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(L[r]->scale[b])), s,
+            total[r][b & 1]);
+      }
     }
-    out[o] = _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]));
+    for (int r = 0; r < R; ++r)
+      out[r][o] = _mm512_reduce_add_ps(_mm512_add_ps(total[r][0], total[r][1]));
   }
+}
+
+// Every row of x that rounds to limbs takes the VNNI kernels, four, two or one rows at a time;
+// a row holding what limbs cannot carry (inf, NaN, a subnormal block) is left to the caller's
+// exact path (returned). Each task walks its output rows in blocks of about `block_bytes` of
+// weights and runs every row tile over a block before the next: the weights come from memory
+// once, the later tiles find them in cache.
+template <typename Limbs, typename MakeLimbs, typename Tile>
+std::vector<int64_t> vnni_rows(const float* x, int64_t rows, int64_t in, float qmax, float* out,
+                               int64_t out_features, int64_t grain, int64_t block,
+                               MakeLimbs make_limbs, Tile tile) {
+  std::vector<Limbs> limbs;
+  std::vector<int64_t> taken, left;
+  limbs.reserve(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const Blocks B = round_blocks(x + r * in, in, qmax);
+    if (B.representable) {
+      limbs.push_back(make_limbs(B));
+      taken.push_back(r);
+    } else {
+      left.push_back(r);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(taken.size());
+  if (n == 0) return left;
+  std::vector<const Limbs*> L(n);
+  std::vector<float*> outs(n);
+  for (int64_t k = 0; k < n; ++k) {
+    L[k] = &limbs[k];
+    outs[k] = out + taken[k] * out_features;
+  }
+  at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; o += block) {
+      const int64_t o_end = std::min(end, o + block);
+      int64_t k = 0;
+      for (; k + 4 <= n; k += 4) tile(std::integral_constant<int, 4>{}, &L[k], &outs[k], o, o_end);
+      for (; k + 2 <= n; k += 2) tile(std::integral_constant<int, 2>{}, &L[k], &outs[k], o, o_end);
+      for (; k < n; ++k) tile(std::integral_constant<int, 1>{}, &L[k], &outs[k], o, o_end);
+    }
+  });
+  return left;
 }
 #endif
 
@@ -429,15 +488,20 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AVX512VNNI__)
-  if (rows == 1 && in % VB == 0) {  // one row (batch-1 decoding): VNNI gains there
-    const Blocks B = round_blocks(xp, in, 32767.f);
-    if (B.representable) {  // (an inf or NaN in x takes the widening path below, which propagates it)
-      const Int8Limbs L = int8_limbs(B, in);
-      at::parallel_for(0, out_features, std::max<int64_t>(1, 65536 / in), [&](int64_t b, int64_t e) {
-        int8_vnni_rows(L, in, wp, sp, op, b, e);
+  if (in % VB == 0) {  // rows of x through VNNI; rows holding an inf/NaN: the widening path
+    const int64_t grain = std::max<int64_t>(1, 65536 / in);
+    const std::vector<int64_t> left = vnni_rows<Int8Limbs>(
+        xp, rows, in, 32767.f, op, out_features, grain, grain,
+        [&](const Blocks& B) { return int8_limbs(B, in); },
+        [&](auto R, const Int8Limbs* const* L, float* const* outs, int64_t b, int64_t e) {
+          int8_vnni_rows<decltype(R)::value>(L, in, wp, sp, outs, b, e);
+        });
+    if (!left.empty())
+      at::parallel_for(0, out_features, grain, [&](int64_t b, int64_t e) {
+        for (const int64_t r : left)
+          dense_rows<int8_t, 1>(xp + r * in, in, wp, sp, op + r * out_features, out_features, b, e);
       });
-      return out;
-    }
+    return out;
   }
 #endif
   by_row_tiles(rows, in, out_features,
@@ -475,15 +539,20 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AVX512VNNI__)
-  if (rows == 1 && in % VB == 0 && VB % group == 0) {  // one row (batch-1 decoding), as int8
-    const Blocks B = round_blocks(xp, in, 32639.f);
-    if (B.representable) {
-      const Int4Limbs L = int4_limbs(B, in, group);
-      at::parallel_for(0, out_features, std::max<int64_t>(1, 32768 / in), [&](int64_t b, int64_t e) {
-        int4_vnni_rows(L, in, wp, sp, group, op, b, e);
+  if (in % VB == 0 && VB % group == 0) {  // as int8
+    const int64_t grain = std::max<int64_t>(1, 32768 / in);
+    const std::vector<int64_t> left = vnni_rows<Int4Limbs>(
+        xp, rows, in, 32639.f, op, out_features, grain, 4 * grain,
+        [&](const Blocks& B) { return int4_limbs(B, in, group); },
+        [&](auto R, const Int4Limbs* const* L, float* const* outs, int64_t b, int64_t e) {
+          int4_vnni_rows<decltype(R)::value>(L, in, wp, sp, group, outs, b, e);
+        });
+    if (!left.empty())
+      at::parallel_for(0, out_features, grain, [&](int64_t b, int64_t e) {
+        for (const int64_t r : left)
+          int4_rows<1>(xp + r * in, in, wp, sp, group, op + r * out_features, out_features, b, e);
       });
-      return out;
-    }
+    return out;
   }
 #endif
   by_row_tiles(rows, in, out_features,
