@@ -104,7 +104,7 @@ def test_input_gradients_flow_through_a_frozen_quantized_layer():
 @pytest.mark.parametrize("make", [_gpt, _llama], ids=["gpt", "llama"])
 def test_a_quantized_model_has_one_forward_and_decodes_like_it(make, scheme):
     """The quantized model is the same modules with other linear layers: its cached decode
-    (one-row products) equals its full forward (widened weights), and generate runs on it."""
+    (one-row products) equals its full forward (several rows), and generate runs on it."""
     model = quantize(make(), scheme)
     ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():

@@ -85,11 +85,10 @@ def test_greedy_tokens_are_identical_with_every_proposer(family):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_greedy_tokens_are_identical_over_a_quantized_target(scheme):
-    """A quantized target (width 128: its one-row products take the VNNI path where the CPU has
-    it, which rounds ``x`` to 16 bits per block, while verification's rows take the exact one):
-    speculation and batching give the same greedy tokens as plain one-at-a-time decoding on this
-    workload. Not a guarantee on near-ties (the two paths differ by ~1e-5 of a logit's scale):
-    the serving README says so."""
+    """A quantized target (width 128: its products take the VNNI path where the CPU has it,
+    which rounds each row of ``x`` to 16 bits per block, the same bits for a row whatever its
+    batch): speculation and batching give the same greedy tokens as plain one-at-a-time
+    decoding."""
     from llmlab.models import Llama, quantize
 
     torch.manual_seed(0)

@@ -18,8 +18,8 @@
 // tile: a row's result does not depend on what it is batched with); the packed kinds take rows
 // four at a time, then two, then one. Output rows are tiled two to eight at a time (several
 // weight streams in flight); ranges of output rows are the tasks of at::parallel_for. With
-// AVX-512 VNNI, one row of x against int8 or int4 weights (batch-1 decoding) takes integer dot
-// products instead, one output row after another (the VNNI section below).
+// AVX-512 VNNI, rows of x against int8 or int4 weights take integer dot products instead, one
+// output row after another, up to four rows of x per weight load (the VNNI section below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -158,7 +158,7 @@ void dense_rows(const float* x, int64_t in, const T* w, const float* scales, flo
 
 
 #if defined(__AVX512VNNI__)
-// One row of x against int8 or int4 weights with AVX-512 VNNI: the row is rounded per block of
+// Rows of x against int8 or int4 weights with AVX-512 VNNI: each row is rounded per block of
 // VB inputs to 16 bits (q = round(x / s_b), s_b = max |x| / QMAX over the block) and split into
 // two 8-bit limbs, q = 256 hi + lo, so that vpdpbusd multiplies 64 weights by 64 limbs and sums
 // them four by four into int32 lanes in one instruction; per block the two lane sums combine
