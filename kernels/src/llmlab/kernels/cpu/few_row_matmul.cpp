@@ -362,8 +362,8 @@ void int4_vnni_rows(const Int4Limbs* const* L, int64_t in, const uint8_t* w, con
 
 // Every row of x that rounds to limbs takes the VNNI kernels, four, two or one rows at a time;
 // a row holding what limbs cannot carry (inf, NaN, a subnormal block) is left to the caller's
-// exact path (returned). Each task walks its output rows in blocks of about `block_bytes` of
-// weights and runs every row tile over a block before the next: the weights come from memory
+// exact path (returned). Each task walks its output rows in blocks of `block` rows (~64 KiB of
+// weights) and runs every row tile over a block before the next: the weights come from memory
 // once, the later tiles find them in cache.
 template <typename Limbs, typename MakeLimbs, typename Tile>
 std::vector<int64_t> vnni_rows(const float* x, int64_t rows, int64_t in, float qmax, float* out,
