@@ -36,6 +36,7 @@ import argparse
 import copy
 import gc
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +187,18 @@ def bytes_per_token(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+@dataclass
+class Measured:
+    """What :func:`measure` found for one model and batch size."""
+
+    rates: dict  # tokens/s per system ("hf", "generate+compile", "fp32", "int8 compiled", ...)
+    same: dict  # per engine system: how many of HF's tokens it reproduced
+    sizes: dict  # per engine system: weight bytes a token reads
+    ids: torch.Tensor  # the prompt
+    want: list  # HF's greedy tokens
+    runs: dict  # decode functions of the systems asked to be kept (engines still alive)
+
+
 def measure(
     hf,
     model,
@@ -196,7 +209,7 @@ def measure(
     compiled_schemes: tuple,
     probe: ReadProbe,
     keep: tuple = (),
-):
+) -> Measured:
     """Decode rates per system (each with ``probe`` reading in its rounds), tokens equal to
     HF's, bytes per token, the prompt, HF's tokens, and the ``run`` of the systems in ``keep``
     (their engines stay alive for the llama.cpp rows)."""
@@ -245,17 +258,15 @@ def measure(
             kept[key] = run
         del llm, target, run
         gc.collect()
-    return rates, same, sizes, ids, want, kept
+    return Measured(rates, same, sizes, ids, want, kept)
 
 
-def llama_cpp_rows(
-    name: str, hf, rates: dict, runs: dict, ids, want, new_tokens: int, repeats: int
-):
+def llama_cpp_rows(name: str, hf, found: Measured, new_tokens: int, repeats: int):
     """Rows of llmlab's engine against llama.cpp on ``hf``'s weights (F32 against fp32, Q8_0
     against int8, Q4_0 against int4 group 32, batch 1), and a note (what failed, file sizes).
-    Each format alternates windows: llama.cpp, then the engine (``runs``) and llama.cpp again
-    ``LLAMA_CPP_PAIRS`` times; each side's rate is its best window (the engine's first window is
-    ``rates``'s), so that neither side alone meets a busy neighbour."""
+    Each format alternates windows: llama.cpp, then the engine (``found.runs``) and llama.cpp
+    again ``LLAMA_CPP_PAIRS`` times; each side's rate is its best window (the engine's first
+    window is ``found.rates``'s), so that neither side alone meets a busy neighbour."""
     import tempfile
     from pathlib import Path
 
@@ -276,21 +287,22 @@ def llama_cpp_rows(
             return [], f"llama.cpp not measured (GGUF conversion failed: {err})"
         for path in folder.glob("*.safetensors"):
             path.unlink()  # the weights now live in the GGUF files: free the disk and cache
-        prompt = ids[0].tolist()
+        prompt = found.ids[0].tolist()
         for key, (kind, target) in targets.items():
-            ours, windows = [rates[key]], [peer.decode(files[kind], prompt, new_tokens, repeats)]
+            ours = [found.rates[key]]
+            windows = [peer.decode(files[kind], prompt, new_tokens, repeats)]
             for _ in range(LLAMA_CPP_PAIRS):  # the engine again, between windows of llama.cpp
                 if "error" in windows[-1]:
                     break
-                ours.append(decode_rate(runs[key], new_tokens, repeats))
+                ours.append(decode_rate(found.runs[key], new_tokens, repeats))
                 windows.append(peer.decode(files[kind], prompt, new_tokens, repeats))
             got = windows[-1]
             if "error" in got:
                 notes.append(f"llama.cpp {kind.upper()} failed: {got['error']}")
                 continue
-            same = sum(g == w for g, w in zip(got["tokens"], want[0]))
+            same = sum(g == w for g, w in zip(got["tokens"], found.want[0]))
             extra = {
-                "llama.cpp same as HF": f"{same}/{len(want[0])}",
+                "llama.cpp same as HF": f"{same}/{len(found.want[0])}",
                 "GGUF MB": round(got["bytes"] / 1e6),
                 "windows (engine; llama.cpp)": "; ".join(
                     ", ".join(f"{r:.3g}" for r in side)
@@ -335,18 +347,17 @@ def main() -> None:
                 # model's batch-16 rounds are minutes each already)
                 compiled = SCHEMES if batch == 1 else (None,) if build is gpt2 else ()
                 with_peer = batch == 1 and build is llama_1b
-                rates, same, sizes, ids, want, runs = measure(
+                found = measure(
                     hf, model, batch, tokens, rounds, args.smoke, compiled, probe,
                     keep=("fp32", "int8", "int4") if with_peer else (),
                 )  # fmt: skip
                 if with_peer:
-                    peer_rows, peer_note = llama_cpp_rows(
-                        name, hf, rates, runs, ids, want, tokens, rounds
-                    )
+                    peer_rows, peer_note = llama_cpp_rows(name, hf, found, tokens, rounds)
                     rows += peer_rows
                     notes.append(peer_note)
-                del runs
+                found.runs.clear()  # the kept engines: free their weights and pools
                 gc.collect()
+                rates, same, sizes = found.rates, found.same, found.sizes
                 for key in sizes:
                     # tokens/s if only the weights' bytes mattered, at the rate the machine read
                     # in this system's own rounds
