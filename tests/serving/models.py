@@ -26,10 +26,11 @@ def gpt_pair(name: str = "v300_e64_h4") -> tuple[transformers.PreTrainedModel, G
 
 
 @functools.cache
-def hf_llama() -> transformers.LlamaForCausalLM:
+def hf_llama(hidden_size: int = 48, intermediate_size: int = 80) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=200, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        vocab_size=200, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         initializer_range=0.25, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip

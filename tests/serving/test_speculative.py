@@ -32,7 +32,7 @@ from llmlab.serving.speculation import ngram_drafts
 from llmlab.tokenizer import ByteTokenizer
 from tests.serving.engine_steps import drive, workload
 from tests.serving.live import MODEL_NAME, LiveServer, byte_state
-from tests.serving.models import byte_gpt, gpt_pair, llama
+from tests.serving.models import byte_gpt, gpt_pair, hf_llama, llama
 
 # the workload's pool: 14 blocks of 8 for 6 sequences, so it preempts (drafts book slots too)
 SMALL = dict(
@@ -91,13 +91,7 @@ def test_greedy_tokens_are_identical_over_a_quantized_target(scheme):
     decoding."""
     from llmlab.models import Llama, quantize
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.25, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    model = Llama.from_hf(transformers.LlamaForCausalLM(config).eval()).eval()
+    model = Llama.from_hf(hf_llama(hidden_size=128, intermediate_size=256)).eval()
     options = EngineConfig(quantize=scheme, **SMALL)
     plain = drive(LLMEngine(copy.deepcopy(model), config=options), workload(200))
     for name, extra, draft in [
