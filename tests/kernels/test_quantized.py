@@ -55,6 +55,46 @@ def test_every_face_equals_the_widened_product(kind, group, rows, tail):
         assert _rel(kernel.bf16_matmul(x, data), want) < 1e-4
 
 
+@pytest.mark.parametrize("width", [2048, 768, 320, 280])
+def test_bf16_tiles_hold_the_rounded_weight_and_every_face_reads_them(width):
+    """bf16 data lies in tiles of 8 output rows, each chunk by chunk (chunks of 1024 inputs at
+    2048, 256 at 768, 64 at 320; 280 has no chunk: row-major), the rows past the last tile
+    row-major: unpacking gives the weight rounded to bf16 exactly, every face equals the widened
+    product, and the kernel's rows are the same bits whatever they are batched with."""
+    torch.manual_seed(width)
+    weight = torch.randn(37, width)  # four tiles, then 5 row-major rows
+    data, _ = pack(weight, "bf16")
+    rounded = weight.to(torch.bfloat16)
+    assert torch.equal(unpack(data, None, "bf16", torch.bfloat16), rounded)
+    chunk = quantized.bf16_chunk(width)
+    assert chunk == {2048: 1024, 768: 256, 320: 64, 280: 280}[width]
+    if chunk < width:  # tile 1, chunk 1, row 3 of the tile: output row 11's inputs [C, 2C)
+        tiles = data[:32].view(4, width // chunk, 8, chunk)
+        assert torch.equal(tiles[1, 1, 3], rounded[11, chunk : 2 * chunk])
+    assert torch.equal(data[32:], rounded[32:])
+    x = torch.randn(9, width)
+    alone = torch.cat([quantized_matmul(x[i : i + 1], data, None, "bf16") for i in range(9)])
+    for rows in (1, 2, 3, 5, 9):
+        want = _oracle(x[:rows], data, None, "bf16")
+        assert _rel(quantized.reference(x[:rows], data, None, "bf16"), want) < 1e-4
+        assert _rel(compiled_rows(x[:rows], data, None, "bf16"), want) < 1e-4
+        got = quantized_matmul(x[:rows], data, None, "bf16")
+        assert _rel(got, want) < 1e-4
+        if cpu_kernels() is not None:
+            assert torch.equal(got, alone[:rows])
+
+
+@pytest.mark.parametrize(("kind", "group"), FORMATS)
+def test_take_rows_widens_exactly_the_rows_asked_for(kind, group):
+    """An embedding's lookup (``take_rows``) gives the unpacked weight's rows: rows in bf16
+    tiles and past them, repeated, in any order."""
+    torch.manual_seed(2)
+    data, scales = pack(torch.randn(37, 2048), kind, group)
+    index = torch.tensor([36, 0, 11, 11, 33, 7, 31, 32])
+    want = unpack(data, scales, kind, torch.float32)[index]
+    assert torch.equal(quantized.take_rows(data, scales, kind, index, torch.float32), want)
+
+
 def _vnni_built() -> bool:
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     return cpu_kernels() is not None and "avx512_vnni" in flags and "avx512bw" in flags

@@ -14,7 +14,7 @@ std::tuple<torch::Tensor, torch::Tensor> swiglu_backward(torch::Tensor g, torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_matmul", &fp32_matmul, "x @ w.T, fp32, rows of x in tiles of 8");
-  m.def("bf16_matmul", &bf16_matmul, "x @ w.float().T, w bfloat16 (O, I)");
+  m.def("bf16_matmul", &bf16_matmul, "x @ W.T, W bfloat16 (O, I) in pack's tiles of 8 rows");
   m.def("int8_matmul", &int8_matmul, "x @ (scales[:, None] * w).T, w int8 (O, I)");
   m.def("int4_matmul", &int4_matmul, "x @ dequantize(w).T, w packed int4 (O, I/2), group-wise scales");
   m.def("swiglu_forward", &swiglu_forward, "silu(a) * b, fp32, one pass");

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from llmlab.kernels.quantized import INT4_GROUPS, quantized_matmul
+from llmlab.kernels.quantized import INT4_GROUPS, quantized_matmul, take_rows
 from llmlab.kernels.quantized import pack as kernel_pack
 from llmlab.kernels.quantized import unpack as kernel_unpack
 from llmlab.models.linear import Linear
@@ -135,9 +135,7 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("scales", scales)
 
     def forward(self, ids: Tensor) -> Tensor:
-        flat = ids.reshape(-1)
-        scales = None if self.scales is None else self.scales[flat]
-        rows = unpack(self.data[flat], scales, self.scheme, self.dtype)
+        rows = take_rows(self.data, self.scales, self.scheme.kind, ids.reshape(-1), self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
