@@ -25,7 +25,8 @@ llama.cpp is the peer at batch 1 on the Llama (``benchmarks/peer_llama_cpp.py``)
 weights saved as an HF folder, converted to GGUF F32 by llama.cpp's own converter and quantized
 to Q8_0 and Q4_0 by its own quantizer, decoded by ``llama-cpp-python`` (``make peers`` builds it;
 ``make bench`` runs that first) in a child process each, with the same prompt, token count and
-rate formula. Where it is not installed the rows are absent and the notes say so.
+rate formula, against the engine's fastest configuration (compiled decode steps). Where it is
+not installed the rows are absent and the notes say so.
 
 Run: ``.venv/bin/python -m benchmarks.decode`` (``--smoke``: tiny models, seconds).
 """
@@ -51,6 +52,9 @@ PROMPT = 32
 # up to 2x within minutes, and one pair let a single slow window decide a row (F32: 1.154x in
 # one run, 0.7877x in the next, same code)
 LLAMA_CPP_PAIRS = 2
+# llama.cpp's file per engine system (each side at its fastest) and the issue's target
+LLAMA_CPP_PEERS = {"fp32 compiled": ("f32", 1.0), "int8 compiled": ("q8_0", 1.0),
+                   "int4 compiled": ("q4_0", 0.8)}  # fmt: skip
 
 
 def gpt2(smoke: bool):
@@ -263,7 +267,8 @@ def measure(
 
 def llama_cpp_rows(name: str, hf, found: Measured, new_tokens: int, repeats: int):
     """Rows of llmlab's engine against llama.cpp on ``hf``'s weights (F32 against fp32, Q8_0
-    against int8, Q4_0 against int4 group 32, batch 1), and a note (what failed, file sizes).
+    against int8, Q4_0 against int4 group 32, batch 1; each side at its fastest: the engine's
+    compiled decode steps), and a note (what failed, file sizes).
     Each format alternates windows: llama.cpp, then the engine (``found.runs``) and llama.cpp
     again ``LLAMA_CPP_PAIRS`` times; each side's rate is its best window (the engine's first
     window is ``found.rates``'s), so that neither side alone meets a busy neighbour."""
@@ -276,7 +281,6 @@ def llama_cpp_rows(name: str, hf, found: Measured, new_tokens: int, repeats: int
     if why:
         return [], f"llama.cpp not measured ({why})"
     rows, notes = [], []
-    targets = {"fp32": ("f32", 1.0), "int8": ("q8_0", 1.0), "int4": ("q4_0", 0.8)}
     with tempfile.TemporaryDirectory(prefix="llmlab-gguf-") as tmp:
         folder = Path(tmp) / "hf"
         hf.save_pretrained(folder)
@@ -288,7 +292,7 @@ def llama_cpp_rows(name: str, hf, found: Measured, new_tokens: int, repeats: int
         for path in folder.glob("*.safetensors"):
             path.unlink()  # the weights now live in the GGUF files: free the disk and cache
         prompt = found.ids[0].tolist()
-        for key, (kind, target) in targets.items():
+        for key, (kind, target) in LLAMA_CPP_PEERS.items():
             ours = [found.rates[key]]
             windows = [peer.decode(files[kind], prompt, new_tokens, repeats)]
             for _ in range(LLAMA_CPP_PAIRS):  # the engine again, between windows of llama.cpp
@@ -349,7 +353,7 @@ def main() -> None:
                 with_peer = batch == 1 and build is llama_1b
                 found = measure(
                     hf, model, batch, tokens, rounds, args.smoke, compiled, probe,
-                    keep=("fp32", "int8", "int4") if with_peer else (),
+                    keep=tuple(LLAMA_CPP_PEERS) if with_peer else (),
                 )  # fmt: skip
                 if with_peer:
                     peer_rows, peer_note = llama_cpp_rows(name, hf, found, tokens, rounds)

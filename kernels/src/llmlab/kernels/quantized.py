@@ -21,7 +21,8 @@ Formats (what ``llmlab.models.quantize`` stores):
 Faces, as every op here: :func:`reference` (widen the weight, ``F.linear``: the oracle);
 the CPU kernel (``cpu/few_row_matmul.cpp``, AVX-512 or AVX2 + FMA, every format: reads the
 packed bytes and widens them in registers, each widened weight vector reused by up to four
-rows of ``x``; built with llmlab's other C++ CPU kernels by :mod:`llmlab.kernels.cpu_extension`);
+rows of ``x``, bf16 tile by tile with every row of ``x`` passing a tile while it is cached;
+built with llmlab's other C++ CPU kernels by :mod:`llmlab.kernels.cpu_extension`);
 with AVX-512 VNNI, int8 and int4 products (widths a multiple of 128) instead round each row
 of ``x`` to 16 bits per block of 128 inputs, split it into two 8-bit limbs and multiply them with
 the packed weights exactly in ``vpdpbusd`` (error at most ``max|x_b| / 65278`` per input, ~3e-5

@@ -4,7 +4,8 @@ Decoding one token reads every weight once, so its speed is bounded by memory ba
 per token over the bytes per second the machine reads (the roofline). Storing the weights in
 fewer bytes moves that bound, as llama.cpp's Q8_0 / Q4_0 blocks do:
 
-* ``bf16``: the weights rounded to bfloat16 (2 bytes);
+* ``bf16``: the weights rounded to bfloat16 (2 bytes), stored in tiles of 8 output rows
+  that a one-row product reads as one stream (:mod:`llmlab.kernels.quantized`);
 * ``int8``: per output channel, ``w ≈ s_o · q`` with ``q`` in [-127, 127] and
   ``s_o = max_i |w_oi| / 127`` (1 byte + 4 bytes per row);
 * ``int4`` (group ``g`` = 32, 64 or 128 along the input): ``w ≈ s_{o,j} · q`` with ``q`` in
