@@ -421,7 +421,7 @@ std::vector<int64_t> vnni_rows(const float* x, int64_t rows, int64_t in, float q
 // all meet the same C inputs of x (4 KiB of fp32 at C = 1024, cached), and x is read in pair
 // order (per 2W inputs: the W even ones, then the W odd ones) so that one full-width load of
 // weights widens in lanes (widen_pairs). On an AMD EPYC (Zen 4), Llama-1B-shaped matrices in
-// turn, 2 threads, one row read at ~0.93 of torch.sum's rate over the same bytes, where
+// turn, 2 threads, one row read at ~0.85-0.93 of torch.sum's rate over the same bytes, where
 // row-major weights (8 interleaved rows against all 8 KiB of x) read at ~0.75 and the tiles with
 // cross-lane widening at ~0.85 (same windows). Rows past the last whole tile, and widths no chunk
 // of 64 or more divides (C = I), stay row-major and take dense_rows. Each output's sum runs over
