@@ -78,11 +78,13 @@ def decode_rate(
     repeats: int,
     batch: int = 1,
     between: Callable[[], Any] | None = None,
+    rounds: list[tuple[float, float]] | None = None,
 ) -> float:
     """Tokens/s of decoding alone: batch × (N - 1) / (t(N) - t(1)), each the best of
     ``repeats`` (where noise makes the difference non-positive, as at smoke sizes, the whole
     run's rate, prompt included). ``between`` runs untimed before each round (a probe of the
-    machine measured in the same time window, such as a memory read rate)."""
+    machine measured in the same time window, such as a memory read rate); ``rounds``, if
+    given, receives each round's ``(t(1), t(N))``."""
     run(2)  # warm-up (compiles the quantized products on first use)
     t_one = t_all = float("inf")
     for _ in range(repeats):
@@ -90,10 +92,13 @@ def decode_rate(
             between()
         start = time.perf_counter()
         run(1)
-        t_one = min(t_one, time.perf_counter() - start)
+        one = time.perf_counter() - start
         start = time.perf_counter()
         run(new_tokens)
-        t_all = min(t_all, time.perf_counter() - start)
+        everything = time.perf_counter() - start
+        t_one, t_all = min(t_one, one), min(t_all, everything)
+        if rounds is not None:
+            rounds.append((one, everything))
     spent = t_all - t_one
     if spent <= 0:  # noise larger than the decode (tiny smoke sizes): the whole run's rate
         return batch * new_tokens / t_all
