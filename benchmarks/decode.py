@@ -119,7 +119,6 @@ class ReadProbe:
         self.method = min(times, key=times.get)
         self.read, self.shape, self.nbytes = reads[self.method], tuple(shape), weight.numel() * 4
         self.start_rate = self.nbytes / times[self.method]
-        self.best: dict[str, float] = {}
         self.windows: dict[str, list[float]] = {}  # per key, each probe's mean rate (bytes/s)
 
     @staticmethod
@@ -139,22 +138,21 @@ class ReadProbe:
                 self.read()
                 reads += 1
             per_read = (time.perf_counter() - start) / reads
-            self.best[key] = min(self.best.get(key, float("inf")), per_read)
             self.windows.setdefault(key, []).append(self.nbytes / per_read)
 
         return probe
 
     def rate(self, key: str) -> float:
         """Bytes/s: the fastest probe (its mean over its reads) in ``key``'s rounds."""
-        return self.nbytes / self.best[key]
+        return max(self.windows[key])
 
     def paired(self, key: str, rounds: list, batch: int, new_tokens: int):
         """``(tokens/s, bytes/s)`` of ``key``'s fastest round and the read rate of its own
         window (the mean of the probes just before and just after it), or None where no round
         has a positive decode time. The best probe of all rounds may fall in a window that no
-        round saw: on the AMD host a 0.3 s probe read 59.8 GB/s while the rounds of the same
-        system decoded at ~31 (a run where the round's neighbouring probes read ~43 and it
-        decoded at 0.8 of that)."""
+        round saw: on the AMD host one 0.3 s probe read 59.8 GB/s while the compiled int8
+        engine's rounds decoded at ~31 GB/s of weights, and ~37 between llama.cpp's windows of
+        the same run (in a steadier window, each round against its own probes: 0.77-0.84)."""
         windows, best = self.windows.get(key, []), None
         for k, (one, everything) in enumerate(rounds):
             if everything <= one or k >= len(windows):
@@ -297,22 +295,21 @@ def measure(
     return Measured(rates, same, sizes, ids, want, kept, paired)
 
 
-def window_roofline(found: Measured, probe: ReadProbe, key: str):
+def window_roofline(found: Measured, probe: ReadProbe, key: str, token_bytes: float):
     """``(tokens/s, read bytes/s, extra)`` for ``key``'s roofline row: its fastest round and the
     read rate of that round's own window (:meth:`ReadProbe.paired`; where no round qualifies,
-    as at smoke sizes, its best-of rate and fastest probe). ``extra(bytes per token)`` gives
-    the row's extra fields, the fraction against the fastest probe of all its rounds included
-    (how these rows were computed before)."""
+    as at smoke sizes, its best-of rate and fastest probe). ``extra``: the row's extra fields,
+    with the fraction against the fastest probe of all its rounds (how these rows were computed
+    before); ``token_bytes``: bytes a token reads (per sequence)."""
     paired = found.paired.get(key)
     rate, read = paired if paired else (found.rates[key], probe.rate(key))
-
-    def extra(token_bytes: float) -> dict:
-        return {"read GB/s": round(read / 1e9, 1),
-                "fastest probe GB/s": round(probe.rate(key) / 1e9, 1),
-                "of the fastest probe's roofline": round(
-                    found.rates[key] * token_bytes / probe.rate(key), 4)}  # fmt: skip
-
-    return rate, read, extra
+    fastest = probe.rate(key)
+    extra = {
+        "read GB/s": round(read / 1e9, 1),
+        "fastest probe GB/s": round(fastest / 1e9, 1),
+        "of the fastest probe's roofline": round(found.rates[key] * token_bytes / fastest, 4),
+    }
+    return rate, read, extra  # fmt: skip
 
 
 def llama_cpp_rows(name: str, hf, found: Measured, new_tokens: int, repeats: int):
@@ -415,7 +412,7 @@ def main() -> None:
                 for key in sizes:
                     # tokens/s if only the weights' bytes mattered, at the rate the machine read
                     # in the window of this system's fastest round
-                    rate, read, extra = window_roofline(found, probe, key)
+                    rate, read, extra = window_roofline(found, probe, key, sizes[key] / batch)
                     roof = read / sizes[key] * batch
                     label = f"{name} batch {batch} {key}"
                     # the issue's targets, on the engine's fastest configuration (compiled):
@@ -431,16 +428,16 @@ def main() -> None:
                         rows.append(Row(f"decode {label}: engine vs its roofline", rate, roof,
                                         f"roofline ({sizes[key] / 1e6:.0f} MB/token)",
                                         "tokens/s", target=roof_goal,
-                                        extra=extra(sizes[key] / batch)))  # fmt: skip
+                                        extra=extra))  # fmt: skip
                 if "generate+compile" in rates:
                     rows.append(Row(f"decode {name} batch 1: llmlab generate(compile=True) vs "
                                     "HF generate", rates["generate+compile"], rates["hf"],
                                     "HF generate fp32", "tokens/s"))  # fmt: skip
-                rate, read, extra = window_roofline(found, probe, "hf")
+                rate, read, extra = window_roofline(found, probe, "hf", sizes["fp32"] / batch)
                 rows.append(Row(f"decode {name} batch {batch}: HF generate vs its roofline",
                                 rate, read / sizes["fp32"] * batch, "roofline (fp32)",
-                                "tokens/s", extra=extra(sizes["fp32"] / batch)))  # fmt: skip
-            rates_seen = [probe.nbytes / t / 1e9 for t in probe.best.values()]
+                                "tokens/s", extra=extra))  # fmt: skip
+            rates_seen = [probe.rate(key) / 1e9 for key in probe.windows]
             notes.append(f"{name}: read rate {probe.start_rate / 1e9:.1f} GB/s at the start (the "
                          f"fastest read of an fp32 {probe.shape[0]} x {probe.shape[1]} matrix: "
                          f"{probe.method}), {min(rates_seen):.1f}-{max(rates_seen):.1f} GB/s in "
